@@ -2,14 +2,16 @@
 
 from __future__ import annotations
 
+import importlib
 import subprocess
 import sys
 import tomllib
 import zipfile
 from pathlib import Path
 
-import foveal
 import pytest
+
+import foveal
 
 ROOT = Path(__file__).resolve().parents[2]
 FOLDERS = {
@@ -25,9 +27,8 @@ def _pyproject() -> dict:
 
 
 def test_subpackages_import_under_foveal():
-
     for name, folder in FOLDERS.items():
-        module = sys.modules[name]
+        module = importlib.import_module(name)
         assert Path(module.__file__).parent == ROOT / folder
 
 
