@@ -1,0 +1,85 @@
+"""The contract between the engine and a model: `ModelRunner` and the `ForwardBatch` it consumes.
+
+PROBLEM
+    The engine owns scheduling, the paged KV pool's *bookkeeping* (which page belongs to whom) and
+    sampling; a model family owns its weights, its attention and its multimodal encoders. The two
+    meet at one call per launch, and that call must be expressible as a single queued unit of device
+    work: every input it needs is already a tensor on the runner's device when it is launched.
+
+SOLUTION
+    A launch is one `ForwardBatch`: a flat ("varlen") batch of query tokens from several sequences,
+    prefill and decode alike (decode is a query of length 1). The engine fills its tensors from a
+    DecodeSlot's preallocated buffers; for decode steps `input_ids` is gathered on the device from
+    the previous step's sampled ids, so it never visits the host. The runner writes the new tokens'
+    K/V into its own KV tensors at `slot_mapping`, attends over `block_tables`/`context_lens`, and
+    returns the logits of each sequence's last query token.
+
+INVARIANTS
+    - `forward` never synchronizes with the host (no `.item()`, no `.tolist()`, no `.cpu()` on
+      device tensors) except where the runner's device *is* the host.
+    - `forward` reads and writes only the KV pages named in the batch.
+    - Logits have `vocab_size` columns; ids the tokenizer does not have (padded embedding rows) are
+      the engine's and the grammar's to mask, not the runner's.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Protocol, runtime_checkable
+
+import torch
+
+
+@dataclass(slots=True)
+class ForwardBatch:
+    """One launch over `num_seqs` sequences and `num_tokens` query tokens (all tensors on the runner's device).
+
+    input_ids:     [T] int64, the query tokens, sequence after sequence.
+    positions:     [T] int64, each query token's position in its sequence (0-based).
+    query_start:   [B + 1] int32, cumulative query lengths (sequence i owns tokens query_start[i]:query_start[i+1]).
+    context_lens:  [B] int32, tokens in each sequence's KV after this launch (cached + new).
+    block_tables:  [B, P] int32, the KV page ids of each sequence in order, padded with -1.
+    slot_mapping:  [T] int64, where each query token's K/V is written: page_id * page_size + offset.
+    max_query_len: the longest query in the batch (1 for a pure decode step); a host int.
+    max_context_len: the longest context in the batch; a host int.
+    extras:        per sequence, the model-specific inputs of a prefill (pixel values, prefix length, ...)
+                   as produced by the family's processor, or None; always None for decode steps.
+    """
+
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    query_start: torch.Tensor
+    context_lens: torch.Tensor
+    block_tables: torch.Tensor
+    slot_mapping: torch.Tensor
+    max_query_len: int
+    max_context_len: int
+    extras: list[Any] = field(default_factory=list)
+
+    @property
+    def num_seqs(self) -> int:
+        return self.context_lens.shape[0]
+
+    @property
+    def is_decode(self) -> bool:
+        return self.max_query_len == 1
+
+
+@runtime_checkable
+class ModelRunner(Protocol):
+    """What the engine drives. One instance per loaded model; `forward` is called from one thread only."""
+
+    vocab_size: int  # logits width; may exceed the tokenizer's size (padded embedding rows)
+    device: torch.device
+
+    def kv_bytes_per_token(self) -> int:
+        """Bytes of K/V cache one token costs across all layers (for sizing the page pool from a budget)."""
+        ...
+
+    def allocate_kv(self, num_pages: int, page_size: int) -> None:
+        """Allocate the KV tensors: `num_pages` pages of `page_size` tokens each, on `device`."""
+        ...
+
+    def forward(self, batch: ForwardBatch) -> torch.Tensor:
+        """Run one launch; return [num_seqs, vocab_size] float logits at each sequence's last query token."""
+        ...
