@@ -1,0 +1,122 @@
+"""Sampling settings: the `settings={...}` dict of every skill, checked before any work starts.
+
+A caller writes `model.detect(img, "car", settings={"max_objects": 5, "temperature": 0.5})`. The dict
+is turned into a frozen `Settings`, starting from the skill's defaults (greedy decoding everywhere;
+token budgets sized per skill). Anything wrong raises ValueError naming the key and what is accepted:
+unknown keys (with a spelling suggestion), wrong types, out-of-range values, and `max_objects` given
+to a skill that returns no objects. A `Settings` can only exist with valid values: `__post_init__`
+checks them, so `dataclasses.replace` and direct construction are safe too.
+
+Accepted keys and ranges:
+    temperature  float, finite, >= 0 (0 means greedy: always the most likely allowed token)
+    top_p        float, 0 < top_p <= 1 (1 disables nucleus sampling)
+    max_tokens   int, 1 <= max_tokens <= MAX_TOKENS_CEILING (8192)
+    max_objects  int, 1 <= max_objects <= MAX_OBJECTS_CEILING (1000); detect, point and generate only
+    seed         int, 0 <= seed < 2**64, or None (no seed)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+from numbers import Integral, Real
+from typing import Any
+
+MAX_TOKENS_CEILING = 8192
+MAX_OBJECTS_CEILING = 1000
+SEED_LIMIT = 2**64
+OBJECT_SKILLS = ("detect", "point", "generate")
+
+
+@dataclass(frozen=True, slots=True)
+class Settings:
+    """Validated sampling settings of one call (see the module docstring for the ranges)."""
+
+    temperature: float = 0.0
+    top_p: float = 1.0
+    max_tokens: int = 512
+    max_objects: int = 50
+    seed: int | None = None
+
+    def __post_init__(self) -> None:
+        # object.__setattr__: the dataclass is frozen; values are normalized to plain Python numbers.
+        object.__setattr__(
+            self,
+            "temperature",
+            _real("temperature", self.temperature, 0.0, math.inf, "finite number >= 0 (0 = greedy)"),
+        )
+        object.__setattr__(self, "top_p", _top_p(self.top_p))
+        object.__setattr__(self, "max_tokens", _int("max_tokens", self.max_tokens, 1, MAX_TOKENS_CEILING))
+        object.__setattr__(self, "max_objects", _int("max_objects", self.max_objects, 1, MAX_OBJECTS_CEILING))
+        if self.seed is not None:
+            object.__setattr__(self, "seed", _int("seed", self.seed, 0, SEED_LIMIT - 1, "2**64 - 1"))
+
+    @property
+    def greedy(self) -> bool:
+        """True when decoding picks the most likely allowed token at every step."""
+        return self.temperature == 0.0
+
+
+def validate_settings(settings: Mapping[str, Any] | Settings | None, skill: str = "generate") -> Settings:
+    """Return the skill's default `Settings` updated by `settings`; raise ValueError naming any bad key."""
+    if skill not in SKILL_DEFAULTS:
+        raise ValueError(f"unknown skill {skill!r}; one of {', '.join(SKILL_DEFAULTS)}")
+    if isinstance(settings, Settings):
+        return settings
+    if settings is None:
+        return SKILL_DEFAULTS[skill]
+    if not isinstance(settings, Mapping):
+        raise ValueError(
+            f"settings must be a dict such as {{'temperature': 0.5, 'max_tokens': 128}}, got {type(settings).__name__}"
+        )
+    for key in settings:
+        _check_key(key, skill)
+    return dataclasses.replace(SKILL_DEFAULTS[skill], **settings)
+
+
+def _check_key(key: Any, skill: str) -> None:
+    if key not in KEYS:
+        close = difflib.get_close_matches(str(key), KEYS, n=1)
+        hint = f" (did you mean {close[0]!r}?)" if close else ""
+        raise ValueError(f"unknown setting {key!r}{hint}; accepted settings: {', '.join(sorted(KEYS))}")
+    if key == "max_objects" and skill not in OBJECT_SKILLS:
+        raise ValueError(
+            f"setting 'max_objects' applies to {', '.join(OBJECT_SKILLS)}, not {skill}; remove it"
+        )
+
+
+def _real(key: str, value: Any, low: float, high: float, accepted: str) -> float:
+    number = isinstance(value, Real) and not isinstance(value, bool) and math.isfinite(value)
+    if not number or not low <= value <= high:
+        raise ValueError(f"setting {key!r} = {value!r} is not accepted; it must be a {accepted}")
+    return float(value)
+
+
+def _top_p(value: Any) -> float:
+    top_p = _real("top_p", value, 0.0, 1.0, "number with 0 < top_p <= 1")
+    if top_p == 0.0:
+        raise ValueError("setting 'top_p' = 0 is not accepted; it must be a number with 0 < top_p <= 1")
+    return top_p
+
+
+def _int(key: str, value: Any, low: int, high: int, high_text: str = "") -> int:
+    if not isinstance(value, Integral) or isinstance(value, bool) or not low <= value <= high:
+        bound = high_text or str(high)
+        raise ValueError(
+            f"setting {key!r} = {value!r} is not accepted; it must be an int with {low} <= {key} <= {bound}"
+        )
+    return int(value)
+
+
+# Built last: constructing a Settings runs the checks above.
+SKILL_DEFAULTS: dict[str, Settings] = {
+    "caption": Settings(max_tokens=256),
+    "query": Settings(max_tokens=512),
+    "detect": Settings(max_tokens=2048, max_objects=50),
+    "point": Settings(max_tokens=1024, max_objects=50),
+    "generate": Settings(max_tokens=512),
+}
+KEYS = tuple(field.name for field in dataclasses.fields(Settings))
