@@ -36,7 +36,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from PIL import Image, ImageOps, UnidentifiedImageError
+from PIL import ExifTags, Image, ImageOps, UnidentifiedImageError
 
 DEFAULT_MAX_PIXELS = 50_000_000  # 8K x 6K; below PIL's own warning threshold (~89.5M) so ours fires first
 MAX_PIXELS_ENV = "FOVEAL_MAX_IMAGE_PIXELS"
@@ -169,10 +169,12 @@ def _from_array(array: np.ndarray, limit: int) -> Image.Image:
 def _normalize(image: Image.Image, limit: int, source: str) -> Image.Image:
     _check_pixels(image.width, image.height, limit, source)
     try:
-        oriented = ImageOps.exif_transpose(image)
+        # exif_transpose copies even when there is nothing to do; skip it unless the image is rotated.
+        if image.getexif().get(ExifTags.Base.Orientation, 1) != 1:
+            image = ImageOps.exif_transpose(image)
     except _DECODE_ERRORS as error:
-        raise ImageError(f"{source} has unreadable data: {error}") from error
-    return _to_rgb(oriented, source)
+        raise ImageError(f"{source} has unreadable EXIF data: {error}") from error
+    return _to_rgb(image, source)
 
 
 def _to_rgb(image: Image.Image, source: str) -> Image.Image:
