@@ -120,22 +120,27 @@ def _from_path(path: str | os.PathLike, limit: int) -> Image.Image:
         raise ImageError(f"image file not found: {str(file)!r}")
     if not file.is_file():
         raise ImageError(f"not a file: {str(file)!r}; pass the path of an image file")
-    try:
-        data = file.read_bytes()
-    except OSError as error:
-        raise ImageError(f"cannot read image file {str(file)!r}: {error}") from error
-    return _from_bytes(data, limit, source=f"image file {str(file)!r}")
-
-
-def _from_bytes(data: bytes, limit: int, source: str = "image bytes") -> Image.Image:
-    if not data:
+    source = f"image file {str(file)!r}"
+    if file.stat().st_size == 0:
         raise ImageError(f"{source} is empty (0 bytes)")
+    return _decode(file, limit, source)
+
+
+def _from_bytes(data: bytes, limit: int) -> Image.Image:
+    if not data:
+        raise ImageError("image bytes are empty (0 bytes)")
+    return _decode(io.BytesIO(data), limit, "image bytes")
+
+
+def _decode(file: Path | io.BytesIO, limit: int, source: str) -> Image.Image:
     try:
-        opened = Image.open(io.BytesIO(data))  # lazy: reads the header only
+        opened = Image.open(file)  # lazy: reads the header only
     except UnidentifiedImageError:
         raise ImageError(
             f"{source} is not a readable image (format not recognized); pass PNG, JPEG, WebP, GIF, BMP or TIFF data"
         ) from None
+    except PermissionError as error:
+        raise ImageError(f"cannot read {source}: {error}") from error
     except Image.DecompressionBombError as error:
         raise ImageError(
             f"{source} is refused by PIL's own decompression-bomb guard ({error}); downscale the image, "
@@ -161,9 +166,8 @@ def _from_array(array: np.ndarray, limit: int) -> Image.Image:
         )
     height, width = array.shape[:2]
     _check_pixels(width, height, limit, "numpy image")
-    mode = {2: "L", 3: "RGB", 4: "RGBA"}[array.ndim if array.ndim == 2 else array.shape[2]]
-    # fromarray may share memory with the array; _normalize always returns a new image.
-    return _normalize(Image.fromarray(np.ascontiguousarray(array), mode=mode), limit, "numpy image")
+    # fromarray infers L/RGB/RGBA from the shape and may share memory; _normalize returns a new image.
+    return _normalize(Image.fromarray(np.ascontiguousarray(array)), limit, "numpy image")
 
 
 def _normalize(image: Image.Image, limit: int, source: str) -> Image.Image:

@@ -164,6 +164,13 @@ def test_guard_refuses_from_header_before_decoding():
     assert DEFAULT_MAX_PIXELS < 8000 * 8000
 
 
+def test_guard_applies_to_files(tmp_path):
+    file = tmp_path / "bomb.png"
+    file.write_bytes(png_header_only(8000, 8000))
+    with pytest.raises(ImageError, match=r"bomb\.png.* over the limit"):
+        load_image(file)
+
+
 def test_guard_fires_before_pil_would_error():
     with pytest.warns(Image.DecompressionBombWarning), pytest.raises(ImageError, match="over the limit"):
         load_image(png_header_only(10_000, 10_000))
