@@ -176,16 +176,18 @@ def _normalize(image: Image.Image, limit: int, source: str) -> Image.Image:
         # exif_transpose copies even when there is nothing to do; skip it unless the image is rotated.
         if image.getexif().get(ExifTags.Base.Orientation, 1) != 1:
             image = ImageOps.exif_transpose(image)
+        return _to_rgb(image, source)  # decodes a lazily opened PIL image the caller passed
+    except ImageError:
+        raise
     except _DECODE_ERRORS as error:
-        raise ImageError(f"{source} has unreadable EXIF data: {error}") from error
-    return _to_rgb(image, source)
+        raise ImageError(f"{source} is corrupt or truncated: {error}") from error
 
 
 def _to_rgb(image: Image.Image, source: str) -> Image.Image:
     if image.mode.startswith("I;16"):
         # PIL's own conversion clips 16-bit values at 255; keep the high byte instead.
         high = (np.asarray(image, dtype=np.uint16) >> 8).astype(np.uint8)
-        return Image.fromarray(high, mode="L").convert("RGB")
+        return Image.fromarray(high).convert("RGB")
     if image.mode in ("I", "F"):
         raise ImageError(f"{source} has 32-bit {image.mode!r} pixels; convert it to 8-bit RGB first")
     if image.mode == "P" and "transparency" in image.info:

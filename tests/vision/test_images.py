@@ -290,6 +290,13 @@ def test_damaged_bytes_give_an_image_or_image_error(rgb, fmt):
             assert out.mode == "RGB"
 
 
+def test_lazily_opened_truncated_pil_image(rgb, tmp_path):
+    data = encode(rgb)
+    (tmp_path / "cut.png").write_bytes(data[: len(data) // 2])
+    with Image.open(tmp_path / "cut.png") as opened, pytest.raises(ImageError, match="PIL image is corrupt"):
+        load_image(opened)
+
+
 def test_32_bit_modes_are_refused():
     for mode in ("I", "F"):
         with pytest.raises(ImageError, match="32-bit"):
