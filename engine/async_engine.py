@@ -1,0 +1,49 @@
+"""An asyncio face for `Engine`: await results and iterate text deltas without blocking the loop.
+
+The engine thread hands each delta to the event loop with `call_soon_threadsafe`; nothing here
+polls or parks a thread per request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+
+from .engine import Engine
+from .request import Request, RequestHandle, RequestOutput
+
+
+class AsyncEngine:
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+
+    def submit(self, request: Request) -> RequestHandle:
+        return self.engine.submit(request)
+
+    async def generate(self, request: Request) -> RequestOutput:
+        handle = self.engine.submit(request)
+        try:
+            async for _ in self._deltas(handle):
+                pass
+        except asyncio.CancelledError:
+            handle.cancel()
+            raise
+        return handle.result()
+
+    async def stream(self, request: Request) -> AsyncIterator[str]:
+        """Text deltas of a new request; closing the iterator early cancels the request."""
+        handle = self.engine.submit(request)
+        try:
+            async for delta in self._deltas(handle):
+                yield delta
+        finally:
+            handle.cancel()
+
+    @staticmethod
+    async def _deltas(handle: RequestHandle) -> AsyncIterator[str]:
+        loop = asyncio.get_running_loop()
+        queue: asyncio.Queue[str | None] = asyncio.Queue()
+        for delta in handle._subscribe(lambda d: loop.call_soon_threadsafe(queue.put_nowait, d)):
+            queue.put_nowait(delta)
+        while (delta := await queue.get()) is not None:
+            yield delta

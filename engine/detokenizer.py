@@ -1,0 +1,71 @@
+"""Incremental, UTF-8 safe detokenization and stop-string detection for one sequence.
+
+PROBLEM
+    Tokens are byte sequences: a character can be split across tokens, and decoding a token alone
+    can lose a leading space (SentencePiece) or yield U+FFFD for half a character. Decoding the
+    whole output at every token is quadratic.
+SOLUTION
+    Decode a short window: the tokens since the last stable point (`prefix`) with and without the
+    new ones; the new text is the difference, released only when it does not end in U+FFFD.
+    Stop strings are searched in the new text plus the tail that could hold a stop's start; text
+    that could still be the beginning of a stop string is held back from the stream.
+INVARIANTS
+    - The concatenation of released deltas equals the final text.
+    - No released text contains U+FFFD from a split character, nor any part of a matched stop.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+class Detokenizer:
+    def __init__(self, tokenizer: Any, stop: tuple[str, ...] = ()) -> None:
+        self._tokenizer = tokenizer
+        self._ids: list[int] = []
+        self._prefix = 0  # start of the decode window
+        self._read = 0  # tokens before this are already in `text`
+        self._stop = stop
+        self._hold = max((len(s) for s in stop), default=1) - 1
+        self.text = ""  # all decoded text so far (cut before a stop string once one is found)
+        self.released = 0  # characters of `text` handed to the stream
+        self.stopped = False
+
+    def _decode(self, ids: list[int]) -> str:
+        return self._tokenizer.decode(ids, skip_special_tokens=True)
+
+    def add(self, token_id: int) -> None:
+        """Append one token; sets `stopped` if the text now contains a stop string."""
+        self._ids.append(token_id)
+        if self._tokenizer is None:
+            return
+        before = self._decode(self._ids[self._prefix : self._read])
+        after = self._decode(self._ids[self._prefix :])
+        if len(after) <= len(before) or after.endswith("\ufffd"):
+            return
+        start = max(0, len(self.text) - self._hold)
+        self.text += after[len(before) :]
+        self._prefix, self._read = self._read, len(self._ids)
+        self._find_stop(start)
+
+    def _find_stop(self, start: int) -> None:
+        hits = [i for i in (self.text.find(s, start) for s in self._stop) if i >= 0]
+        if hits:
+            self.text = self.text[: min(hits)]
+            self.stopped = True
+
+    def flush(self) -> None:
+        """At the end: decode what is left, even an incomplete character."""
+        if self._tokenizer is not None and self._read < len(self._ids) and not self.stopped:
+            before = self._decode(self._ids[self._prefix : self._read])
+            start = max(0, len(self.text) - self._hold)
+            self.text += self._decode(self._ids[self._prefix :])[len(before) :]
+            self._read = len(self._ids)
+            self._find_stop(start)
+
+    def release(self, final: bool) -> str:
+        """The next delta for the stream; keeps back what could start a stop string unless `final`."""
+        end = len(self.text) if final or self.stopped else max(self.released, len(self.text) - self._hold)
+        delta = self.text[self.released : end]
+        self.released = end
+        return delta

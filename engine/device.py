@@ -1,0 +1,136 @@
+"""Where launched work runs: an in-order device queue with host-copy events.
+
+PROBLEM
+    The scheduler must queue step t+1's forward and keep doing Python bookkeeping for step t while
+    the accelerator computes; it waits only when it needs a step's sampled ids on the host.
+SOLUTION
+    One interface, two implementations. `CudaDevice`: work is issued at once under a compute stream;
+    device-to-host copies go on a copy stream that waits for the compute stream and records an event.
+    `CpuDevice`: a worker thread executes launched closures in order (forward and sampler are native
+    torch calls or sleeps that release the GIL), and a copy's event is a `threading.Event` set after
+    it ran. `run(name, fn)` queues compute work; `copy_to_host(name, fn)` queues a copy and returns
+    the event that `wait` blocks on.
+INVARIANTS
+    - Work runs in the order it was queued (one compute stream / one worker).
+    - A worker error is re-raised by the next `wait`; events are still set, so nothing hangs.
+    - `busy_s` is the device's busy time (CPU: summed job time; CUDA: not measured, 0).
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from .trace import Trace
+
+Job = Callable[[], None]
+
+
+class CpuDevice:
+    def __init__(self, trace: Trace) -> None:
+        self.device = torch.device("cpu")
+        self._trace = trace
+        self._queue: queue.SimpleQueue[tuple[str, Job, threading.Event | None] | None] = queue.SimpleQueue()
+        self._error: BaseException | None = None
+        self.busy_s = 0.0
+        self.job_s: dict[str, float] = {}
+        self.job_n: dict[str, int] = {}
+        self._thread = threading.Thread(target=self._work, name="foveal-device", daemon=True)
+        self._thread.start()
+
+    def _work(self) -> None:
+        while (item := self._queue.get()) is not None:
+            name, fn, event = item
+            t0 = time.perf_counter()
+            if self._error is None:
+                try:
+                    fn()
+                except BaseException as e:  # re-raised on the scheduler thread by wait()
+                    self._error = e
+            t1 = time.perf_counter()
+            self.busy_s += t1 - t0
+            self.job_s[name] = self.job_s.get(name, 0.0) + (t1 - t0)
+            self.job_n[name] = self.job_n.get(name, 0) + 1
+            self._trace.span(name, "device", t0, t1)
+            if event is not None:
+                event.set()
+
+    def run(self, name: str, fn: Job) -> None:
+        self._queue.put((name, fn, None))
+
+    def copy_to_host(self, name: str, fn: Job) -> threading.Event:
+        event = threading.Event()
+        self._queue.put((name, fn, event))
+        return event
+
+    def wait(self, event: Any) -> None:
+        event.wait()
+        self.raise_error()
+
+    def raise_error(self) -> None:
+        if self._error is not None:
+            raise RuntimeError(f"device work failed: {self._error!r}") from self._error
+
+    def synchronize(self) -> None:
+        self.wait(self.copy_to_host("sync", lambda: None))
+
+    def close(self) -> None:
+        self._queue.put(None)
+        self._thread.join()
+
+    def pin(self, t: torch.Tensor) -> torch.Tensor:
+        return t
+
+
+class CudaDevice:
+    def __init__(self, device: torch.device, trace: Trace) -> None:
+        self.device = device
+        self._trace = trace
+        self.compute = torch.cuda.Stream(device)
+        self.copy = torch.cuda.Stream(device)
+        self.busy_s = 0.0
+        self.job_s: dict[str, float] = {}
+        self.job_n: dict[str, int] = {}
+
+    def run(self, name: str, fn: Job) -> None:
+        with torch.cuda.stream(self.compute):
+            fn()
+        self.job_n[name] = self.job_n.get(name, 0) + 1
+
+    def copy_to_host(self, name: str, fn: Job) -> torch.cuda.Event:
+        self.copy.wait_stream(self.compute)
+        with torch.cuda.stream(self.copy):
+            fn()
+            event = torch.cuda.Event()
+            event.record(self.copy)
+        # No compute-side wait on this copy: the buffers it reads are rewritten only by a later
+        # step of the same slot, which the scheduler issues after waiting for this event.
+        return event
+
+    def wait(self, event: torch.cuda.Event) -> None:
+        event.synchronize()
+
+    def raise_error(self) -> None:
+        pass
+
+    def synchronize(self) -> None:
+        torch.cuda.synchronize(self.device)
+
+    def close(self) -> None:
+        self.synchronize()
+
+    def pin(self, t: torch.Tensor) -> torch.Tensor:
+        return t.pin_memory()
+
+
+def make_device(device: torch.device, trace: Trace) -> CpuDevice | CudaDevice:
+    if device.type == "cuda":
+        return CudaDevice(device, trace)
+    if device.type == "cpu":
+        return CpuDevice(trace)
+    raise ValueError(f"unsupported runner device {device}; use a 'cpu' or 'cuda' runner")

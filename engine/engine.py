@@ -1,0 +1,487 @@
+"""The engine: a scheduler thread running the two-slot pipeline (launch / commit / finalize).
+
+PROBLEM
+    The accelerator must never wait for Python bookkeeping (appending tokens, advancing grammar
+    matchers, detokenizing, stop checks), and constrained decoding must run ahead like
+    unconstrained decoding does.
+SOLUTION
+    Each tick (DESIGN.md "The engine"):
+      1. launch step t+1 into the free DecodeSlot: its decode rows' input ids are gathered on the
+         device from where step t's sampler wrote them;
+      2. commit step t (oldest first): wait for its host copy, read it, free its slot, append
+         tokens, advance matchers, detect stops, stream text;
+      3. finalize step t+1: fill the masks from the just-advanced matchers, queue the sampler and
+         the host copy.
+    The device runs forward t+1 while the host commits t. Blocking mode (`pipelined=False`) is the
+    same tick followed by committing step t+1 at once. A sequence that finishes at commit t may
+    ride in step t+1 as a zombie: its token there is dropped, its pages wait for inflight_refs 0.
+INVARIANTS (tests/engine/ has a test for each)
+    1. Greedy or seeded outputs are token-identical in pipelined and blocking mode.
+    2. Nothing is emitted after a stop; a zombie's token is dropped.
+    3. Step t+1's mask comes from the matcher after committing t.
+    4. Every page and slot is freed exactly once, after inflight_refs is 0; at idle the pools are full.
+    5. A slot's host buffers are never overwritten before commit has read them.
+    6. Cancel, finish and admission in one step, shutdown with steps in flight: no hang, no leak.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import random
+import sys
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from .detokenizer import Detokenizer
+from .device import make_device
+from .kv_cache import PagePool, pages_needed
+from .matcher import FillMasks, bitmask_words, fill_masks_each
+from .request import FinishReason, Request, RequestHandle, RequestOutput
+from .runner import ForwardBatch, ModelRunner
+from .sampler import SamplingBatch, sample
+from .scheduler import Scheduler, Sequence
+from .slot import POISON, DecodeSlot, SlotState
+from .stats import Stats
+from .trace import Trace
+
+
+@dataclass(slots=True)
+class EngineConfig:
+    pipelined: bool = True
+    max_batch: int = 64  # rows per step
+    max_step_tokens: int = 2048  # query tokens per step (prefill prompts + one per decode row)
+    page_size: int = 16
+    num_pages: int = 1024
+    max_model_len: int = 2048  # prompt + output tokens of one sequence
+    eos_token_ids: tuple[int, ...] = ()
+    seed: int = 0  # draws the seeds of requests that give none
+    fill_masks: FillMasks = fill_masks_each  # pass foveal.grammars.fill_masks for one native call
+    debug: bool = False  # poison host buffers after reading them; check slot states
+    debug_hook: Callable[[str], None] | None = None  # called at each phase (tests inject delays)
+    trace: bool = False
+    switch_interval: float | None = 1e-4  # GIL hand-off interval while the engine runs
+
+
+@dataclass(slots=True, eq=False)
+class Step:
+    number: int
+    slot: DecodeSlot
+    rows: list[Sequence]
+    num_tokens: int = 0
+    num_decode: int = 0
+    table_width: int = 0
+    max_query_len: int = 0
+    max_context_len: int = 0
+    extras: list[Any] | None = None
+
+
+class Engine:
+    def __init__(
+        self, runner: ModelRunner, tokenizer: Any = None, config: EngineConfig | None = None
+    ) -> None:
+        self.config = cfg = config or EngineConfig()
+        if cfg.max_step_tokens < cfg.max_batch:
+            raise ValueError("max_step_tokens must be >= max_batch (each decode row is one token)")
+        self.runner = runner
+        self.tokenizer = tokenizer
+        self.trace = Trace(cfg.trace)
+        self.device = make_device(runner.device, self.trace)
+        self.pool = PagePool(cfg.num_pages, cfg.page_size)
+        runner.allocate_kv(cfg.num_pages, cfg.page_size)
+        self.scheduler = Scheduler(self.pool, cfg.max_batch, cfg.max_step_tokens)
+        max_pages = pages_needed(cfg.max_model_len, cfg.page_size)
+        words = bitmask_words(runner.vocab_size)
+        self.slots = [
+            DecodeSlot(i, self.device, cfg.max_batch, cfg.max_step_tokens, max_pages, words) for i in range(2)
+        ]
+        self._stats = Stats()
+        self._inflight: deque[Step] = deque()
+        self._step_no = 0
+        self._seqs: dict[int, Sequence] = {}
+        self._next_id = 0
+        self._seed_rng = random.Random(cfg.seed)
+        self._cond = threading.Condition()
+        self._inbox: list[Sequence] = []
+        self._cancels: list[int] = []
+        self._closing = False
+        self._error: BaseException | None = None
+        self._idle = threading.Event()
+        self._idle.set()
+        self._old_switch = sys.getswitchinterval()
+        if cfg.switch_interval is not None:
+            sys.setswitchinterval(cfg.switch_interval)
+        self._thread = threading.Thread(target=self._loop, name="foveal-engine", daemon=True)
+        self._thread.start()
+
+    # ---- public API ---------------------------------------------------------------------------
+    def submit(self, request: Request) -> RequestHandle:
+        """Queue a request (thread-safe); raises ValueError for a request the engine can never run."""
+        self._validate(request)
+        with self._cond:
+            if self._closing or self._error is not None:
+                raise RuntimeError("engine is closed or failed; create a new Engine")
+            rid = self._next_id
+            self._next_id += 1
+            seed = request.sampling.seed
+            if seed is None:
+                seed = self._seed_rng.getrandbits(32)
+            handle = RequestHandle(rid, self.cancel)
+            stop_ids = set(request.sampling.stop_token_ids)
+            if not request.sampling.ignore_eos:
+                stop_ids |= set(self.config.eos_token_ids)
+            detok = Detokenizer(self.tokenizer, request.sampling.stop)
+            seq = Sequence(rid, request, handle, seed & 0xFFFFFFFF, frozenset(stop_ids), detok)
+            self._inbox.append(seq)
+            self._idle.clear()
+            self._cond.notify_all()
+        return handle
+
+    def generate(self, requests: Iterable[Request], timeout: float | None = None) -> list[RequestOutput]:
+        handles = [self.submit(r) for r in requests]
+        return [h.result(timeout) for h in handles]
+
+    def cancel(self, request_id: int) -> None:
+        with self._cond:
+            self._cancels.append(request_id)
+            self._cond.notify_all()
+
+    def wait_idle(self, timeout: float | None = None) -> bool:
+        """Wait until no request is queued or running and no step is in flight."""
+        return self._idle.wait(timeout)
+
+    def stats(self) -> dict:
+        d = self.device
+        return self._stats.summary(d.busy_s, dict(d.job_s), dict(d.job_n))
+
+    def reset_stats(self) -> None:
+        d = self.device
+        self._stats = Stats()
+        d.busy_s = 0.0
+        d.job_s.clear()
+        d.job_n.clear()
+
+    def free_pages(self) -> int:
+        return self.pool.num_free
+
+    def close(self) -> None:
+        """Stop the engine: unfinished requests end CANCELLED, steps in flight are drained."""
+        with self._cond:
+            self._closing = True
+            self._cond.notify_all()
+        self._thread.join()
+        self.device.close()
+        if self.config.switch_interval is not None:
+            sys.setswitchinterval(self._old_switch)
+
+    def __enter__(self) -> Engine:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _validate(self, request: Request) -> None:
+        cfg = self.config
+        n, m = len(request.prompt_ids), request.sampling.max_tokens
+        if n == 0:
+            raise ValueError("prompt_ids is empty; give at least one token (e.g. the BOS id)")
+        if n > cfg.max_step_tokens:
+            raise ValueError(f"prompt of {n} tokens exceeds max_step_tokens={cfg.max_step_tokens}; raise it")
+        if n + m > cfg.max_model_len:
+            raise ValueError(f"prompt {n} + max_tokens {m} exceeds max_model_len={cfg.max_model_len}")
+        if pages_needed(n + m - 1, cfg.page_size) > cfg.num_pages:
+            raise ValueError(
+                f"request needs more KV pages than the pool has ({cfg.num_pages}); lower max_tokens"
+            )
+        if any(not 0 <= t < self.runner.vocab_size for t in request.prompt_ids):
+            raise ValueError(f"prompt_ids must be in [0, {self.runner.vocab_size})")
+
+    # ---- the scheduler thread -----------------------------------------------------------------
+    def _loop(self) -> None:
+        try:
+            while True:
+                with self._cond:
+                    self._cond.wait_for(lambda: self._inbox or self._cancels or self._closing or self._busy())
+                    closing = self._closing
+                if closing:
+                    break
+                t0 = time.perf_counter()
+                self._tick()
+                self._stats.active_s += time.perf_counter() - t0
+                if not self._busy():
+                    self._idle.set()
+        except BaseException as e:  # a runner or device failure: fail every request, never hang
+            self._error = e
+        self._shutdown()
+
+    def _busy(self) -> bool:
+        return bool(self._inflight) or self.scheduler.has_work()
+
+    def _tick(self) -> None:
+        self._take_inbox()
+        step = self._launch()
+        keep = 1 if step is not None else 0
+        while len(self._inflight) > keep:
+            self._commit(self._inflight.popleft())
+        if step is not None:
+            self._finalize(step)
+            if not self.config.pipelined:
+                self._commit(self._inflight.popleft())
+
+    def _take_inbox(self) -> None:
+        with self._cond:
+            new, self._inbox = self._inbox, []
+            cancels, self._cancels = self._cancels, []
+        for seq in new:
+            self._seqs[seq.id] = seq
+            self.scheduler.waiting.append(seq)
+        for rid in cancels:
+            seq = self._seqs.get(rid)
+            if seq is not None and not seq.finalized:
+                self._finish(seq, FinishReason.CANCELLED)
+
+    def _hook(self, phase: str) -> None:
+        if self.config.debug_hook is not None:
+            self.config.debug_hook(phase)
+
+    # ---- launch -------------------------------------------------------------------------------
+    def _launch(self) -> Step | None:
+        t0 = time.perf_counter()
+        rows = self.scheduler.schedule()
+        if not rows:
+            return None
+        self._hook("launch")
+        slot = self.slots[self._step_no % 2]
+        if slot.state is not SlotState.FREE:
+            raise AssertionError(f"slot {slot.index} reused before commit read it")
+        step = Step(self._step_no, slot, rows)
+        self._stage_inputs(step)
+        prev = self.slots[(self._step_no - 1) % 2]
+        self.device.run("forward", lambda: self._forward(step, prev))
+        slot.state, slot.step = SlotState.LAUNCHED, step
+        self._inflight.append(step)
+        self._step_no += 1
+        self._stats.steps += 1
+        self._span("launch", t0)
+        return step
+
+    def _stage_inputs(self, step: Step) -> None:
+        """Write the step's inputs and sampling parameters into the slot's host tensors."""
+        ps, h = self.config.page_size, step.slot.host
+        ids: list[int] = []
+        positions: list[int] = []
+        starts, ctx, dst, src, tables = [0], [], [], [], []
+        extras: list[Any] = []
+        for row, seq in enumerate(step.rows):
+            k = seq.num_scheduled
+            if k == 0:  # prefill
+                ids += seq.request.prompt_ids
+                positions += range(seq.prompt_len)
+                extras.append(seq.request.extras)
+                self._stats.prefill_rows += 1
+            else:  # decode: the input is the token this sequence's previous step sampled
+                assert seq.last_step == step.number - 1, "a running sequence skipped a step"
+                dst.append(len(ids))
+                src.append(seq.last_row)
+                ids.append(0)
+                positions.append(seq.prompt_len + k - 1)
+                extras.append(None)
+                self._stats.decode_rows += 1
+            starts.append(len(ids))
+            ctx.append(positions[-1] + 1)
+            tables.append(seq.pages)
+            seq.num_scheduled += 1
+            seq.inflight_refs += 1
+            seq.last_step, seq.last_row = step.number, row
+        n, t, d = len(step.rows), len(ids), len(dst)
+        width = max(len(p) for p in tables)
+        h.input_ids[:t] = torch.tensor(ids)
+        h.positions[:t] = torch.tensor(positions)
+        pos = h.positions[:t]
+        table = torch.tensor([p + [-1] * (width - len(p)) for p in tables], dtype=torch.int32)
+        h.block_tables[:n, :width] = table
+        row_of_token = torch.repeat_interleave(
+            torch.arange(n), torch.tensor(starts[1:]) - torch.tensor(starts[:-1])
+        )
+        h.slot_mapping[:t] = table[row_of_token, pos // ps].long() * ps + pos % ps
+        h.query_start[: n + 1] = torch.tensor(starts)
+        h.context_lens[:n] = torch.tensor(ctx)
+        h.gather_dst[:d] = torch.tensor(dst, dtype=torch.int64)
+        h.gather_src[:d] = torch.tensor(src, dtype=torch.int64)
+        step.num_tokens, step.num_decode, step.table_width = t, d, width
+        step.max_query_len = max(b - a for a, b in zip(starts, starts[1:], strict=False))
+        step.max_context_len = max(ctx)
+        step.extras = extras if any(e is not None for e in extras) else []
+
+    def _forward(self, step: Step, prev: DecodeSlot) -> None:
+        """Device work: upload inputs, gather decode ids from the previous step's samples, run the model."""
+        slot, n, t, d, width = step.slot, len(step.rows), step.num_tokens, step.num_decode, step.table_width
+        slot.upload(
+            (
+                "input_ids",
+                "positions",
+                "slot_mapping",
+                "query_start",
+                "context_lens",
+                "block_tables",
+                "gather_dst",
+                "gather_src",
+            ),
+            (t, t, t, n + 1, n, n, d, d),
+        )
+        dev = slot.dev
+        if d:
+            dev.input_ids.index_copy_(0, dev.gather_dst[:d], prev.sampled.index_select(0, dev.gather_src[:d]))
+        batch = ForwardBatch(
+            input_ids=dev.input_ids[:t],
+            positions=dev.positions[:t],
+            query_start=dev.query_start[: n + 1],
+            context_lens=dev.context_lens[:n],
+            block_tables=dev.block_tables[:n, :width],
+            slot_mapping=dev.slot_mapping[:t],
+            max_query_len=step.max_query_len,
+            max_context_len=step.max_context_len,
+            extras=step.extras,
+        )
+        slot.logits = self.runner.forward(batch)
+
+    # ---- finalize -----------------------------------------------------------------------------
+    def _finalize(self, step: Step) -> None:
+        """Masks from the current matchers, then queue the sampler and the copy of its ids to the host."""
+        t0 = time.perf_counter()
+        self._hook("finalize")
+        slot, h, n = step.slot, step.slot.host, len(step.rows)
+        live = [(row, seq) for row, seq in enumerate(step.rows) if not seq.finalized]
+        constrained = [(row, seq.matcher) for row, seq in live if seq.matcher is not None]
+        c = len(constrained)
+        if c:
+            h.bitmask[:c].zero_()
+            self.config.fill_masks([m for _, m in constrained], h.bitmask[:c])
+            h.mask_rows[:c] = torch.tensor([row for row, _ in constrained])
+        params = [seq.request.sampling for seq in step.rows]
+        h.temperature[:n] = torch.tensor([p.temperature for p in params])
+        h.top_p[:n] = torch.tensor([p.top_p for p in params])
+        h.top_k[:n] = torch.tensor([p.top_k for p in params])
+        h.seeds[:n] = torch.tensor([seq.seed for seq in step.rows])
+        h.counters[:n] = torch.tensor([seq.num_scheduled - 1 for seq in step.rows])
+        random_rows = [row for row, p in enumerate(params) if p.temperature > 0]
+        r = len(random_rows)
+        if r:
+            h.random_rows[:r] = torch.tensor(random_rows)
+        filter_rows = any(params[i].top_k > 0 or params[i].top_p < 1 for i in random_rows)
+        self.device.run("sample", lambda: self._sample(slot, n, r, c, filter_rows))
+        debug = self.config.debug and self.device.device.type == "cpu"
+        slot.event = self.device.copy_to_host("copy", lambda: self._copy(slot, n, debug))
+        slot.state = SlotState.FINALIZED
+        self._span("finalize", t0)
+
+    def _sample(self, slot: DecodeSlot, n: int, r: int, c: int, filter_rows: bool) -> None:
+        slot.upload(
+            ("temperature", "top_p", "top_k", "seeds", "counters", "random_rows", "mask_rows", "bitmask"),
+            (n, n, n, n, n, r, c, c),
+        )
+        dev = slot.dev
+        batch = SamplingBatch(
+            temperature=dev.temperature[:n],
+            top_p=dev.top_p[:n],
+            top_k=dev.top_k[:n],
+            seeds=dev.seeds[:n],
+            counters=dev.counters[:n],
+            random_rows=dev.random_rows[:r] if r else None,
+            filter_rows=filter_rows,
+            bitmask=dev.bitmask[:c] if c else None,
+            mask_rows=dev.mask_rows[:c] if c else None,
+        )
+        sample(slot.logits, batch, slot.sampled)
+        slot.logits = None
+
+    @staticmethod
+    def _copy(slot: DecodeSlot, n: int, debug: bool) -> None:
+        if debug:
+            slot.check_poisoned(n)
+        slot.sampled_host[:n].copy_(slot.sampled[:n], non_blocking=True)
+
+    # ---- commit -------------------------------------------------------------------------------
+    def _commit(self, step: Step) -> None:
+        slot = step.slot
+        t0 = time.perf_counter()
+        self.device.wait(slot.event)
+        t1 = time.perf_counter()
+        self._stats.phase_s["wait"] += t1 - t0
+        self.trace.span("wait", "scheduler", t0, t1)
+        self._hook("commit")
+        ids = slot.read_sampled(len(step.rows), self.config.debug)
+        slot.state, slot.step, slot.event = SlotState.FREE, None, None
+        for seq, token in zip(step.rows, ids, strict=True):
+            seq.inflight_refs -= 1
+            if not seq.finalized:
+                self._append(seq, token)
+            elif seq.inflight_refs == 0:  # a zombie's last step: its token is dropped
+                self.scheduler.release(seq)
+        self._span("commit", t1)
+
+    def _append(self, seq: Sequence, token: int) -> None:
+        seq.num_committed += 1
+        self._stats.tokens += 1
+        if seq.matcher is not None:
+            try:
+                seq.matcher.commit(token)
+            except Exception as e:  # the request fails, the engine carries on
+                self._finish(seq, FinishReason.ERROR, f"matcher refused token {token}: {e}")
+                return
+        if token in seq.stop_ids:
+            self._finish(seq, FinishReason.STOP)
+            return
+        seq.token_ids.append(token)
+        seq.detok.add(token)
+        if seq.detok.stopped or (seq.matcher is not None and seq.matcher.is_terminated()):
+            self._finish(seq, FinishReason.STOP)
+        elif seq.num_committed >= seq.max_tokens:
+            self._finish(seq, FinishReason.LENGTH)
+        elif delta := seq.detok.release(final=False):
+            seq.handle._push(delta)
+
+    def _finish(self, seq: Sequence, reason: FinishReason, error: str | None = None) -> None:
+        seq.finalized = True
+        seq.finish_reason = reason
+        self.scheduler.remove(seq)
+        seq.detok.flush()
+        if delta := seq.detok.release(final=True):
+            seq.handle._push(delta)
+        del self._seqs[seq.id]
+        output = RequestOutput(list(seq.token_ids), seq.detok.text, reason, seq.prompt_len, error)
+        if seq.inflight_refs == 0:
+            self.scheduler.release(seq)
+        seq.handle._finish(output)
+
+    # ---- shutdown -----------------------------------------------------------------------------
+    def _shutdown(self) -> None:
+        """Cancel what is left and drain the steps in flight, so every page and slot comes back."""
+        self._take_inbox()
+        for seq in list(self._seqs.values()):
+            self._finish(
+                seq,
+                FinishReason.CANCELLED if self._error is None else FinishReason.ERROR,
+                repr(self._error) if self._error else None,
+            )
+        with contextlib.suppress(Exception):  # a failed device has nothing more to deliver
+            self.device.synchronize()
+        while self._inflight:  # every sequence is finalized now: each step is zombies only
+            step = self._inflight.popleft()
+            for seq in step.rows:
+                seq.inflight_refs -= 1
+                if seq.inflight_refs == 0:
+                    self.scheduler.release(seq)
+            step.slot.sampled_host.fill_(POISON)
+            step.slot.state, step.slot.step, step.slot.event = SlotState.FREE, None, None
+        self._idle.set()
+
+    def _span(self, name: str, t0: float) -> None:
+        t1 = time.perf_counter()
+        self._stats.phase_s[name] += t1 - t0
+        self.trace.span(name, "scheduler", t0, t1)

@@ -1,0 +1,143 @@
+"""What a caller submits (`Request`, `SamplingParams`) and what it gets back (`RequestHandle`).
+
+A `RequestHandle` is shared by two threads: the engine thread pushes text deltas and the final
+`RequestOutput`; the caller iterates deltas, waits for `result()`, or calls `cancel()`. All state
+changes happen under one condition variable, so a delta is never lost or seen twice, and a handle
+always ends (finished, cancelled, failed or shut down): nobody waits forever on it.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from enum import StrEnum
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from .matcher import Matcher
+
+
+class FinishReason(StrEnum):
+    STOP = "stop"  # EOS, a stop token or string, or the grammar terminated
+    LENGTH = "length"  # max_tokens reached
+    CANCELLED = "cancelled"  # cancel() or engine shutdown
+    ERROR = "error"  # the request failed (e.g. its matcher refused a token); see RequestOutput.error
+
+
+@dataclass(slots=True, frozen=True)
+class SamplingParams:
+    """temperature 0 is greedy; top_k 0 and top_p 1 disable those filters; seed None draws one at submit."""
+
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    max_tokens: int = 256
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+
+    def __post_init__(self) -> None:
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0 (0 is greedy), got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k < 0:
+            raise ValueError(f"top_k must be >= 0 (0 disables it), got {self.top_k}")
+        if self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
+        if isinstance(self.stop, str):
+            raise ValueError("stop must be a tuple of strings, e.g. stop=('\\n',), not a bare string")
+        if any(not s for s in self.stop):
+            raise ValueError("stop strings must be non-empty")
+
+
+@dataclass(slots=True)
+class Request:
+    """One generation: prompt token ids, sampling, an optional grammar matcher, model extras (images)."""
+
+    prompt_ids: list[int]
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    matcher: Matcher | None = None
+    extras: Any = None
+
+
+@dataclass(slots=True)
+class RequestOutput:
+    token_ids: list[int]  # generated tokens, without the EOS / stop token that ended them
+    text: str  # decoded text, without a stop string; "" when the engine has no tokenizer
+    finish_reason: FinishReason
+    num_prompt_tokens: int
+    error: str | None = None
+
+
+class RequestHandle:
+    """The caller's side of one request: iterate text deltas, `result()`, `cancel()`."""
+
+    def __init__(self, request_id: int, cancel: Callable[[int], None]) -> None:
+        self.request_id = request_id
+        self._cancel = cancel
+        self._cond = threading.Condition()
+        self._deltas: list[str] = []
+        self._output: RequestOutput | None = None
+        self._listeners: list[Callable[[str | None], None]] = []
+
+    # engine side -------------------------------------------------------------------------------
+    def _push(self, delta: str) -> None:
+        with self._cond:
+            self._deltas.append(delta)
+            listeners = list(self._listeners)
+            self._cond.notify_all()
+        for listener in listeners:
+            listener(delta)
+
+    def _finish(self, output: RequestOutput) -> None:
+        with self._cond:
+            if self._output is not None:
+                raise RuntimeError(f"request {self.request_id} finished twice")
+            self._output = output
+            listeners = list(self._listeners)
+            self._cond.notify_all()
+        for listener in listeners:
+            listener(None)
+
+    # caller side -------------------------------------------------------------------------------
+    @property
+    def done(self) -> bool:
+        return self._output is not None
+
+    def cancel(self) -> None:
+        """Ask the engine to stop this request; its handle then finishes with CANCELLED (if not done)."""
+        if not self.done:
+            self._cancel(self.request_id)
+
+    def result(self, timeout: float | None = None) -> RequestOutput:
+        with self._cond:
+            if not self._cond.wait_for(lambda: self._output is not None, timeout):
+                raise TimeoutError(f"request {self.request_id} did not finish within {timeout} s")
+            return self._output
+
+    def __iter__(self) -> Iterator[str]:
+        """Text deltas as tokens commit (never a split UTF-8 character, never part of a stop string)."""
+        seen = 0
+        while True:
+            with self._cond:
+                self._cond.wait_for(lambda seen=seen: len(self._deltas) > seen or self._output is not None)
+                new = self._deltas[seen:]
+                finished = self._output is not None  # every delta is pushed before the finish
+            seen += len(new)
+            yield from new
+            if finished:
+                return
+
+    def _subscribe(self, listener: Callable[[str | None], None]) -> list[str]:
+        """Register `listener(delta)` / `listener(None)` at the end; returns the deltas so far (and
+        calls listener(None) at once if already finished)."""
+        with self._cond:
+            self._listeners.append(listener)
+            past = list(self._deltas)
+            finished = self._output is not None
+        if finished:
+            listener(None)
+        return past

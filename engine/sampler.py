@@ -1,0 +1,92 @@
+"""Batched sampling of one step: grammar bitmask, greedy / temperature / top-k / top-p, seeded noise.
+
+PROBLEM
+    Seeded sampling must give a request the same tokens whatever else shares its batch and whether
+    the engine is pipelined or blocking; and the whole step must be a few batched tensor ops on the
+    device, queued behind the forward, never a loop over requests on the host.
+SOLUTION
+    Gumbel-max sampling with counter-based noise: the noise of token v for a request's k-th output
+    token is a hash of (seed, k, v), computed for all rows at once. argmax(logits / T + gumbel) is
+    an exact sample from softmax(logits / T) (restricted by top-k / top-p), and it depends only on
+    the request's own row. Greedy rows (T = 0) take the argmax. The grammar's bitmask is unpacked
+    and applied to the constrained rows in one masked fill.
+INVARIANTS
+    - A row's sampled id depends only on its logits, its sampling parameters, its mask and (seed, k).
+    - Disallowed tokens are never sampled while the mask allows at least one token.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+_M32 = 0xFFFFFFFF
+
+
+@dataclass(slots=True)
+class SamplingBatch:
+    """Per-row parameters of one step, all on the device; index tensors name rows of the step."""
+
+    temperature: torch.Tensor  # [n] float32
+    top_p: torch.Tensor  # [n] float32
+    top_k: torch.Tensor  # [n] int64, 0 = off
+    seeds: torch.Tensor  # [n] int64, 0 <= seed < 2**32
+    counters: torch.Tensor  # [n] int64, index of the output token being sampled
+    random_rows: torch.Tensor | None  # [r] int64 rows with temperature > 0, or None if all greedy
+    filter_rows: bool  # some random row uses top-k or top-p
+    bitmask: torch.Tensor | None  # [c, W] int32 masks of the constrained rows, or None
+    mask_rows: torch.Tensor | None  # [c] int64 rows the bitmask rows belong to
+
+
+def _mix32(x: torch.Tensor) -> torch.Tensor:
+    """A 32-bit integer hash on int64 tensors holding values < 2**32 (constants < 2**31: no overflow)."""
+    x = x ^ (x >> 16)
+    x = (x * 0x7FEB352D) & _M32
+    x = x ^ (x >> 15)
+    x = (x * 0x2C1B3C6D) & _M32
+    return x ^ (x >> 16)
+
+
+def gumbel_noise(seeds: torch.Tensor, counters: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """[n, V] standard Gumbel noise, a pure function of (seed, counter, token id)."""
+    key = _mix32(_mix32(seeds & _M32) ^ (counters & _M32))
+    tokens = torch.arange(vocab_size, device=seeds.device, dtype=torch.int64)
+    bits = _mix32((key[:, None] ^ _mix32(tokens)[None, :]) & _M32) >> 8  # 24 bits: exact in float32
+    u = (bits.float() + 0.5) / float(1 << 24)
+    return -torch.log(-torch.log(u))
+
+
+def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: torch.Tensor) -> None:
+    """Set logits[rows[i], v] to -inf where bit v of bitmask[i] is clear."""
+    n, vocab = bitmask.shape[0], logits.shape[1]
+    shifts = torch.arange(32, device=bitmask.device, dtype=torch.int32)
+    allowed = ((bitmask[:, :, None] >> shifts) & 1).view(n, -1)[:, :vocab].bool()
+    logits[rows] = logits[rows].masked_fill(~allowed, float("-inf"))
+
+
+def filter_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """Logits with -inf outside each row's top-k and top-p nucleus (the best token always stays)."""
+    sorted_logits, order = logits.sort(dim=-1, descending=True)
+    rank = torch.arange(logits.shape[1], device=logits.device)
+    k = torch.where(top_k > 0, top_k, logits.shape[1])
+    probs = sorted_logits.softmax(dim=-1)
+    keep = (rank[None, :] < k[:, None]) & ((probs.cumsum(dim=-1) - probs) < top_p[:, None])
+    sorted_logits = sorted_logits.masked_fill(~keep, float("-inf"))
+    return torch.empty_like(logits).scatter_(1, order, sorted_logits)
+
+
+def sample(logits: torch.Tensor, batch: SamplingBatch, out: torch.Tensor) -> None:
+    """Write the step's sampled ids into `out[:n]` (int64, on the device)."""
+    logits = logits.float()
+    if batch.bitmask is not None:
+        apply_bitmask(logits, batch.bitmask, batch.mask_rows)
+    ids = logits.argmax(dim=-1)
+    if batch.random_rows is not None:
+        rows = batch.random_rows
+        scaled = logits[rows] / batch.temperature[rows, None]
+        if batch.filter_rows:
+            scaled = filter_top_k_top_p(scaled, batch.top_k[rows], batch.top_p[rows])
+        noise = gumbel_noise(batch.seeds[rows], batch.counters[rows], logits.shape[1])
+        ids[rows] = (scaled + noise).argmax(dim=-1)
+    out[: ids.shape[0]].copy_(ids)

@@ -1,0 +1,105 @@
+"""Continuous batching: which sequences the next launch carries, and admission under a page budget.
+
+PROBLEM
+    Every tick the next step must be formed at once: all running sequences that still need a
+    token, plus as many waiting requests as fit the batch, the step's token budget and the KV pool.
+    A sequence that is known to end by max_tokens must not get another forward, and a finished
+    sequence may still be in a step in flight (a zombie).
+SOLUTION
+    `Sequence` carries the bookkeeping: `num_scheduled` (output tokens that launched steps will
+    produce), `inflight_refs` (steps in flight that include it) and `finalized` (finished; its
+    further tokens are dropped). `schedule()` takes running sequences with num_scheduled <
+    max_tokens, then admits waiting ones in FIFO order while they fit; a request that does not fit
+    the free pages waits (head of line, so a big one is not starved).
+INVARIANTS
+    - A scheduled row's output index is `num_scheduled` before the launch; it never reaches max_tokens.
+    - Pages are reserved at admission for every position the sequence can reach, so a running
+      sequence never needs a page the pool does not have.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from .detokenizer import Detokenizer
+from .kv_cache import PagePool, pages_needed
+from .matcher import Matcher
+from .request import FinishReason, Request, RequestHandle
+
+
+@dataclass(slots=True, eq=False)
+class Sequence:
+    id: int
+    request: Request
+    handle: RequestHandle
+    seed: int
+    stop_ids: frozenset[int]
+    detok: Detokenizer
+    pages: list[int] | None = None
+    token_ids: list[int] = field(default_factory=list)
+    num_committed: int = 0  # output tokens committed (including a final EOS / stop token)
+    num_scheduled: int = 0
+    inflight_refs: int = 0
+    finalized: bool = False
+    released: bool = False
+    finish_reason: FinishReason | None = None
+    last_step: int = -1  # the latest step that carries this sequence ...
+    last_row: int = -1  # ... and its row there (where its next input id is sampled)
+
+    @property
+    def prompt_len(self) -> int:
+        return len(self.request.prompt_ids)
+
+    @property
+    def max_tokens(self) -> int:
+        return self.request.sampling.max_tokens
+
+    @property
+    def matcher(self) -> Matcher | None:
+        return self.request.matcher
+
+    def pages_to_reserve(self, page_size: int) -> int:
+        # the last output token is never fed back, so it needs no KV position
+        return pages_needed(self.prompt_len + self.max_tokens - 1, page_size)
+
+
+class Scheduler:
+    def __init__(self, pool: PagePool, max_batch: int, max_step_tokens: int) -> None:
+        self.pool = pool
+        self.max_batch = max_batch
+        self.max_step_tokens = max_step_tokens
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> list[Sequence]:
+        rows = [s for s in self.running if s.num_scheduled < s.max_tokens]
+        tokens = len(rows)
+        while self.waiting and len(rows) < self.max_batch:
+            seq = self.waiting[0]
+            need = seq.pages_to_reserve(self.pool.page_size)
+            if tokens + seq.prompt_len > self.max_step_tokens or not self.pool.can_allocate(need):
+                break
+            self.waiting.popleft()
+            seq.pages = self.pool.allocate(need)
+            self.running.append(seq)
+            rows.append(seq)
+            tokens += seq.prompt_len
+        return rows
+
+    def remove(self, seq: Sequence) -> None:
+        """Take a finished sequence out of the queues (its pages are released separately)."""
+        if seq.pages is None:
+            self.waiting.remove(seq)
+        else:
+            self.running.remove(seq)
+
+    def release(self, seq: Sequence) -> None:
+        """Free a finished sequence's pages; called exactly once, when no step in flight holds it."""
+        assert seq.finalized and seq.inflight_refs == 0 and not seq.released, f"bad release of {seq.id}"
+        seq.released = True
+        if seq.pages is not None:
+            self.pool.free(seq.pages)

@@ -1,0 +1,47 @@
+"""Per-step timing of the scheduler and the device, summarized by `Engine.stats()`.
+
+Scheduler phases (launch, commit, finalize) are host time on the scheduler thread; `wait` is time
+blocked on a step's host copy and is not counted in commit. `active_s` is wall time while the
+engine had work. Device time comes from the device (`CpuDevice` measures each job); its idle share
+of `active_s` is the pipeline's bubble.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(slots=True)
+class Stats:
+    steps: int = 0
+    prefill_rows: int = 0
+    decode_rows: int = 0
+    tokens: int = 0  # committed output tokens
+    active_s: float = 0.0
+    phase_s: dict[str, float] = field(
+        default_factory=lambda: dict.fromkeys(("launch", "commit", "finalize", "wait"), 0.0)
+    )
+
+    def summary(self, busy_s: float, job_s: dict[str, float], job_n: dict[str, int]) -> dict:
+        steps = max(self.steps, 1)
+        busy = min(busy_s, self.active_s)
+
+        def per_job(name: str) -> float:
+            return job_s.get(name, 0.0) / max(job_n.get(name, 0), 1)
+
+        host_s = self.phase_s["launch"] + self.phase_s["commit"] + self.phase_s["finalize"]
+        return {
+            "steps": self.steps,
+            "prefill_rows": self.prefill_rows,
+            "decode_rows": self.decode_rows,
+            "tokens": self.tokens,
+            "active_s": self.active_s,
+            "tokens_per_s": self.tokens / self.active_s if self.active_s else 0.0,
+            "phase_ms_per_step": {k: 1e3 * v / steps for k, v in self.phase_s.items()},
+            "host_ms_per_step": 1e3 * host_s / steps,
+            "forward_ms": 1e3 * per_job("forward"),
+            "sample_ms": 1e3 * (per_job("sample") + per_job("copy")),
+            "device_busy_s": busy,
+            "device_busy_fraction": busy / self.active_s if self.active_s else 0.0,
+            "bubble_s": self.active_s - busy,
+        }
