@@ -1,0 +1,139 @@
+"""Paged attention for transformers' decoder layers: the one piece of the forward foveal writes itself.
+
+PROBLEM
+    transformers' decoder layers compute Q/K/V and RoPE exactly as the reference does, but they keep
+    K/V in their own per-request caches. The engine needs K/V in *its* paged pool (pages owned by
+    the engine's bookkeeping, tensors owned by the runner) and one flat batch of sequences that mix
+    prefill chunks and decode tokens.
+
+SOLUTION
+    transformers resolves each layer's attention function by name from `config._attn_implementation`
+    through its `AttentionInterface`. We register `ATTN_NAME` there. For a decoder layer tagged
+    with a KV index (`module.foveal_kv_index`), the function writes the layer's new K/V at the
+    batch's `slot_mapping`, gathers each sequence's pages through `block_tables`, and runs one SDPA
+    call over the padded [num_seqs, max_query_len] query block with a boolean mask built once per
+    forward (`PagedContext`). Untagged modules (vision towers) use transformers' own SDPA.
+
+INVARIANTS
+    - Only slots named in `slot_mapping` are written; only pages named in `block_tables` are read.
+    - A query at position p sees keys 0..p of its own sequence (causal within the query), plus the
+      whole prefix [0, prefix_len) when the family has prefix attention (PaliGemma's image + prompt).
+    - Padded query rows always see key 0, so SDPA never produces NaN rows (they are dropped anyway).
+    - No host synchronisation: every index is derived on the device from the batch tensors.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from transformers import AttentionInterface
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+from foveal.engine.runner import ForwardBatch
+
+ATTN_NAME = "foveal_paged"
+
+
+@dataclass(slots=True)
+class PagedKV:
+    """The runner's KV tensors: per layer, [num_pages * page_size, kv_heads, head_dim] for K and for V."""
+
+    k: list[torch.Tensor]
+    v: list[torch.Tensor]
+    page_size: int
+
+
+@dataclass(slots=True)
+class PagedContext:
+    """Per-forward indices shared by all layers (built once, read by every layer's attention)."""
+
+    kv: PagedKV
+    slot_mapping: torch.Tensor  # [T] where each query token's K/V goes
+    gather_slots: torch.Tensor  # [B, L] KV slot of each key position of each sequence (clamped)
+    query_seq: torch.Tensor  # [T] the sequence of each query token
+    query_row: torch.Tensor  # [T] its row in the padded query block
+    mask: torch.Tensor  # [B, 1, Q, L] bool, True = may attend
+    num_seqs: int
+    max_query_len: int
+
+
+def build_context(batch: ForwardBatch, kv: PagedKV, prefix_lens: torch.Tensor | None) -> PagedContext:
+    """Derive the gather indices and the attention mask of one launch (device ops only)."""
+    device = batch.input_ids.device
+    num_seqs, max_q = batch.num_seqs, batch.max_query_len
+    num_tokens = batch.input_ids.shape[0]
+    token = torch.arange(num_tokens, device=device)
+    query_seq = torch.searchsorted(batch.query_start[1:].to(torch.int64), token, right=True)
+    query_row = token - batch.query_start.to(torch.int64)[query_seq]
+
+    pages = -(-batch.max_context_len // kv.page_size)
+    table = batch.block_tables[:, :pages].to(torch.int64).clamp_min(0)
+    offsets = torch.arange(kv.page_size, device=device)
+    gather_slots = (table[:, :, None] * kv.page_size + offsets).reshape(num_seqs, -1)
+
+    query_pos = torch.zeros(num_seqs, max_q, dtype=torch.int64, device=device)
+    query_pos[query_seq, query_row] = batch.positions
+    real_row = torch.zeros(num_seqs, max_q, dtype=torch.bool, device=device)
+    real_row[query_seq, query_row] = True
+    key_pos = torch.arange(gather_slots.shape[1], device=device)
+    visible = key_pos[None, None, :] <= query_pos[:, :, None]
+    if prefix_lens is not None:
+        visible |= key_pos[None, None, :] < prefix_lens.to(device)[:, None, None]
+    visible &= key_pos[None, None, :] < batch.context_lens.to(torch.int64)[:, None, None]
+    visible[:, :, 0] |= ~real_row  # padded query rows: keep SDPA finite
+    return PagedContext(
+        kv=kv,
+        slot_mapping=batch.slot_mapping,
+        gather_slots=gather_slots,
+        query_seq=query_seq,
+        query_row=query_row,
+        mask=visible[:, None],
+        num_seqs=num_seqs,
+        max_query_len=max_q,
+    )
+
+
+def paged_attention_forward(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    scaling: float | None = None,
+    dropout: float = 0.0,
+    **kwargs,
+) -> tuple[torch.Tensor, None]:
+    """transformers' attention signature: query [1, H, T, D], key/value [1, Hkv, T, D] -> ([1, T, H, D], None)."""
+    ctx: PagedContext | None = kwargs.get("foveal_context")
+    index = getattr(module, "foveal_kv_index", None)
+    if ctx is None or index is None:
+        return sdpa_attention_forward(
+            module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs
+        )
+    if kwargs.get("softcap") is not None:
+        raise NotImplementedError(
+            "attention logit soft-capping (Gemma 2) is not supported by foveal's runner"
+        )
+    k_cache, v_cache = ctx.kv.k[index], ctx.kv.v[index]
+    k_cache.index_copy_(0, ctx.slot_mapping, key[0].transpose(0, 1).to(k_cache.dtype))
+    v_cache.index_copy_(0, ctx.slot_mapping, value[0].transpose(0, 1).to(v_cache.dtype))
+
+    keys = k_cache[ctx.gather_slots].transpose(1, 2)  # [B, Hkv, L, D]
+    values = v_cache[ctx.gather_slots].transpose(1, 2)
+    heads, dim = query.shape[1], query.shape[3]
+    padded = query.new_zeros(ctx.num_seqs, ctx.max_query_len, heads, dim)
+    padded[ctx.query_seq, ctx.query_row] = query[0].transpose(0, 1)
+    out = F.scaled_dot_product_attention(
+        padded.transpose(1, 2),
+        keys.to(query.dtype),
+        values.to(query.dtype),
+        attn_mask=ctx.mask,
+        scale=scaling,
+        enable_gqa=keys.shape[1] != heads,
+    )
+    return out.transpose(1, 2)[ctx.query_seq, ctx.query_row][None], None
+
+
+AttentionInterface.register(ATTN_NAME, paged_attention_forward)

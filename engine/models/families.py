@@ -1,0 +1,90 @@
+"""Supported model families: how each architecture maps onto the generic runner and processor.
+
+A family is data, not code: which transformers architectures it covers, which processor class
+turns text + image into model inputs, how its positions count (PaliGemma from 1), whether its
+prompt is a bidirectional prefix (PaliGemma), and which processor outputs carry the image into
+the forward. Adding a family that transformers already implements is one entry here plus a
+parity test.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+
+class ModelLoadError(ValueError):
+    """A checkpoint that foveal cannot load; the message says what to do."""
+
+
+@dataclass(frozen=True, slots=True)
+class Family:
+    name: str
+    architectures: tuple[str, ...]
+    processor_class: str | None = None  # None: text-only, the tokenizer is the processor
+    image_token: str | None = None  # placeholder the prompt must contain once (added in front if absent)
+    position_offset: int = 0
+    prefix_attention: bool = False
+    image_keys: tuple[str, ...] = ()  # processor outputs that go to the forward with the image
+    image_cat_dim: int = 0  # the images axis of those tensors, to join several sequences' images
+
+    @property
+    def has_vision(self) -> bool:
+        return self.processor_class is not None
+
+    def image_kwargs(self, extras: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
+        """Join the image tensors of one launch's sequences, in sequence order (the placeholder order)."""
+        with_images = [e for e in extras if self.image_keys and self.image_keys[0] in e]
+        if not with_images:
+            return {}
+        return {
+            key: torch.cat([e[key] for e in with_images], dim=self.image_cat_dim) for key in self.image_keys
+        }
+
+
+FAMILIES: tuple[Family, ...] = (
+    Family("llama", ("LlamaForCausalLM",)),
+    Family("gemma", ("GemmaForCausalLM",)),
+    Family(
+        "paligemma",
+        ("PaliGemmaForConditionalGeneration",),
+        processor_class="PaliGemmaProcessor",
+        image_token="<image>",
+        position_offset=1,
+        prefix_attention=True,
+        image_keys=("pixel_values",),
+    ),
+    Family(
+        "idefics3",
+        ("Idefics3ForConditionalGeneration", "SmolVLMForConditionalGeneration"),
+        processor_class="Idefics3Processor",
+        image_token="<image>",
+        image_keys=("pixel_values", "pixel_attention_mask"),
+        image_cat_dim=1,
+    ),
+    Family(
+        "llava",
+        ("LlavaForConditionalGeneration",),
+        processor_class="LlavaProcessor",
+        image_token="<image>",
+        image_keys=("pixel_values",),
+    ),
+)
+
+
+def supported_architectures() -> list[str]:
+    return [arch for family in FAMILIES for arch in family.architectures]
+
+
+def family_for(architectures: list[str] | None) -> tuple[Family, str]:
+    """The family and architecture name of a config's `architectures` list; raises with the supported list."""
+    for arch in architectures or []:
+        for family in FAMILIES:
+            if arch in family.architectures:
+                return family, arch
+    raise ModelLoadError(
+        f"unsupported architecture {architectures!r}; foveal supports: {', '.join(supported_architectures())}. "
+        "Use a checkpoint of one of these, or add a family in foveal/engine/models/families.py."
+    )

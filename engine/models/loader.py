@@ -1,0 +1,170 @@
+"""`load(path_or_hub_id)`: a checkpoint -> `LoadedModel` (runner, tokenizer, input processor, eos ids, family).
+
+Sources: a local Hugging Face folder (config, safetensors, tokenizer, image processor), a hub id
+resolved through huggingface_hub's cache (`hub.py`), or a `.gguf` file (dequantized by
+transformers). Nothing from the folder is executed (no trust_remote_code) and nothing is
+unpickled (safetensors only). Every check runs before the weights are read, so a bad folder fails
+in milliseconds with a message that says what to do.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import transformers
+
+from foveal.engine.models.attention import ATTN_NAME
+from foveal.engine.models.families import Family, ModelLoadError, family_for
+from foveal.engine.models.hub import looks_like_hub_id, resolve_hub_id
+from foveal.engine.models.processor import InputProcessor
+from foveal.engine.models.runner import HFRunner
+
+PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass(slots=True)
+class LoadedModel:
+    runner: HFRunner
+    tokenizer: Any  # a transformers tokenizer
+    processor: InputProcessor  # (text, image=None) -> PromptInputs
+    eos_token_ids: tuple[int, ...]
+    family: str
+    source: str
+
+
+def load(
+    path_or_hub_id: str | os.PathLike,
+    device: str | torch.device = "auto",
+    dtype: str | torch.dtype | None = None,
+) -> LoadedModel:
+    """Load a checkpoint for the engine. device "auto": CUDA when available; dtype None: bf16 on CUDA, fp32 on CPU."""
+    dev = resolve_device(device)
+    torch_dtype = resolve_dtype(dtype, dev)
+    source = str(path_or_hub_id)
+    path = Path(source)
+    if path.suffix == ".gguf":
+        if not path.is_file():
+            raise ModelLoadError(f"no such GGUF file: {path}")
+        return _load_gguf(path, dev, torch_dtype)
+    if not path.exists():
+        if not looks_like_hub_id(source):
+            raise ModelLoadError(f"{source!r} is neither a folder nor a hub id of the form 'org/name'")
+        path = resolve_hub_id(source)
+    return _load_folder(path, dev, torch_dtype, source)
+
+
+def resolve_device(device: str | torch.device) -> torch.device:
+    if str(device) == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dev = torch.device(device)
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ModelLoadError("device='cuda' was asked for but torch sees no CUDA device; use device='cpu'")
+    return dev
+
+
+def resolve_dtype(dtype: str | torch.dtype | None, device: torch.device) -> torch.dtype:
+    if dtype is None:
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype not in DTYPES:
+        raise ModelLoadError(f"dtype {dtype!r} is not supported; use one of {', '.join(DTYPES)}")
+    return DTYPES[dtype]
+
+
+def check_folder(path: Path) -> None:
+    """Refuse folders we cannot load safely, before reading any weights."""
+    if not path.is_dir():
+        raise ModelLoadError(f"{path} is not a folder; pass a Hugging Face checkpoint folder or a .gguf file")
+    if not (path / "config.json").is_file():
+        raise ModelLoadError(
+            f"{path} has no config.json; a checkpoint folder needs config.json and *.safetensors"
+        )
+    names = [p.name for p in path.iterdir()]
+    if not any(n.endswith(".safetensors") for n in names):
+        pickles = [n for n in names if n.endswith(PICKLE_SUFFIXES)]
+        if pickles:
+            raise ModelLoadError(
+                f"{path} has only pickled weights ({', '.join(sorted(pickles))}); foveal never unpickles. "
+                "Convert once, in an environment you trust: "
+                "`python -c \"import transformers as t; m = t.AutoModel.from_pretrained('IN'); "
+                "m.save_pretrained('OUT')\"` (writes model.safetensors), then load OUT."
+            )
+        raise ModelLoadError(f"{path} has no *.safetensors weights")
+    if not any(n in names for n in TOKENIZER_FILES):
+        raise ModelLoadError(
+            f"{path} has no tokenizer ({' or '.join(TOKENIZER_FILES)}); save the tokenizer with the model"
+        )
+
+
+def _load_folder(path: Path, device: torch.device, dtype: torch.dtype, source: str) -> LoadedModel:
+    check_folder(path)
+    config = transformers.AutoConfig.from_pretrained(path)
+    family, arch = family_for(getattr(config, "architectures", None))
+    if family.has_vision and not any(
+        (path / n).is_file() for n in ("preprocessor_config.json", "processor_config.json")
+    ):
+        raise ModelLoadError(
+            f"{path} has no preprocessor_config.json; save the image processor with the model"
+        )
+    hf_processor, tokenizer = _load_processor(family, path)
+    model = getattr(transformers, arch).from_pretrained(
+        path, dtype=dtype, attn_implementation=_attn_implementation(family), use_safetensors=True
+    )
+    return _assemble(model.to(device), family, tokenizer, hf_processor, source)
+
+
+def _load_gguf(path: Path, device: torch.device, dtype: torch.dtype) -> LoadedModel:
+    kwargs = {"gguf_file": path.name}
+    tokenizer = transformers.AutoTokenizer.from_pretrained(path.parent, **kwargs)
+    config = transformers.AutoConfig.from_pretrained(path.parent, **kwargs)
+    family, arch = family_for(
+        getattr(config, "architectures", None) or [f"{config.model_type.capitalize()}ForCausalLM"]
+    )
+    model = getattr(transformers, arch).from_pretrained(
+        path.parent, dtype=dtype, attn_implementation=ATTN_NAME, **kwargs
+    )
+    return _assemble(model.to(device), family, tokenizer, None, str(path))
+
+
+def _load_processor(family: Family, path: Path) -> tuple[Any, Any]:
+    if not family.has_vision:
+        return None, transformers.AutoTokenizer.from_pretrained(path)
+    processor = getattr(transformers, family.processor_class).from_pretrained(path)
+    return processor, processor.tokenizer
+
+
+def _attn_implementation(family: Family) -> str | dict[str, str]:
+    if not family.has_vision:
+        return ATTN_NAME
+    return {"": ATTN_NAME, "text_config": ATTN_NAME, "vision_config": "sdpa"}
+
+
+def _assemble(model: Any, family: Family, tokenizer: Any, hf_processor: Any, source: str) -> LoadedModel:
+    runner = HFRunner(model, family)
+    if len(tokenizer) > runner.vocab_size:
+        raise ModelLoadError(
+            f"the tokenizer has {len(tokenizer)} tokens but the model's vocabulary has {runner.vocab_size}: "
+            "they do not belong together; save the checkpoint's own tokenizer into the folder"
+        )
+    processor = InputProcessor(family, tokenizer, hf_processor, runner.device, runner.dtype)
+    return LoadedModel(runner, tokenizer, processor, _eos_ids(model, tokenizer), family.name, source)
+
+
+def _eos_ids(model: Any, tokenizer: Any) -> tuple[int, ...]:
+    found: list[int] = []
+    for value in (
+        getattr(getattr(model, "generation_config", None), "eos_token_id", None),
+        getattr(model.config.get_text_config(), "eos_token_id", None),
+        tokenizer.eos_token_id,
+    ):
+        for token in value if isinstance(value, (list, tuple)) else [value]:
+            if token is not None and token not in found:
+                found.append(int(token))
+    return tuple(found)

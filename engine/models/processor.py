@@ -1,0 +1,77 @@
+"""`InputProcessor`: text + optional image -> prompt token ids + the prefill `extras` of one request.
+
+It wraps the family's own transformers processor (tokenizer, image processor, placeholder
+expansion), so a prompt is tokenized exactly as the reference model expects. Image tensors are
+moved to the runner's device and dtype here, before the request reaches the engine, so a launch
+never copies from the host. PaliGemma's bidirectional prefix is the processor's token_type_ids == 0.
+"""
+
+from __future__ import annotations
+
+import io
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from PIL import Image
+
+from foveal.engine.models.families import Family
+
+
+@dataclass(slots=True)
+class PromptInputs:
+    token_ids: list[int]
+    extras: dict[str, Any] | None  # None for a text-only prompt
+
+
+def to_pil(image: Any) -> Image.Image:
+    """A PIL RGB image from a PIL image, a path, encoded bytes or an HxWx3 uint8 array."""
+    if isinstance(image, Image.Image):
+        return image.convert("RGB")
+    if isinstance(image, (str, Path)):
+        return Image.open(image).convert("RGB")
+    if isinstance(image, bytes):
+        return Image.open(io.BytesIO(image)).convert("RGB")
+    if isinstance(image, np.ndarray) and image.ndim == 3 and image.shape[2] == 3:
+        return Image.fromarray(image.astype(np.uint8))
+    raise TypeError(
+        f"image must be a PIL image, a path, bytes or an HxWx3 uint8 array, not {type(image).__name__}"
+    )
+
+
+class InputProcessor:
+    """Callable `(text, image=None) -> PromptInputs` for one loaded model."""
+
+    def __init__(
+        self, family: Family, tokenizer: Any, hf_processor: Any, device: torch.device, dtype: torch.dtype
+    ):
+        self.family = family
+        self.tokenizer = tokenizer
+        self.hf_processor = hf_processor
+        self.device = device
+        self.dtype = dtype
+
+    def __call__(self, text: str, image: Any = None) -> PromptInputs:
+        if image is None:
+            return self._text_only(text)
+        if not self.family.has_vision:
+            raise ValueError(f"{self.family.name} is a text-only model; call it with image=None")
+        if self.family.image_token and self.family.image_token not in text:
+            text = self.family.image_token + text
+        out = self.hf_processor(images=[to_pil(image)], text=[text], return_tensors="pt")
+        extras: dict[str, Any] = {}
+        for key in self.family.image_keys:
+            value = out[key]
+            dtype = self.dtype if value.is_floating_point() else value.dtype
+            extras[key] = value.to(self.device, dtype)
+        ids = out["input_ids"][0]
+        if self.family.prefix_attention:
+            extras["prefix_len"] = int((out["token_type_ids"][0] == 0).sum())
+        return PromptInputs(ids.tolist(), extras)
+
+    def _text_only(self, text: str) -> PromptInputs:
+        if self.family.name == "paligemma":
+            raise ValueError("PaliGemma needs an image with every prompt; pass image=...")
+        return PromptInputs(self.tokenizer(text)["input_ids"], None)
