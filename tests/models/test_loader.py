@@ -1,0 +1,126 @@
+"""The loader's sources and its errors: local folders, hub cache, pickle refusal, mismatches, dtypes."""
+
+import shutil
+
+import pytest
+import torch
+
+from foveal.engine.models import ModelLoadError, load, pages_for_budget, supported_architectures
+
+
+def copy(src, dst):
+    shutil.copytree(src, dst)
+    return dst
+
+
+def test_loaded_record_has_runner_tokenizer_processor_eos(checkpoints):
+    loaded = load(checkpoints["llama"], device="cpu")
+    assert loaded.family == "llama"
+    assert loaded.eos_token_ids == (loaded.tokenizer.eos_token_id,)
+    prompt = loaded.processor("red circle")
+    assert prompt.token_ids[0] == loaded.tokenizer.bos_token_id
+    assert prompt.extras is None
+    assert loaded.runner.device == torch.device("cpu") and loaded.runner.dtype == torch.float32
+
+
+def test_pickle_only_folder_is_refused_with_conversion_hint(checkpoints, tmp_path):
+    folder = copy(checkpoints["llama"], tmp_path / "pickled")
+    (folder / "model.safetensors").unlink()
+    (folder / "pytorch_model.bin").write_bytes(b"not read: foveal never unpickles")
+    with pytest.raises(ModelLoadError, match=r"only pickled weights \(pytorch_model.bin\).*save_pretrained"):
+        load(folder, device="cpu")
+
+
+def test_missing_files_are_named(checkpoints, tmp_path):
+    no_config = copy(checkpoints["llama"], tmp_path / "no_config")
+    (no_config / "config.json").unlink()
+    with pytest.raises(ModelLoadError, match="no config.json"):
+        load(no_config, device="cpu")
+    no_tokenizer = copy(checkpoints["llama"], tmp_path / "no_tokenizer")
+    (no_tokenizer / "tokenizer.json").unlink()
+    with pytest.raises(ModelLoadError, match="no tokenizer"):
+        load(no_tokenizer, device="cpu")
+    no_image_processor = copy(checkpoints["llava"], tmp_path / "no_image_processor")
+    for name in ("preprocessor_config.json", "processor_config.json"):
+        (no_image_processor / name).unlink(missing_ok=True)
+    with pytest.raises(ModelLoadError, match="preprocessor_config.json"):
+        load(no_image_processor, device="cpu")
+    with pytest.raises(ModelLoadError, match="neither a folder nor a hub id"):
+        load(tmp_path / "does" / "not" / "exist", device="cpu")
+
+
+def test_unknown_architecture_lists_supported_ones(checkpoints, tmp_path):
+    folder = copy(checkpoints["llama"], tmp_path / "unknown")
+    config = (folder / "config.json").read_text().replace('"LlamaForCausalLM"', '"MambaForCausalLM"')
+    (folder / "config.json").write_text(config)
+    with pytest.raises(ModelLoadError, match="MambaForCausalLM") as err:
+        load(folder, device="cpu")
+    assert all(arch in str(err.value) for arch in supported_architectures())
+
+
+def test_tokenizer_larger_than_vocabulary_is_refused(checkpoints, tmp_path):
+    folder = copy(checkpoints["llama"], tmp_path / "mismatch")
+    shutil.copy("../shared/tokenizers/smollm2/tokenizer.json", folder / "tokenizer.json")
+    shutil.copy("../shared/tokenizers/smollm2/tokenizer_config.json", folder / "tokenizer_config.json")
+    with pytest.raises(ModelLoadError, match="tokenizer has 49152 tokens but the model's vocabulary has"):
+        load(folder, device="cpu")
+
+
+def hub_cache(root, repo_id, snapshot_of):
+    """A cache directory laid out as huggingface_hub's: models--org--name/{refs/main, snapshots/<commit>/...}."""
+    commit = "0123456789abcdef0123456789abcdef01234567"
+    repo = root / ("models--" + repo_id.replace("/", "--"))
+    (repo / "refs").mkdir(parents=True)
+    (repo / "refs" / "main").write_text(commit)
+    shutil.copytree(snapshot_of, repo / "snapshots" / commit)
+    return root
+
+
+def test_hub_id_resolves_through_the_cache(checkpoints, tmp_path, monkeypatch):
+    cache = hub_cache(tmp_path / "hub", "tiny-org/tiny-llama", checkpoints["llama"])
+    monkeypatch.setenv("HF_HUB_CACHE", str(cache))
+    monkeypatch.setattr("huggingface_hub.constants.HF_HUB_CACHE", str(cache))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    loaded = load("tiny-org/tiny-llama", device="cpu")
+    assert loaded.family == "llama"
+    assert "snapshots" in str(loaded.runner.model.name_or_path)
+
+
+def test_hub_id_offline_without_cached_copy_says_how_to_fetch(tmp_path, monkeypatch):
+    monkeypatch.setattr("huggingface_hub.constants.HF_HUB_CACHE", str(tmp_path))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    with pytest.raises(ModelLoadError, match=r"not in the Hugging Face cache.*hf download tiny-org/missing"):
+        load("tiny-org/missing", device="cpu")
+
+
+def test_dtype_and_device_errors(checkpoints):
+    with pytest.raises(ModelLoadError, match="dtype 'float8'"):
+        load(checkpoints["llama"], device="cpu", dtype="float8")
+    if not torch.cuda.is_available():
+        with pytest.raises(ModelLoadError, match="no CUDA device"):
+            load(checkpoints["llama"], device="cuda")
+
+
+@pytest.mark.parametrize(
+    ("family", "expected"),
+    # 2 (K and V) x layers x kv heads x head dim x 4 bytes (fp32)
+    [("llama", 2 * 2 * 2 * 16 * 4), ("gemma", 2 * 2 * 1 * 16 * 4), ("paligemma", 2 * 2 * 1 * 16 * 4)],
+)
+def test_kv_bytes_per_token_and_budget(family, expected, checkpoints):
+    runner = load(checkpoints[family], device="cpu").runner
+    assert runner.kv_bytes_per_token() == expected
+    assert pages_for_budget(runner, budget_bytes=expected * 16 * 10 + 5, page_size=16) == 10
+    with pytest.raises(ValueError, match="holds no page"):
+        pages_for_budget(runner, budget_bytes=expected, page_size=16)
+
+
+def test_bf16_on_cpu_halves_kv_and_stays_close_to_fp32(checkpoints, helpers):
+    fp32 = load(checkpoints["llama"], device="cpu")
+    bf16 = load(checkpoints["llama"], device="cpu", dtype="bfloat16")
+    assert bf16.runner.kv_bytes_per_token() * 2 == fp32.runner.kv_bytes_per_token()
+    prompts = [fp32.processor(p) for p in helpers.PROMPTS]
+    a = helpers.greedy(fp32.runner, prompts, 1).logits
+    b = helpers.greedy(bf16.runner, prompts, 1).logits
+    for x, y in zip(a, b, strict=True):
+        assert y[0].dtype == torch.float32
+        assert (x[0] - y[0]).abs().max() < 0.05 * x[0].abs().max()
