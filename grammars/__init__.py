@@ -1,5 +1,35 @@
-"""foveal.grammars: output specs compiled into token-mask automata."""
+"""foveal.grammars: output specs compiled into token-mask automata.
+
+    a = grammars.compile(spec, tokenizer)   # Automaton, cached; raises SchemaError before decoding
+    m = a.matcher()                         # one sequence: commit / fill_mask / is_terminated / rollback
+    grammars.fill_masks(matchers, bitmask)  # a whole decoding step in one native call
+
+Specs: pydantic models, JSON-schema dicts, Regex, CFG (Lark), typing.Literal, Enum, lists of
+choices, outlines output types, and the spatial shapes of `grammars.spatial`. Built on llguidance.
+"""
 
 from foveal._guard import require_foveal_name
 
 require_foveal_name(__name__, "foveal.grammars")
+
+from . import spatial  # noqa: E402
+from .automaton import Automaton  # noqa: E402
+from .batch import fill_masks  # noqa: E402
+from .bitmask import allocate_bitmask  # noqa: E402
+from .compiler import compile  # noqa: E402
+from .errors import GrammarViolation, SchemaError  # noqa: E402
+from .matcher import Matcher  # noqa: E402
+from .specs import CFG, Regex  # noqa: E402
+
+__all__ = [
+    "CFG",
+    "Automaton",
+    "GrammarViolation",
+    "Matcher",
+    "Regex",
+    "SchemaError",
+    "allocate_bitmask",
+    "compile",
+    "fill_masks",
+    "spatial",
+]

@@ -1,0 +1,195 @@
+"""Output specs -> llguidance grammar text, plus the canonical key the compile cache uses.
+
+Accepted specs: a pydantic model class (or any type pydantic can describe: dataclass, TypedDict,
+`list[Model]`), a JSON-schema dict, `Regex`, `CFG`, `typing.Literal`, an `enum.Enum` class, a list
+or tuple of string choices, and outlines output types (`outlines.types.JsonSchema`, `Regex`, `CFG`,
+other outlines terms and the plain python types outlines maps to regexes: int, float, bool, str, ...).
+
+Whitespace policy (JSON): compact, one fixed style, `{"a": 1, "b": [2, 3]}`: no whitespace outside
+strings except the single space after `,` and `:`. A random model therefore cannot fill its output
+with whitespace, and instances serialized with `separators=(", ", ": ")` are what the grammar emits.
+Properties come in the schema's order. `x-guidance` options inside a schema cannot loosen this: our
+options are applied as llguidance *overrides*.
+"""
+
+from __future__ import annotations
+
+import enum
+import json
+import typing
+from dataclasses import dataclass
+from typing import Any
+
+import llguidance
+
+from .errors import SchemaError
+
+JSON_OPTIONS: dict[str, Any] = {
+    "whitespace_flexible": False,
+    "item_separator": ", ",
+    "key_separator": ": ",
+    "lenient": False,
+}
+
+
+@dataclass(frozen=True, slots=True)
+class Regex:
+    """A regular expression (llguidance/Rust `regex` syntax) the whole output must match."""
+
+    pattern: str
+
+
+@dataclass(frozen=True, slots=True)
+class CFG:
+    """A context-free grammar in Lark syntax, llguidance dialect (start rule `start`)."""
+
+    definition: str
+
+
+@dataclass(frozen=True, slots=True)
+class GrammarSource:
+    """A spec reduced to what llguidance compiles: kind, canonical cache key, grammar text."""
+
+    kind: str  # "json_schema" | "regex" | "lark" | "choice"
+    key: str
+    grammar: str
+    schema: Any = None  # the JSON schema for kind "json_schema" (for error paths)
+
+
+def json_schema_source(schema: dict | bool | str) -> GrammarSource:
+    if isinstance(schema, str):
+        try:
+            schema = json.loads(schema)
+        except json.JSONDecodeError as err:
+            raise SchemaError(
+                f"JSON schema text is not JSON ({err}); pass a dict or valid JSON text"
+            ) from err
+    if not isinstance(schema, dict | bool):
+        raise SchemaError(f"a JSON schema must be an object or a boolean, got {type(schema).__name__}")
+    # Key order is meaningful (property order is the output order), so the key keeps it.
+    text = json.dumps(schema, ensure_ascii=False, separators=(",", ":"))
+    grammar = llguidance.LLMatcher.grammar_from_json_schema(text, overrides=JSON_OPTIONS)
+    return GrammarSource("json_schema", "json:" + text, grammar, schema)
+
+
+def regex_source(pattern: str) -> GrammarSource:
+    return GrammarSource("regex", "regex:" + pattern, llguidance.LLMatcher.grammar_from_regex(pattern))
+
+
+def lark_source(definition: str) -> GrammarSource:
+    return GrammarSource("lark", "lark:" + definition, llguidance.LLMatcher.grammar_from_lark(definition))
+
+
+def choice_source(choices: list[str]) -> GrammarSource:
+    if not choices:
+        raise SchemaError("an empty list of choices allows no output; give at least one choice")
+    if not all(isinstance(c, str) for c in choices):
+        raise SchemaError("choices must be strings; use typing.Literal for mixed literal values")
+    # A JSON string literal is a valid Lark string literal in llguidance's dialect.
+    lark = "start: " + " | ".join(json.dumps(c, ensure_ascii=False) for c in choices)
+    return GrammarSource(
+        "choice",
+        "choice:" + json.dumps(choices, ensure_ascii=False),
+        llguidance.LLMatcher.grammar_from_lark(lark),
+    )
+
+
+def grammar_source(spec: Any) -> GrammarSource:
+    """Reduce any accepted spec to a GrammarSource; raise SchemaError for anything else."""
+    if isinstance(spec, Regex):
+        return regex_source(spec.pattern)
+    if isinstance(spec, CFG):
+        return lark_source(spec.definition)
+    if isinstance(spec, dict | bool):
+        return json_schema_source(spec)
+    if isinstance(spec, list | tuple):
+        return choice_source(list(spec))
+    if typing.get_origin(spec) is typing.Literal:
+        return choice_source([_literal_text(v) for v in typing.get_args(spec)])
+    if isinstance(spec, type) and issubclass(spec, enum.Enum):
+        return choice_source([_literal_text(member.value) for member in spec])
+    if _is_outlines(spec):
+        return _outlines_source(spec)
+    if isinstance(spec, str):
+        raise SchemaError(
+            "a bare string is ambiguous as an output spec; wrap it: Regex(...), CFG(...), "
+            "or pass a JSON schema as a dict"
+        )
+    if _is_pydantic_model(spec) or _is_structured_type(spec):
+        return json_schema_source(_pydantic_schema(spec))
+    if spec in (int, float, bool, str) or _is_outlines_python_type(spec):
+        return _outlines_source(spec)
+    raise SchemaError(
+        f"unsupported output spec {spec!r}; use a pydantic model, a JSON-schema dict, "
+        "Regex, CFG, typing.Literal, an Enum, a list of choices or an outlines type"
+    )
+
+
+def _literal_text(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    return value if isinstance(value, str) else str(value)
+
+
+def _is_pydantic_model(spec: Any) -> bool:
+    import pydantic
+
+    return isinstance(spec, type) and issubclass(spec, pydantic.BaseModel)
+
+
+def _is_structured_type(spec: Any) -> bool:
+    import dataclasses
+
+    if isinstance(spec, type) and (dataclasses.is_dataclass(spec) or typing.is_typeddict(spec)):
+        return True
+    return typing.get_origin(spec) in (list, dict, tuple, typing.Union)
+
+
+def _pydantic_schema(spec: Any) -> dict:
+    import pydantic
+
+    if _is_pydantic_model(spec):
+        return spec.model_json_schema()
+    return pydantic.TypeAdapter(spec).json_schema()
+
+
+def _is_outlines(spec: Any) -> bool:
+    return type(spec).__module__.startswith("outlines")
+
+
+def _is_outlines_python_type(spec: Any) -> bool:
+    import datetime
+
+    return spec in (datetime.date, datetime.time, datetime.datetime)
+
+
+def _outlines_source(spec: Any) -> GrammarSource:
+    from outlines.types import dsl
+
+    if isinstance(spec, dsl.JsonSchema):
+        return json_schema_source(spec.schema)
+    if isinstance(spec, dsl.Regex):
+        return regex_source(spec.pattern)
+    if isinstance(spec, dsl.CFG):
+        return lark_source(spec.definition)
+    term = spec if isinstance(spec, dsl.Term) else dsl.python_types_to_terms(spec)
+    if isinstance(term, dsl.JsonSchema):
+        return json_schema_source(term.schema)
+    if _contains_json_schema(term, dsl):
+        # outlines would turn the schema into a regex that ignores numeric bounds: refuse instead.
+        raise SchemaError(
+            f"{spec!r} mixes a JSON schema into a regex term; express the whole output "
+            "as one JSON schema (anyOf) or one Regex"
+        )
+    return regex_source(dsl.to_regex(term))
+
+
+def _contains_json_schema(term: Any, dsl: Any) -> bool:
+    if isinstance(term, dsl.JsonSchema):
+        return True
+    children = getattr(term, "__dict__", {}).values()
+    for child in children:
+        items = child if isinstance(child, list | tuple) else [child]
+        if any(isinstance(c, dsl.Term) and _contains_json_schema(c, dsl) for c in items):
+            return True
+    return False

@@ -1,0 +1,125 @@
+"""The Matcher protocol the engine relies on: one test per invariant of grammars/matcher.py, plus fill_masks."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from foveal import grammars
+from foveal.grammars.bitmask import allowed_tokens, is_allowed
+
+EOS = 2
+SCHEMA = {
+    "type": "object",
+    "properties": {"name": {"type": "string", "maxLength": 8}, "n": {"type": "integer"}},
+    "required": ["name", "n"],
+    "additionalProperties": False,
+}
+
+
+@pytest.fixture(scope="module")
+def automaton(tok):
+    return grammars.compile(SCHEMA, tok, eos_token_id=EOS)
+
+
+def mask_of(m, vocab_size: int) -> np.ndarray:
+    bm = grammars.allocate_bitmask(1, vocab_size)
+    m.fill_mask(bm, 0)
+    return bm[0].copy()
+
+
+def test_refused_commit_names_the_token_and_changes_nothing(automaton, tok):
+    m = automaton.matcher()
+    for t in tok.encode('{"name": "ab", "n": ').ids:
+        m.commit(t)
+    before, count = mask_of(m, automaton.vocab_size), m.num_committed
+    bad = tok.token_to_id("x")
+    with pytest.raises(grammars.GrammarViolation, match=f"token {bad} 'x'") as err:
+        m.commit(bad)
+    assert err.value.token_id == bad
+    assert np.array_equal(mask_of(m, automaton.vocab_size), before) and m.num_committed == count
+    m.commit(tok.token_to_id("7"))  # still usable
+
+
+def test_eos_is_allowed_exactly_when_the_grammar_accepts(tok):
+    a = grammars.compile(grammars.Regex(r"ab+"), tok, eos_token_id=EOS)
+    m = a.matcher()
+    bm = grammars.allocate_bitmask(1, a.vocab_size)
+    seen = []
+    for t in tok.encode("abbb").ids + [EOS]:
+        m.fill_mask(bm, 0)
+        seen.append((is_allowed(bm, EOS), m.is_accepting()))
+        m.commit(t)
+    assert all(eos == acc for eos, acc in seen) and seen[0] == (False, False) and seen[-1] == (True, True)
+    assert m.is_terminated()
+    with pytest.raises(grammars.GrammarViolation):
+        m.commit(tok.token_to_id("b"))  # nothing after EOS
+
+
+def test_complete_output_terminates_and_only_eos_follows(automaton, tok):
+    m = automaton.matcher()
+    for t in tok.encode('{"name": "ab", "n": 7}').ids:
+        assert not m.is_terminated()
+        m.commit(t)
+    assert m.is_terminated() and m.is_accepting()
+    assert allowed_tokens(mask_of(m, automaton.vocab_size)[None]).tolist() == [EOS]
+    m.commit(EOS)
+    assert m.is_terminated()
+
+
+def test_rollback_restores_every_earlier_state(automaton, tok):
+    ids = tok.encode('{"name": "ab", "n": 7}').ids + [EOS]
+    m = automaton.matcher()
+    masks = [mask_of(m, automaton.vocab_size)]
+    for t in ids:
+        m.commit(t)
+        masks.append(mask_of(m, automaton.vocab_size))
+    for back in (1, 2, 5):
+        m.rollback(back)
+        assert np.array_equal(mask_of(m, automaton.vocab_size), masks[m.num_committed])
+        for t in ids[m.num_committed : m.num_committed + back]:
+            m.commit(t)
+    assert m.is_terminated() and m.num_committed == len(ids)
+    m.reset()
+    assert np.array_equal(mask_of(m, automaton.vocab_size), masks[0])
+    with pytest.raises(ValueError, match="cannot roll back"):
+        m.rollback(1)
+
+
+def test_forced_tokens_jump_forward_over_fixed_text(automaton, tok):
+    m = automaton.matcher()
+    assert m.forced_text() == b'{"name": "'
+    forced = m.forced_tokens()  # llguidance keeps back a tail that could merge with the next token
+    assert forced and '{"name": "'.startswith(tok.decode(forced))
+    for t in forced:
+        m.commit(t)
+    for t in tok.encode('{"name": "ab'[len(tok.decode(forced)) :]).ids:
+        m.commit(t)
+    assert m.forced_text() == b""  # the name is free text
+
+
+def test_fill_masks_equals_per_row_fills_and_skips_absent_rows(automaton, tok):
+    other = grammars.compile(grammars.Regex("[0-9]+"), tok, eos_token_id=EOS)
+    matchers = [automaton.matcher(), None, other.matcher(), automaton.matcher()]
+    for t in tok.encode('{"na').ids:
+        matchers[3].commit(t)
+    batch = np.full((4, automaton.tokenizer.mask_words), 7, dtype=np.int32)
+    grammars.fill_masks(matchers, batch)
+    assert (batch[1] == 7).all()
+    for row in (0, 2, 3):
+        assert np.array_equal(batch[row], mask_of(matchers[row], automaton.vocab_size))
+    by_row = np.zeros_like(batch)
+    grammars.fill_masks({3: matchers[3], 0: matchers[0]}, by_row)
+    assert np.array_equal(by_row[[0, 3]], batch[[0, 3]]) and not by_row[1:3].any()
+
+
+def test_fill_into_torch_tensors(automaton):
+    m = automaton.matcher()
+    t = torch.zeros((2, automaton.tokenizer.mask_words), dtype=torch.int32)
+    grammars.fill_masks([None, m], t)
+    single = torch.zeros_like(t)
+    m.fill_mask(single, 1)
+    assert torch.equal(t, single) and t[1].any() and not t[0].any()
+    with pytest.raises(ValueError, match="int32"):
+        m.fill_mask(torch.zeros((1, automaton.tokenizer.mask_words), dtype=torch.int64), 0)
