@@ -227,11 +227,11 @@ class Engine:
         step = self._launch()
         keep = 1 if step is not None else 0
         while len(self._inflight) > keep:
-            self._commit(self._inflight.popleft())
+            self._commit_oldest()
         if step is not None:
             self._finalize(step)
             if not self.config.pipelined:
-                self._commit(self._inflight.popleft())
+                self._commit_oldest()
 
     def _take_inbox(self) -> None:
         with self._cond:
@@ -407,10 +407,12 @@ class Engine:
         slot.sampled_host[:n].copy_(slot.sampled[:n], non_blocking=True)
 
     # ---- commit -------------------------------------------------------------------------------
-    def _commit(self, step: Step) -> None:
+    def _commit_oldest(self) -> None:
+        step = self._inflight[0]  # stays in flight until read, so a device failure can still drain it
         slot = step.slot
         t0 = time.perf_counter()
         self.device.wait(slot.event)
+        self._inflight.popleft()
         t1 = time.perf_counter()
         self._stats.phase_s["wait"] += t1 - t0
         self.trace.span("wait", "scheduler", t0, t1)

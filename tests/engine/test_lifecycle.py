@@ -1,0 +1,82 @@
+"""Invariant 6: cancel, finish and admission in one step, shutdown with steps in flight, a
+failing runner: no hang, no leak, every handle ends."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+
+from foveal.engine import FakeRunner, FinishReason, Request, SamplingParams
+
+
+def test_shutdown_with_steps_in_flight_does_not_hang(h):
+    runner = FakeRunner(vocab_size=h.VOCAB, seed=1, delay_s=0.02)
+    with h.engine(runner=runner) as eng:
+        handles = [
+            eng.submit(Request([i + 1], SamplingParams(max_tokens=200, ignore_eos=True))) for i in range(8)
+        ]
+        while eng._stats.steps < 3:
+            time.sleep(0.005)
+        assert eng._inflight, "a step should be in flight"
+        t0 = time.perf_counter()
+        closer = threading.Thread(target=eng.close)
+        closer.start()
+        closer.join(5)
+        assert not closer.is_alive(), "close() hung"
+        assert time.perf_counter() - t0 < 2
+        assert all(hd.result(1).finish_reason is FinishReason.CANCELLED for hd in handles)
+        assert eng.free_pages() == eng.config.num_pages
+        with pytest.raises(RuntimeError, match="closed"):
+            eng.submit(Request([1], SamplingParams(max_tokens=2)))
+
+
+def test_cancel_before_admission_and_after_finish(h):
+    with h.engine(runner=FakeRunner(vocab_size=h.VOCAB, seed=1, delay_s=0.005), max_batch=1) as eng:
+        first = eng.submit(Request([1], SamplingParams(max_tokens=5, ignore_eos=True)))
+        queued = eng.submit(Request([2], SamplingParams(max_tokens=5, ignore_eos=True)))
+        queued.cancel()  # still waiting for admission (max_batch=1)
+        assert queued.result(5).finish_reason is FinishReason.CANCELLED
+        assert first.result(5).finish_reason is FinishReason.LENGTH
+        first.cancel()  # after finish: a no-op
+        assert eng.wait_idle(5) and eng.free_pages() == eng.config.num_pages
+
+
+def test_iterating_a_cancelled_handle_ends(h):
+    with h.engine(runner=FakeRunner(vocab_size=h.VOCAB, seed=1, delay_s=0.002)) as eng:
+        hd = eng.submit(Request([1], SamplingParams(max_tokens=200, ignore_eos=True)))
+        threading.Timer(0.02, hd.cancel).start()
+        deltas = list(hd)  # no tokenizer: no text, but the iteration must end
+        assert deltas == [] and hd.result(1).finish_reason is FinishReason.CANCELLED
+        assert 0 < len(hd.result().token_ids) < 200
+
+
+class ExplodingRunner(FakeRunner):
+    def forward(self, batch):
+        if self.forwards >= 3:
+            raise RuntimeError("boom")
+        return super().forward(batch)
+
+
+@pytest.mark.parametrize("pipelined", [True, False])
+def test_a_failing_runner_ends_every_request(h, pipelined):
+    eng_cm = h.engine(pipelined, ExplodingRunner(vocab_size=h.VOCAB, seed=1))
+    with eng_cm as eng:
+        handles = [
+            eng.submit(Request([i + 1], SamplingParams(max_tokens=50, ignore_eos=True))) for i in range(4)
+        ]
+        outs = [hd.result(5) for hd in handles]
+        assert all(o.finish_reason is FinishReason.ERROR and "boom" in o.error for o in outs)
+        assert eng.wait_idle(5) and eng.free_pages() == eng.config.num_pages
+        with pytest.raises(RuntimeError, match="failed"):
+            eng.submit(Request([1], SamplingParams(max_tokens=2)))
+
+
+def test_bad_sampling_params_are_refused_before_work():
+    with pytest.raises(ValueError, match="temperature"):
+        SamplingParams(temperature=-1)
+    with pytest.raises(ValueError, match="top_p"):
+        SamplingParams(top_p=0)
+    with pytest.raises(ValueError, match="tuple of strings"):
+        SamplingParams(stop="x")
