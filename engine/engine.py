@@ -213,8 +213,9 @@ class Engine:
                 t0 = time.perf_counter()
                 self._tick()
                 self._stats.active_s += time.perf_counter() - t0
-                if not self._busy():
-                    self._idle.set()
+                with self._cond:  # under the lock: a concurrent submit clears the flag after this
+                    if not self._busy() and not self._inbox:
+                        self._idle.set()
         except BaseException as e:  # a runner or device failure: fail every request, never hang
             self._error = e
         self._shutdown()

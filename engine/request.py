@@ -89,8 +89,7 @@ class RequestHandle:
             self._deltas.append(delta)
             listeners = list(self._listeners)
             self._cond.notify_all()
-        for listener in listeners:
-            listener(delta)
+        self._notify(listeners, delta)
 
     def _finish(self, output: RequestOutput) -> None:
         with self._cond:
@@ -99,8 +98,15 @@ class RequestHandle:
             self._output = output
             listeners = list(self._listeners)
             self._cond.notify_all()
+        self._notify(listeners, None)
+
+    def _notify(self, listeners: list[Callable[[str | None], None]], item: str | None) -> None:
         for listener in listeners:
-            listener(None)
+            try:
+                listener(item)
+            except Exception:  # a caller's listener (e.g. a closed event loop) must not kill the engine
+                with self._cond:
+                    self._listeners.remove(listener)
 
     # caller side -------------------------------------------------------------------------------
     @property

@@ -1,0 +1,91 @@
+"""The sampler: mask honoured, greedy, top-k / top-p, and seeded noise that is a per-row function."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from foveal.engine.sampler import SamplingBatch, apply_bitmask, filter_top_k_top_p, gumbel_noise, sample
+
+
+def _batch(
+    n: int, temperature=0.0, top_k=0, top_p=1.0, seeds=None, counters=None, bitmask=None, mask_rows=None
+):
+    t = torch.full((n,), float(temperature))
+    random_rows = torch.nonzero(t > 0).flatten() if temperature > 0 else None
+    return SamplingBatch(
+        temperature=t,
+        top_p=torch.full((n,), float(top_p)),
+        top_k=torch.full((n,), top_k, dtype=torch.int64),
+        seeds=torch.tensor(seeds if seeds is not None else list(range(n)), dtype=torch.int64),
+        counters=torch.tensor(counters if counters is not None else [0] * n, dtype=torch.int64),
+        random_rows=random_rows,
+        filter_rows=top_k > 0 or top_p < 1,
+        bitmask=bitmask,
+        mask_rows=mask_rows,
+    )
+
+
+def test_bitmask_applies_to_its_rows_only():
+    logits = torch.zeros(3, 70)
+    bitmask = torch.zeros(1, 3, dtype=torch.int32)
+    bitmask[0, 2] = 1 << 3  # only token 67
+    apply_bitmask(logits, bitmask, torch.tensor([1]))
+    assert torch.isinf(logits[1]).sum() == 69 and logits[1, 67] == 0
+    assert not torch.isinf(logits[0]).any() and not torch.isinf(logits[2]).any()
+
+
+def test_bitmask_sign_bit_token():
+    logits = torch.zeros(1, 64)
+    bitmask = torch.tensor([[0, -(1 << 31)]], dtype=torch.int32)  # bit 31 of word 1: token 63
+    apply_bitmask(logits, bitmask, torch.tensor([0]))
+    assert torch.isfinite(logits[0]).nonzero().flatten().tolist() == [63]
+
+
+def test_greedy_is_argmax_and_respects_the_mask():
+    logits = torch.randn(4, 50, generator=torch.Generator().manual_seed(0))
+    out = torch.empty(4, dtype=torch.int64)
+    sample(logits.clone(), _batch(4), out)
+    assert out.tolist() == logits.argmax(-1).tolist()
+    bitmask = torch.zeros(2, 2, dtype=torch.int32)
+    bitmask[:, 1] = 1 << 5  # token 37
+    sample(logits.clone(), _batch(4, bitmask=bitmask, mask_rows=torch.tensor([0, 3])), out)
+    assert out[0] == 37 and out[3] == 37 and out[1] == logits[1].argmax()
+
+
+def test_noise_is_a_function_of_seed_and_counter_only():
+    a = gumbel_noise(torch.tensor([5, 6]), torch.tensor([3, 3]), 100)
+    b = gumbel_noise(torch.tensor([9, 5]), torch.tensor([1, 3]), 100)
+    assert torch.equal(a[0], b[1])
+    assert not torch.equal(a[0], a[1])
+    assert torch.isfinite(a).all()
+
+
+def test_sampling_frequencies_follow_the_softmax():
+    """10,000 draws (distinct counters) from one row: frequencies within 4 sigma of softmax(l / T)."""
+    n, temperature = 10_000, 0.7
+    base = torch.tensor([2.0, 1.0, 0.5, 0.0, -1.0, -3.0])
+    logits = base.repeat(n, 1)
+    out = torch.empty(n, dtype=torch.int64)
+    sample(logits, _batch(n, temperature, seeds=[42] * n, counters=list(range(n))), out)
+    freq = torch.bincount(out, minlength=6).double() / n
+    probs = (base / temperature).softmax(-1).double()
+    for f, p in zip(freq.tolist(), probs.tolist(), strict=True):
+        assert abs(f - p) <= 4 * math.sqrt(p * (1 - p) / n) + 1e-3
+
+
+def test_top_k_and_top_p_keep_the_nucleus():
+    logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]]))
+
+    def kept(k: int, p: float) -> list[bool]:
+        return torch.isfinite(filter_top_k_top_p(logits, torch.tensor([k]), torch.tensor([p])))[0].tolist()
+
+    assert kept(2, 1.0) == [True, True, False, False]
+    assert kept(0, 0.7) == [True, True, False, False]  # 0.5 < 0.7, 0.8 >= 0.7: the second token closes it
+    assert kept(0, 0.1) == [True, False, False, False]  # the best token always stays
+    assert kept(1, 1.0) == [True, False, False, False]
+    n = 2000
+    out = torch.empty(n, dtype=torch.int64)
+    sample(logits.repeat(n, 1), _batch(n, 1.0, top_k=2, seeds=[1] * n, counters=list(range(n))), out)
+    assert set(out.tolist()) == {0, 1}

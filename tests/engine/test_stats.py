@@ -1,0 +1,45 @@
+"""Observability: `engine.stats()` and the Chrome trace of the timeline."""
+
+from __future__ import annotations
+
+import json
+
+from foveal.engine import FakeRunner, Request, SamplingParams
+
+
+def test_stats_count_what_ran(h):
+    with h.engine(runner=FakeRunner(vocab_size=h.VOCAB, seed=1, delay_s=0.002)) as eng:
+        outs = eng.generate(
+            [Request([i + 1], SamplingParams(max_tokens=10, ignore_eos=True)) for i in range(4)]
+        )
+        s = eng.stats()
+    assert s["tokens"] == sum(len(o.token_ids) for o in outs) == 40
+    assert s["prefill_rows"] == 4 and s["steps"] >= 10
+    assert s["forward_ms"] >= 2.0  # the fake forward sleeps 2 ms
+    assert 0 < s["device_busy_fraction"] <= 1 and s["bubble_s"] >= 0
+    assert s["tokens_per_s"] > 0 and set(s["phase_ms_per_step"]) == {"launch", "commit", "finalize", "wait"}
+
+
+def test_reset_stats(h):
+    with h.engine() as eng:
+        eng.generate([Request([1], SamplingParams(max_tokens=3, ignore_eos=True))])
+        eng.reset_stats()
+        assert eng.stats()["tokens"] == 0 and eng.stats()["steps"] == 0
+
+
+def test_chrome_trace(h, tmp_path):
+    with h.engine(trace=True, runner=FakeRunner(vocab_size=h.VOCAB, seed=1, delay_s=0.001)) as eng:
+        eng.generate([Request([1], SamplingParams(max_tokens=5, ignore_eos=True))])
+        eng.trace.write(tmp_path / "trace.json")
+    data = json.loads((tmp_path / "trace.json").read_text())
+    spans = [e for e in data["traceEvents"] if e["ph"] == "X"]
+    names = {e["name"] for e in spans}
+    assert {"launch", "commit", "finalize", "wait", "forward", "sample", "copy"} <= names
+    assert all(e["dur"] >= 0 and e["ts"] >= 0 for e in spans)
+    assert sum(e["name"] == "forward" for e in spans) == 5
+
+
+def test_trace_off_records_nothing(h):
+    with h.engine() as eng:
+        eng.generate([Request([1], SamplingParams(max_tokens=3, ignore_eos=True))])
+        assert [e for e in eng.trace.to_chrome()["traceEvents"] if e["ph"] == "X"] == []
