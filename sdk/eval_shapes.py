@@ -1,0 +1,216 @@
+"""Evaluate a shapes model on held-out scenes: `python -m foveal.eval_shapes [--n 500] [--json out.json]`.
+
+Metrics (one task of each kind per scene; scene seeds start at --seed-offset, default 0, which is
+disjoint from training: training draws seeds >= train_shapes.TRAIN_SEED_BASE):
+- detect precision / recall at IoU 0.5 (one-to-one greedy matching by IoU), mean IoU (over
+  ground-truth boxes, 0 for a missed one);
+- point hit rate (ground-truth objects that get a distinct predicted point inside the shape itself)
+  and point precision (predicted points inside a distinct matching object);
+- caption exact match per length (normal is the bar);
+- query accuracy (exact match; question kinds rotate: count, color, shape, relation).
+
+Decoding: greedy through transformers' `PaliGemmaForConditionalGeneration.generate` and its
+PaliGemmaProcessor, unconstrained (the SDK's engine with grammar-constrained decoding replaces this
+once it exists); the output says so.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from foveal.shapes_format import ShapesFormat
+from foveal.vision import scenes
+
+DECODER = "transformers generate, greedy, unconstrained"
+DEFAULT_MODEL = Path(__file__).parent / "embedded"
+QUERY_KINDS = ("count", "color", "shape", "relation")
+
+
+def eval_scene(seed: int) -> scenes.Scene:
+    """Held-out scene of a seed; its size (64..160 px, sometimes not square) follows from the seed."""
+    rng = np.random.default_rng([seed, 2])
+    width = int(rng.integers(64, 161))
+    height = width if rng.random() < 0.8 else max(32, round(width * rng.uniform(0.7, 1.4)))
+    return scenes.generate_scene(seed, width, height)
+
+
+def eval_tasks(scene: scenes.Scene, i: int) -> dict[str, str]:
+    """The object phrase and question asked of scene number i (deterministic, kinds rotate)."""
+    rng = np.random.default_rng([scene.seed, 3])
+    obj = scene.objects[int(rng.integers(len(scene.objects)))]
+    phrase = ("shape", obj.shape, obj.phrase())[i % 3]
+    pairs = scenes.questions(scene)
+    kinds = [k for k in QUERY_KINDS if pairs[k]]
+    kind = kinds[i % len(kinds)]
+    options = pairs[kind]
+    if kind == "count":
+        options = [(q, a) for q, a in options if a != "0"] if i % 2 else options
+    question, answer = options[int(rng.integers(len(options)))]
+    return {"phrase": phrase, "question": question, "answer": answer}
+
+
+def iou(a: dict[str, float], b: tuple[float, float, float, float]) -> float:
+    ix = max(0.0, min(a["x_max"], b[2]) - max(a["x_min"], b[0]))
+    iy = max(0.0, min(a["y_max"], b[3]) - max(a["y_min"], b[1]))
+    inter = ix * iy
+    area_a = max(0.0, a["x_max"] - a["x_min"]) * max(0.0, a["y_max"] - a["y_min"])
+    area_b = (b[2] - b[0]) * (b[3] - b[1])
+    return inter / (area_a + area_b - inter) if inter > 0 else 0.0
+
+
+def match_boxes(pred: list[dict[str, float]], truth: list[tuple]) -> tuple[int, list[float]]:
+    """Greedy one-to-one matching by IoU: (#matches at IoU >= 0.5, IoU per ground-truth box)."""
+    pairs = sorted(((iou(p, t), i, j) for i, p in enumerate(pred) for j, t in enumerate(truth)), reverse=True)
+    used_p, best = set(), [0.0] * len(truth)
+    used_t: set[int] = set()
+    for v, i, j in pairs:
+        if i not in used_p and j not in used_t and v > 0:
+            used_p.add(i)
+            used_t.add(j)
+            best[j] = v
+    return sum(v >= 0.5 for v in best), best
+
+
+def match_points(pred: list[dict[str, float]], objs: list[scenes.SceneObject], scene: scenes.Scene) -> int:
+    """Distinct objects hit by distinct points (greedy in order)."""
+    used: set[int] = set()
+    for p in pred:
+        for j, o in enumerate(objs):
+            if j not in used and o.contains(p["x"], p["y"], scene.width, scene.height):
+                used.add(j)
+                break
+    return len(used)
+
+
+class Generator:
+    """Batched greedy decoding of a Hugging Face PaliGemma folder through transformers."""
+
+    def __init__(self, folder: str | Path, batch_size: int = 64):
+        from transformers import PaliGemmaForConditionalGeneration, PaliGemmaProcessor
+
+        self.processor = PaliGemmaProcessor.from_pretrained(folder)
+        self.processor.tokenizer.padding_side = "left"
+        self.model = PaliGemmaForConditionalGeneration.from_pretrained(folder, dtype=torch.float32).eval()
+        self.batch_size = batch_size
+
+    @torch.inference_mode()
+    def __call__(self, images: list, prompts: list[str], max_new_tokens: int) -> list[str]:
+        out: list[str] = []
+        for s in range(0, len(prompts), self.batch_size):
+            inputs = self.processor(
+                images=images[s : s + self.batch_size],
+                text=["<image>" + p for p in prompts[s : s + self.batch_size]],
+                padding="longest",
+                return_tensors="pt",
+            )
+            ids = self.model.generate(**inputs, max_new_tokens=max_new_tokens, do_sample=False)
+            new = ids[:, inputs["input_ids"].shape[1] :]
+            out += self.processor.tokenizer.batch_decode(new, skip_special_tokens=True)
+        return out
+
+
+def evaluate_model(folder: str | Path, n: int = 500, seed_offset: int = 0, details: bool = False) -> dict:
+    fmt = ShapesFormat.load(folder)
+    gen = Generator(folder)
+    scene_list = [eval_scene(seed_offset + i) for i in range(n)]
+    tasks = [eval_tasks(s, i) for i, s in enumerate(scene_list)]
+    images = [scenes.render(s) for s in scene_list]
+    phrases = [t["phrase"] for t in tasks]
+    text = {
+        "detect": gen(images, [fmt.prompt("detect", object=p) for p in phrases], 48),
+        "point": gen(images, [fmt.prompt("point", object=p) for p in phrases], 32),
+        "query": gen(images, [fmt.prompt("query", question=t["question"]) for t in tasks], 8),
+    }
+    for length in ("short", "normal", "long"):
+        text[f"caption_{length}"] = gen(images, [fmt.prompt("caption", length=length)] * n, 64)
+    metrics = score(fmt, scene_list, tasks, text)
+    if details:
+        metrics["examples"] = [
+            {"seed": s.seed, **t, **{k: v[i] for k, v in text.items()}}
+            for i, (s, t) in enumerate(zip(scene_list, tasks, strict=True))
+        ][:20]
+    return metrics
+
+
+def score(fmt: ShapesFormat, scene_list: list, tasks: list[dict], text: dict[str, list[str]]) -> dict:
+    tp = n_pred = n_true = hits = n_points = p_hits = 0
+    ious: list[float] = []
+    for i, (scene, task) in enumerate(zip(scene_list, tasks, strict=True)):
+        objs = scenes.objects_matching(scene, task["phrase"])
+        truth = [o.box(scene.width, scene.height) for o in objs]
+        boxes = fmt.parse_detect(text["detect"][i])
+        matched, best = match_boxes(boxes, truth)
+        tp, n_pred, n_true = tp + matched, n_pred + len(boxes), n_true + len(truth)
+        ious += best
+        points = fmt.parse_point(text["point"][i])
+        hit = match_points(points, objs, scene)
+        hits, n_points, p_hits = hits + hit, n_points + len(points), p_hits + hit
+    metrics = {
+        "n_scenes": len(scene_list),
+        "detect_precision": tp / max(1, n_pred),
+        "detect_recall": tp / max(1, n_true),
+        "detect_mean_iou": float(np.mean(ious)) if ious else 0.0,
+        "point_hit_rate": hits / max(1, n_true),
+        "point_precision": p_hits / max(1, n_points),
+        "query_accuracy": float(
+            np.mean([t.strip() == k["answer"] for t, k in zip(text["query"], tasks, strict=True)])
+        ),
+    }
+    for length in ("short", "normal", "long"):
+        said = text[f"caption_{length}"]
+        truth = [scenes.caption(s, length) for s in scene_list]
+        metrics[f"caption_{length}_exact"] = float(
+            np.mean([a.strip() == b for a, b in zip(said, truth, strict=True)])
+        )
+    return metrics
+
+
+BARS = {
+    "detect_precision": 0.90,
+    "detect_recall": 0.90,
+    "point_hit_rate": 0.90,
+    "caption_normal_exact": 0.80,
+    "query_accuracy": 0.80,
+}
+
+
+def format_table(metrics: dict) -> str:
+    rows = ["| metric | value | bar |", "|---|---|---|"]
+    for k, v in metrics.items():
+        if isinstance(v, float):
+            bar = f">= {BARS[k]:.2f}" if k in BARS else ""
+            rows.append(f"| {k} | {v:.3f} | {bar} |")
+    return "\n".join(rows)
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(prog="python -m foveal.eval_shapes", description=__doc__.split("\n")[0])
+    p.add_argument("--model", default=str(DEFAULT_MODEL), help="Hugging Face folder of a shapes model")
+    p.add_argument("--n", type=int, default=500, help="number of held-out scenes")
+    p.add_argument("--seed-offset", type=int, default=0, help="first held-out scene seed")
+    p.add_argument("--json", default=None, help="write the metrics here")
+    p.add_argument("--threads", type=int, default=1)
+    args = p.parse_args(argv)
+    if not (Path(args.model) / "model.safetensors").is_file():
+        raise SystemExit(
+            f"no model weights in {args.model}; train and export one with python -m foveal.train_shapes --export {args.model}"
+        )
+    torch.set_num_threads(args.threads)
+    t0 = time.time()
+    metrics = evaluate_model(args.model, n=args.n, seed_offset=args.seed_offset)
+    metrics.update(model=str(args.model), decoder=DECODER, seconds=round(time.time() - t0, 1))
+    print(f"decoder: {DECODER}\nmodel: {args.model}\n")
+    print(format_table(metrics))
+    if args.json:
+        Path(args.json).write_text(json.dumps(metrics, indent=2) + "\n")
+        print(f"\nwrote {args.json}")
+
+
+if __name__ == "__main__":
+    main()
