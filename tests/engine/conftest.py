@@ -131,8 +131,62 @@ def h():
         EOS=EOS,
         VOCAB=VOCAB,
         TrieMatcher=TrieMatcher,
+        Recording=Recording,
         config=config,
         engine=engine,
         run_both=run_both,
         same=same,
     )
+
+
+REGEXES = [r"[a-z]{3,8}( [a-z]{2,6}){0,4}", r"(yes|no|maybe)", r"[0-9]{1,4}(\.[0-9]{1,3})?"]
+POINT_SCHEMA = {
+    "type": "object",
+    "properties": {
+        "x": {"type": "number", "minimum": 0, "maximum": 1},
+        "y": {"type": "number", "minimum": 0, "maximum": 1},
+    },
+    "required": ["x", "y"],
+    "additionalProperties": False,
+}
+
+
+@pytest.fixture(scope="session")
+def automata(tokenizer):
+    """Real foveal.grammars automata over the small tokenizer, with a check that an output is accepted."""
+    import json
+    import re
+
+    from foveal import grammars
+
+    def regex_check(pattern):
+        return lambda text: re.fullmatch(pattern, text) is not None
+
+    def point_check(text):
+        p = json.loads(text)
+        return set(p) == {"x", "y"} and all(0 <= p[k] <= 1 for k in "xy")
+
+    specs = [(grammars.Regex(r), regex_check(r)) for r in REGEXES] + [(POINT_SCHEMA, point_check)]
+    return [(grammars.compile(s, tokenizer, eos_token_id=EOS, vocab_size=VOCAB), check) for s, check in specs]
+
+
+class Recording:
+    """Wraps a matcher; records how many tokens it had committed each time a mask was asked for."""
+
+    def __init__(self, matcher) -> None:
+        self.matcher, self.count, self.history = matcher, 0, []
+
+    def commit(self, token_id: int) -> None:
+        self.matcher.commit(token_id)
+        self.count += 1
+
+    def fill_mask(self, bitmask, row: int) -> None:
+        self.history.append(self.count)
+        self.matcher.fill_mask(bitmask, row)
+
+    def is_terminated(self) -> bool:
+        return self.matcher.is_terminated()
+
+    def rollback(self, n: int) -> None:
+        self.matcher.rollback(n)
+        self.count -= n

@@ -11,12 +11,13 @@ import threading
 
 import pytest
 
+from foveal import grammars
 from foveal.engine import FakeRunner, FinishReason, Request, SamplingParams
 
 THREADS = 4
 
 
-def _make(i: int, vocab: int, trie) -> tuple[Request, bool]:
+def _make(i: int, vocab: int, automata) -> tuple[Request, bool]:
     """Request i (a pure function of i) and whether to cancel it after its first delta/token."""
     rng = random.Random(i)
     kind = rng.random()
@@ -30,25 +31,23 @@ def _make(i: int, vocab: int, trie) -> tuple[Request, bool]:
         stop_token_ids=(rng.randrange(1, vocab),) if 0.2 <= kind < 0.3 else (),
     )
     matcher = None
-    if 0.3 <= kind < 0.55:
-        options = [
-            [rng.randrange(1, vocab) for _ in range(rng.randint(1, 12))] for _ in range(rng.randint(1, 5))
-        ]
-        matcher = trie(options)
+    if 0.3 <= kind < 0.55:  # a real foveal.grammars automaton (regexes, a JSON schema)
+        matcher = automata[rng.randrange(len(automata))][0].matcher()
     prompt = [rng.randrange(1, vocab) for _ in range(rng.randint(1, 30))]
     return Request(prompt, sampling, matcher), rng.random() < 0.08
 
 
-def _run(h, tokenizer, n: int, pipelined: bool) -> dict[int, tuple]:
+def _run(h, tokenizer, automata, n: int, pipelined: bool) -> dict[int, tuple]:
     runner = FakeRunner(vocab_size=h.VOCAB, seed=1, boost={h.EOS: 2.5}, jitter_s=0.0005)
-    with h.engine(pipelined, runner, tokenizer, max_batch=32, num_pages=400, page_size=8, debug=True) as eng:
+    config = dict(max_batch=32, num_pages=400, page_size=8, debug=True, fill_masks=grammars.fill_masks)
+    with h.engine(pipelined, runner, tokenizer, **config) as eng:
         results: dict[int, tuple] = {}
         lock = threading.Lock()
 
         def worker(k: int) -> None:
             handles = []
             for i in range(k, n, THREADS):
-                request, cancel = _make(i, h.VOCAB, h.TrieMatcher)
+                request, cancel = _make(i, h.VOCAB, automata)
                 handle = eng.submit(request)
                 if cancel:
                     handle.cancel()
@@ -67,9 +66,10 @@ def _run(h, tokenizer, n: int, pipelined: bool) -> dict[int, tuple]:
     return results
 
 
-def _check(h, tokenizer, n: int) -> None:
-    piped = _run(h, tokenizer, n, True)
-    blocking = _run(h, tokenizer, n, False)
+def _check(h, tokenizer, automata, n: int) -> None:
+    piped = _run(h, tokenizer, automata, n, True)
+    blocking = _run(h, tokenizer, automata, n, False)
+    checks = {id(a): check for a, check in automata}
     assert len(piped) == len(blocking) == n
     reasons = set()
     for i in range(n):
@@ -79,7 +79,7 @@ def _check(h, tokenizer, n: int) -> None:
             assert out.finish_reason is not FinishReason.ERROR, out.error
             assert len(out.token_ids) <= request.sampling.max_tokens
             if request.matcher is not None and out.finish_reason is FinishReason.STOP:
-                assert out.token_ids in request.matcher.options
+                assert checks[id(request.matcher.automaton)](out.text), out.text
         if FinishReason.CANCELLED in (a.finish_reason, b.finish_reason):
             # when the cancel lands depends on timing: the shorter output is a prefix of the longer
             short, long = sorted((a.token_ids, b.token_ids), key=len)
@@ -89,10 +89,10 @@ def _check(h, tokenizer, n: int) -> None:
     assert {FinishReason.STOP, FinishReason.LENGTH, FinishReason.CANCELLED} <= reasons
 
 
-def test_stress_small(h, tokenizer):
-    _check(h, tokenizer, 200)
+def test_stress_small(h, tokenizer, automata):
+    _check(h, tokenizer, automata, 200)
 
 
 @pytest.mark.slow
-def test_stress_2000_requests_4_threads(h, tokenizer):
-    _check(h, tokenizer, 2000)
+def test_stress_2000_requests_4_threads(h, tokenizer, automata):
+    _check(h, tokenizer, automata, 2000)
