@@ -66,10 +66,37 @@ def json_schema_source(schema: dict | bool | str) -> GrammarSource:
             ) from err
     if not isinstance(schema, dict | bool):
         raise SchemaError(f"a JSON schema must be an object or a boolean, got {type(schema).__name__}")
+    schema = apply_draft_ref_rule(schema)
     # Key order is meaningful (property order is the output order), so the key keeps it.
     text = json.dumps(schema, ensure_ascii=False, separators=(",", ":"))
     grammar = llguidance.LLMatcher.grammar_from_json_schema(text, overrides=JSON_OPTIONS)
     return GrammarSource("json_schema", "json:" + text, grammar, schema)
+
+
+_OLD_DRAFTS = ("draft-03", "draft-04", "draft-06", "draft-07")
+_REF_KEPT_SIBLINGS = frozenset({"$ref", "definitions", "$defs", "$comment"})
+_VALUE_KEYS = frozenset({"enum", "const", "default", "examples"})
+
+
+def apply_draft_ref_rule(schema: dict | bool) -> dict | bool:
+    """Draft-03..07 ignore every keyword next to `$ref`; 2019-09+ (llguidance's reading) apply them.
+
+    For a schema that declares an old draft, drop those siblings (keeping `definitions`, which refs
+    may point into) so the grammar means what the schema's own draft says.
+    """
+    if not isinstance(schema, dict) or not any(d in str(schema.get("$schema", "")) for d in _OLD_DRAFTS):
+        return schema
+    return _drop_ref_siblings(schema)
+
+
+def _drop_ref_siblings(node: Any) -> Any:
+    if isinstance(node, list):
+        return [_drop_ref_siblings(v) for v in node]
+    if not isinstance(node, dict):
+        return node
+    if isinstance(node.get("$ref"), str):
+        node = {k: v for k, v in node.items() if k in _REF_KEPT_SIBLINGS or k == "$schema"}
+    return {k: (v if k in _VALUE_KEYS else _drop_ref_siblings(v)) for k, v in node.items()}
 
 
 def regex_source(pattern: str) -> GrammarSource:

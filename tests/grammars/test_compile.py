@@ -213,3 +213,15 @@ def test_json_is_compact_and_leaves_no_room_for_whitespace(tok):
 def test_x_guidance_in_a_schema_cannot_loosen_whitespace(tok):
     schema = {"x-guidance": {"whitespace_flexible": True}, "type": "array", "items": {"type": "integer"}}
     assert not accepts(grammars.compile(schema, tok, eos_token_id=EOS), "[1,   2]", tok)
+
+
+def test_old_drafts_ignore_keywords_next_to_ref(tok):
+    """Draft-07: `$ref` siblings are ignored (here: a `maximum` that 2020-12 would apply)."""
+    body = {"definitions": {"n": {"type": "integer"}}, "$ref": "#/definitions/n", "maximum": 3}
+    old = grammars.compile(
+        {"$schema": "http://json-schema.org/draft-07/schema#", **body}, tok, eos_token_id=EOS
+    )
+    new = grammars.compile(
+        {"$schema": "https://json-schema.org/draft/2020-12/schema", **body}, tok, eos_token_id=EOS
+    )
+    assert accepts(old, "7", tok) and not accepts(new, "7", tok) and accepts(new, "2", tok)

@@ -1,0 +1,105 @@
+"""Generation soundness: random walks under the mask over a sample of compiled JSONSchemaBench
+schemas; every walk that ends must be JSON that validates against its schema (python-jsonschema).
+A walk that hits max_tokens is "unfinished" (the pull towards closing was not enough), not invalid;
+an empty mask before termination is a dead end and counts as a failure.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import numpy as np
+
+from ..compiler import compile
+from ..errors import SchemaError
+from ..walk import random_walk
+from .bench import SUBSETS, files
+from .feed import EOS
+
+
+def sample_paths(n: int, seed: int = 0) -> list:
+    paths = [p for subset in SUBSETS for p in files(subset)]
+    rng = np.random.default_rng(seed)
+    return [paths[i] for i in sorted(rng.choice(len(paths), size=min(n, len(paths)), replace=False))]
+
+
+def validate(schema: Any, text: str) -> str | None:
+    """None if the text is JSON valid under the schema, else the reason."""
+    import re
+
+    import jsonschema
+    import referencing.exceptions
+
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as err:
+        return f"not JSON: {err}"
+    try:
+        cls = jsonschema.validators.validator_for(schema, default=jsonschema.Draft202012Validator)
+        error = jsonschema.exceptions.best_match(cls(schema).iter_errors(data))
+    except (
+        jsonschema.exceptions.SchemaError,
+        referencing.exceptions.Unresolvable,
+        re.error,
+        RecursionError,
+    ) as err:
+        return f"validator could not run: {type(err).__name__}"
+    return None if error is None else error.message[:200]
+
+
+def run(tok: Any, n: int = 1400, max_tokens: int = 1500, seed: int = 0) -> dict:
+    rng = np.random.default_rng(seed)
+    stats = {
+        "sampled": 0,
+        "compiled": 0,
+        "terminated": 0,
+        "unfinished": 0,
+        "dead_ends": 0,
+        "valid": 0,
+        "invalid": 0,
+        "validator_errors": 0,
+    }
+    invalid = []
+    for path in sample_paths(n, seed):
+        schema = json.loads(path.read_text())["schema"]
+        stats["sampled"] += 1
+        try:
+            automaton = compile(schema, tok, eos_token_id=EOS)
+        except SchemaError:
+            continue
+        stats["compiled"] += 1
+        walk = random_walk(automaton, rng, max_tokens=max_tokens, pull=0.01)
+        if walk.empty_mask:
+            stats["dead_ends"] += 1
+            invalid.append({"file": path.name, "reason": "empty mask before termination"})
+            continue
+        if not walk.terminated:
+            stats["unfinished"] += 1
+            continue
+        stats["terminated"] += 1
+        text = automaton.tokenizer.ll.decode_bytes(walk.tokens).decode("utf-8", errors="replace")
+        reason = validate(schema, text)
+        if reason is None:
+            stats["valid"] += 1
+        elif reason.startswith("validator could not run"):
+            stats["validator_errors"] += 1
+        else:
+            stats["invalid"] += 1
+            invalid.append({"file": f"{path.parent.name}/{path.name}", "reason": reason, "text": text[:300]})
+    stats["invalid_outputs"] = invalid
+    return stats
+
+
+def table(result: dict) -> str:
+    keys = (
+        "sampled",
+        "compiled",
+        "terminated",
+        "unfinished",
+        "dead_ends",
+        "valid",
+        "invalid",
+        "validator_errors",
+    )
+    return "\nGeneration soundness (random walks)\n" + "  ".join(f"{k}={result[k]}" for k in keys)

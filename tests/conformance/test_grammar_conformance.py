@@ -1,0 +1,73 @@
+"""The grammar layer against ../shared/conformance: a fast subset by default, full runs under
+`-m conformance` (they take minutes). Zero false accepts everywhere; coverage at least llguidance's
+baseline; zero invalid outputs from random walks.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from foveal.grammars.conformance import bench, cases, jsts, soundness
+from foveal.grammars.conformance.feed import load_tokenizer
+
+QUICK_KEYWORDS = ("properties", "required", "maximum", "enum", "items", "ref", "anyOf", "const", "pattern")
+
+
+@pytest.fixture(scope="module")
+def tok(shared_dir):
+    return load_tokenizer()
+
+
+def test_jsts_subset_has_no_false_accepts(tok):
+    for draft in jsts.DRAFTS:
+        verdicts = []
+        for path in jsts.suite_files(draft):
+            if jsts.keyword_of(path, draft) in QUICK_KEYWORDS:
+                verdicts += [r["verdict"] for r in jsts.run_file(path, tok, draft)]
+        assert len(verdicts) > 200
+        assert "false_accept" not in verdicts
+        assert verdicts.count("pass") > 0.8 * len(verdicts)
+
+
+def test_jsonschemabench_subset_no_false_accepts_and_baseline_coverage(tok):
+    baseline = bench.load_baseline()
+    for subset in ("Github_easy", "Glaiveai2K"):
+        stats = bench.run_subset(subset, tok, baseline, limit=15)
+        assert stats["false_accept"] == 0, stats["false_accepts"]
+        assert stats["compiled"] >= stats["baseline_compiled"] and stats["tests"] > 20
+
+
+def test_engine_cases_have_no_false_accepts(tok):
+    result = cases.run(tok)
+    for name, r in result.items():
+        assert r["counts"].get("false_accept", 0) == 0, (name, r["failures"][:3])
+    assert result["llguidance_lark"]["counts"].get("compile_error_fail", 0) == 0
+    assert result["outlines_lark"]["counts"] == {"pass": 5}
+
+
+def test_random_walks_on_a_schema_sample_are_valid(tok):
+    result = soundness.run(tok, n=25, max_tokens=600)
+    assert result["compiled"] >= 15
+    assert result["invalid"] == 0 and result["dead_ends"] == 0, result["invalid_outputs"][:3]
+    assert result["valid"] >= 10
+
+
+@pytest.mark.conformance
+def test_full_jsts(tok):
+    result = jsts.run(tok)
+    for draft, r in result.items():
+        assert r["total"].get("false_accept", 0) == 0, (draft, r["false_accepts"][:5])
+
+
+@pytest.mark.conformance
+def test_full_jsonschemabench(tok):
+    for subset, stats in bench.run(tok).items():
+        assert stats["false_accept"] == 0, (subset, stats["false_accepts"][:5])
+        assert stats["compiled"] >= stats["baseline_compiled"], subset
+
+
+@pytest.mark.conformance
+def test_full_soundness(tok):
+    result = soundness.run(tok)
+    assert result["compiled"] >= 1000
+    assert result["invalid"] == 0 and result["dead_ends"] == 0, result["invalid_outputs"][:5]
