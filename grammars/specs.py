@@ -66,10 +66,17 @@ def json_schema_source(schema: dict | bool | str) -> GrammarSource:
             ) from err
     if not isinstance(schema, dict | bool):
         raise SchemaError(f"a JSON schema must be an object or a boolean, got {type(schema).__name__}")
+    if schema is False:
+        raise SchemaError("the schema `false` allows no output at all; give a schema some value satisfies")
+    if schema is True:
+        schema = {}  # same meaning, and llguidance applies options to object schemas only
     schema = apply_draft_ref_rule(schema)
     # Key order is meaningful (property order is the output order), so the key keeps it.
     text = json.dumps(schema, ensure_ascii=False, separators=(",", ":"))
-    grammar = llguidance.LLMatcher.grammar_from_json_schema(text, overrides=JSON_OPTIONS)
+    try:
+        grammar = llguidance.LLMatcher.grammar_from_json_schema(text, overrides=JSON_OPTIONS)
+    except ValueError as err:
+        raise SchemaError(f"JSON schema refused: {err}; pass a JSON-schema object") from err
     return GrammarSource("json_schema", "json:" + text, grammar, schema)
 
 

@@ -225,3 +225,9 @@ def test_old_drafts_ignore_keywords_next_to_ref(tok):
         {"$schema": "https://json-schema.org/draft/2020-12/schema", **body}, tok, eos_token_id=EOS
     )
     assert accepts(old, "7", tok) and not accepts(new, "7", tok) and accepts(new, "2", tok)
+
+
+def test_boolean_schemas(tok):
+    assert accepts(grammars.compile(True, tok, eos_token_id=EOS), '{"any": [1, "json"]}', tok)
+    with pytest.raises(grammars.SchemaError, match="allows no output"):
+        grammars.compile(False, tok, eos_token_id=EOS)
