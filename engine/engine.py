@@ -13,7 +13,8 @@ SOLUTION
       3. finalize step t+1: fill the masks from the just-advanced matchers, queue the sampler and
          the host copy.
     The device runs forward t+1 while the host commits t. Blocking mode (`pipelined=False`) is the
-    same tick followed by committing step t+1 at once. A sequence that finishes at commit t may
+    same tick with waits: for the forward before finalize, and for the step's ids right after it
+    (commit), so nothing overlaps: the baseline of comparisons. A sequence that finishes at commit t may
     ride in step t+1 as a zombie: its token there is dropped, its pages wait for inflight_refs 0.
 INVARIANTS (tests/engine/ has a test for each)
     1. Greedy or seeded outputs are token-identical in pipelined and blocking mode.
@@ -230,9 +231,16 @@ class Engine:
         while len(self._inflight) > keep:
             self._commit_oldest()
         if step is not None:
+            if not self.config.pipelined:  # the baseline overlaps nothing: mask after the forward
+                self._wait_device()
             self._finalize(step)
             if not self.config.pipelined:
                 self._commit_oldest()
+
+    def _wait_device(self) -> None:
+        t0 = time.perf_counter()
+        self.device.synchronize()
+        self._span("wait", t0)
 
     def _take_inbox(self) -> None:
         with self._cond:

@@ -1,0 +1,155 @@
+"""Pipelined vs blocking decode throughput of foveal.engine, with the gain the pipeline should reach.
+
+    python -m benchmarks.pipeline [--out benchmarks/results/pipeline.json] [--quick]
+
+For each forward time F (the fake runner sleeps ~1 ms or ~5 ms, standing in for accelerator time),
+each number of concurrent streams (1, 8, 32, 64) and unconstrained / constrained (a real
+foveal.grammars regex automaton), it runs the same greedy workload in blocking and in pipelined
+mode and reports:
+  - tokens/s in each mode and the measured gain (pipelined / blocking);
+  - the ideal gain (F + S + B) / (F + S), from the blocking run's measured forward F, sample S
+    (sampler + host copy, device side) and host bookkeeping B (launch + commit + finalize);
+  - gain / ideal, and the device's idle fraction of wall time in each mode.
+The workload uses a 512-token byte-level BPE tokenizer trained here (text is detokenized and stop
+checks run, as in real use). Numbers depend on the machine and on its load; the JSON keeps them all.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import time
+from pathlib import Path
+
+import torch
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+from foveal import grammars
+from foveal.engine import Engine, EngineConfig, FakeRunner, Request, SamplingParams
+
+VOCAB, EOS = 512, 0
+CORPUS = ["the quick brown fox jumps over the lazy dog", "a red circle left of a blue square"] * 50
+PATTERN = r"([a-z]+ )*[a-z]+"  # never ends by itself: every stream decodes max_tokens tokens
+
+
+def make_tokenizer() -> Tokenizer:
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=VOCAB, special_tokens=["<eos>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+    )
+    tok.train_from_iterator(CORPUS, trainer)
+    return tok
+
+
+def run(tokenizer, automaton, forward_s: float, streams: int, pipelined: bool, tokens: int) -> dict:
+    runner = FakeRunner(vocab_size=VOCAB, delay_s=forward_s, seed=0, boost={EOS: -100.0})
+    config = EngineConfig(
+        pipelined=pipelined,
+        max_batch=max(streams, 1),
+        eos_token_ids=(EOS,),
+        page_size=16,
+        num_pages=64 * 16,
+        max_model_len=512,
+        fill_masks=grammars.fill_masks,
+    )
+    with Engine(runner, tokenizer, config) as engine:
+        warm = [Request([1, 2, 3], SamplingParams(max_tokens=4, ignore_eos=True)) for _ in range(streams)]
+        engine.generate(warm)
+        engine.reset_stats()
+        requests = [
+            Request(
+                [1 + (i * 7 + j) % 200 for j in range(8)],
+                SamplingParams(max_tokens=tokens, ignore_eos=True),
+                automaton.matcher() if automaton is not None else None,
+            )
+            for i in range(streams)
+        ]
+        t0 = time.perf_counter()
+        outs = engine.generate(requests, timeout=600)
+        wall = time.perf_counter() - t0
+        stats = engine.stats()
+    assert all(len(o.token_ids) == tokens for o in outs), "every stream must decode the full length"
+    stats["wall_s"] = wall
+    return stats
+
+
+def measure(tokenizer, automaton, forward_s: float, streams: int, tokens: int) -> dict:
+    blocking = run(tokenizer, automaton, forward_s, streams, False, tokens)
+    pipelined = run(tokenizer, automaton, forward_s, streams, True, tokens)
+    f, s, b = blocking["forward_ms"], blocking["sample_ms"], blocking["host_ms_per_step"]
+    ideal = (f + s + b) / (f + s)
+    gain = pipelined["tokens_per_s"] / blocking["tokens_per_s"]
+    return {
+        "forward_target_ms": forward_s * 1e3,
+        "streams": streams,
+        "constrained": automaton is not None,
+        "F_ms": f,
+        "S_ms": s,
+        "B_ms": b,
+        "ideal_gain": ideal,
+        "gain": gain,
+        "gain_over_ideal": gain / ideal,
+        "blocking_tok_s": blocking["tokens_per_s"],
+        "pipelined_tok_s": pipelined["tokens_per_s"],
+        "blocking_idle": 1 - blocking["device_busy_fraction"],
+        "pipelined_idle": 1 - pipelined["device_busy_fraction"],
+        "pipelined_B_ms": pipelined["host_ms_per_step"],
+        "raw": {"blocking": blocking, "pipelined": pipelined},
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--out", default="benchmarks/results/pipeline.json")
+    parser.add_argument("--tokens", type=int, default=64, help="tokens decoded per stream")
+    parser.add_argument("--quick", action="store_true", help="one forward time, 8 streams (smoke run)")
+    args = parser.parse_args()
+    torch.set_num_threads(1)  # the engine's device thread and the scheduler share a small CPU
+    tokenizer = make_tokenizer()
+    automaton = grammars.compile(grammars.Regex(PATTERN), tokenizer, eos_token_id=EOS, vocab_size=VOCAB)
+    forwards = [0.001] if args.quick else [0.001, 0.005]
+    stream_counts = [8] if args.quick else [1, 8, 32, 64]
+    rows = []
+    header = f"{'F':>4} {'streams':>7} {'grammar':>7} | {'F ms':>5} {'S ms':>5} {'B ms':>5} | {'block tok/s':>11} {'pipe tok/s':>10} | {'gain':>5} {'ideal':>5} {'g/ideal':>7} | {'idle blk':>8} {'idle pipe':>9}"
+    print(header)
+    print("-" * len(header))
+    for forward_s in forwards:
+        for constrained in (False, True):
+            for streams in stream_counts:
+                r = measure(tokenizer, automaton if constrained else None, forward_s, streams, args.tokens)
+                rows.append(r)
+                print(
+                    f"{forward_s * 1e3:>3.0f}m {streams:>7} {'yes' if constrained else 'no':>7} | "
+                    f"{r['F_ms']:>5.2f} {r['S_ms']:>5.2f} {r['B_ms']:>5.2f} | "
+                    f"{r['blocking_tok_s']:>11.0f} {r['pipelined_tok_s']:>10.0f} | "
+                    f"{r['gain']:>5.2f} {r['ideal_gain']:>5.2f} {r['gain_over_ideal']:>7.2f} | "
+                    f"{r['blocking_idle']:>8.1%} {r['pipelined_idle']:>9.1%}",
+                    flush=True,
+                )
+    by_key = {(r["forward_target_ms"], r["streams"], r["constrained"]): r for r in rows}
+    for r in rows:
+        if r["constrained"]:
+            free = by_key[(r["forward_target_ms"], r["streams"], False)]
+            r["constrained_gain_over_unconstrained"] = r["gain"] / free["gain"]
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    meta = {"machine": platform.platform(), "cpus": torch.get_num_threads(), "tokens_per_stream": args.tokens}
+    out.write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
+    print(
+        "\nconstrained gain / unconstrained gain: "
+        + ", ".join(
+            f"F={r['forward_target_ms']:.0f}ms x{r['streams']}: {r['constrained_gain_over_unconstrained']:.2f}"
+            for r in rows
+            if r["constrained"]
+        )
+    )
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()
