@@ -124,3 +124,69 @@ def test_soft_location_targets_cost_less_for_near_misses(tiny_cfg):
         return ts.loss_fn(logits, labels, loc_ids, tiny_cfg)
 
     assert loss_for(5) < loss_for(6) < loss_for(9)
+
+
+# ---- task formats (foveal.shapes_format) -------------------------------------------------------
+
+
+def test_location_bins_encode_and_decode():
+    fmt = ShapesFormat(n_bins=32)
+    assert fmt.encode(0.0) == 0 and fmt.encode(1.0) == 31 and fmt.encode(0.5) == 16
+    assert fmt.decode(31) == 1.0
+    assert all(fmt.encode(fmt.decode(k)) == k for k in range(32))
+
+
+def test_detect_and_point_targets_parse_back_to_the_ground_truth():
+    fmt = ShapesFormat(n_bins=32)
+    for seed in range(100):
+        scene = scenes.generate_scene(seed, 90)
+        truth = [o.box(90, 90) for o in scenes.objects_matching(scene, "shape")]
+        target = fmt.detect_target(scene, "shape")
+        boxes = fmt.parse_detect(target)
+        assert len(boxes) == len(truth)
+        for b, (x0, y0, x1, y1) in zip(boxes, truth, strict=True):
+            assert b["x_min"] < b["x_max"] and b["y_min"] < b["y_max"]  # the grammar's rule
+            got = (b["x_min"], b["y_min"], b["x_max"], b["y_max"])
+            assert max(abs(g - t) for g, t in zip(got, (x0, y0, x1, y1), strict=True)) <= 0.5 / 31 + 1e-9
+        points = fmt.parse_point(fmt.point_target(scene, "shape"))
+        objs = scenes.objects_matching(scene, "shape")
+        assert len(points) == len(objs)
+        assert all(o.contains(p["x"], p["y"], 90, 90) for o, p in zip(objs, points, strict=True))
+        assert target.count(" ; ") == len(truth) - 1 and target.endswith(" shape")
+    assert fmt.detect_target(scenes.Scene(0, 64, 64, 230, ()), "circle") == ""
+
+
+def test_boxes_keep_positive_extent_in_bins():
+    fmt = ShapesFormat(n_bins=8)
+    assert fmt.box_bins((0.50, 0.50, 0.52, 0.52)) == (4, 4, 5, 5)
+    assert fmt.box_bins((0.99, 0.99, 1.0, 1.0)) == (6, 6, 7, 7)
+
+
+def test_format_file_round_trips(tmp_path):
+    fmt = ShapesFormat(n_bins=24)
+    fmt.save(tmp_path)
+    assert ShapesFormat.load(tmp_path) == fmt
+    assert fmt.prompt("detect", object="red circle") == "detect red circle"
+    with pytest.raises(FileNotFoundError, match="train one"):
+        ShapesFormat.load(tmp_path / "nowhere")
+    with pytest.raises(ValueError, match="use one of"):
+        fmt.prompt("segment", object="x")
+
+
+def test_detect_and_point_targets_are_accepted_by_the_spatial_grammar():
+    from foveal import grammars
+    from foveal.grammars import spatial
+
+    fmt = ShapesFormat(n_bins=32)
+    tok = ts.build_tokenizer(fmt)
+    for seed in range(20):
+        scene = scenes.generate_scene(seed, 80)
+        for phrase in ("shape", "circle", "red circle"):
+            for spec, text in (
+                (spatial.boxes("loc", label=phrase, bins=32), fmt.detect_target(scene, phrase)),
+                (spatial.points("loc", label=phrase, bins=32), fmt.point_target(scene, phrase)),
+            ):
+                matcher = grammars.compile(spec, tok).matcher()
+                for token_id in tok(text, add_special_tokens=False)["input_ids"] + [tok.eos_token_id]:
+                    matcher.commit(token_id)  # raises on a token the grammar forbids
+                assert matcher.is_terminated(), text
