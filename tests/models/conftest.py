@@ -166,15 +166,16 @@ def reference_greedy(
     model, prompt: PromptInputs, family, max_new_tokens: int
 ) -> tuple[list[int], list[torch.Tensor]]:
     """transformers' own `generate` (greedy, batch of one) on the same prompt: tokens and per-step logits."""
-    ids = torch.tensor([prompt.token_ids])
+    device = next(model.parameters()).device
+    ids = torch.tensor([prompt.token_ids], device=device)
     kwargs = {}
     if prompt.extras is not None:
-        kwargs = {key: prompt.extras[key].cpu() for key in family.image_keys}
+        kwargs = {key: prompt.extras[key].to(device) for key in family.image_keys}
         if family.prefix_attention:
             types = [0] * prompt.extras["prefix_len"] + [1] * (
                 len(prompt.token_ids) - prompt.extras["prefix_len"]
             )
-            kwargs["token_type_ids"] = torch.tensor([types])
+            kwargs["token_type_ids"] = torch.tensor([types], device=device)
     out = model.generate(
         ids,
         attention_mask=torch.ones_like(ids),
@@ -185,7 +186,7 @@ def reference_greedy(
         **kwargs,
     )
     tokens = out.sequences[0, ids.shape[1] :].tolist()
-    return tokens, [step[0].float() for step in out.logits]
+    return tokens, [step[0].float().cpu() for step in out.logits]
 
 
 def parity(

@@ -1,0 +1,161 @@
+"""Device check for the model runners on a CUDA machine (CI has no GPU; run by hand where one is lent).
+
+    python -m benchmarks.device_check_models [--out DIR]
+
+Checks, each printed as PASS/FAIL and written to DIR/device_check_models.json:
+1. Every family's tiny checkpoint loads with device="cuda" (default dtype: bf16) and, in fp32 on CUDA,
+   gives the same greedy tokens as transformers' `generate` on CUDA, logits within 1e-3 (TF32/SDPA
+   kernels differ from CPU's), five prompts in one batch.
+2. bf16 on CUDA: tokens of the first greedy step agree with fp32 for most prompts (reported, not asserted).
+3. `forward` never synchronises with the host: a decode step runs under
+   `torch.cuda.set_sync_debug_mode("error")`.
+4. Decode throughput of a SmolLM2-135M-shaped random Llama (bf16, batch 1/16/64) through the engine.
+Exit status 1 if a check fails.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+import transformers
+
+from foveal.engine import Engine, EngineConfig, Request, SamplingParams
+from foveal.engine.models import load
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_helpers():
+    spec = importlib.util.spec_from_file_location(
+        "models_conftest", ROOT / "tests" / "models" / "conftest.py"
+    )
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def cuda_parity(helpers, tmp: Path) -> list[dict]:
+    rows = []
+    for family, build in helpers.BUILDERS.items():
+        folder = build(tmp / family)
+        loaded = load(folder, device="cuda", dtype="float32")
+        reference = helpers.reference_model(folder).to("cuda")
+        prompts = helpers.family_prompts(loaded)
+        ours = helpers.greedy(loaded.runner, prompts, 8, loaded.eos_token_ids)
+        worst, equal = 0.0, True
+        for seq, prompt in enumerate(prompts):
+            ids = torch.tensor([prompt.token_ids], device="cuda")
+            kwargs = {k: prompt.extras[k] for k in loaded.runner.family.image_keys} if prompt.extras else {}
+            if prompt.extras and loaded.runner.family.prefix_attention:
+                n = len(prompt.token_ids)
+                kwargs["token_type_ids"] = torch.tensor([[0] * prompt.extras["prefix_len"]], device="cuda")[
+                    :, :n
+                ]
+            out = reference.generate(
+                ids,
+                max_new_tokens=8,
+                do_sample=False,
+                output_logits=True,
+                return_dict_in_generate=True,
+                **kwargs,
+            )
+            equal &= out.sequences[0, ids.shape[1] :].tolist() == ours.tokens[seq]
+            for a, b in zip(ours.logits[seq], out.logits, strict=False):
+                worst = max(worst, float((a - b[0].float().cpu()).abs().max()))
+        bf16 = load(folder, device="cuda")
+        first16 = helpers.greedy(bf16.runner, prompts, 1).tokens
+        agree = sum(a[0] == b[0] for a, b in zip(first16, ours.tokens, strict=True)) / len(prompts)
+        rows.append(
+            {
+                "family": family,
+                "max_logit_diff": worst,
+                "tokens_equal": equal,
+                "bf16_first_token_agree": agree,
+                "default_dtype": str(bf16.runner.dtype),
+                "ok": equal and worst < 1e-3,
+            }
+        )
+    return rows
+
+
+def no_host_sync(helpers, tmp: Path) -> bool:
+    loaded = load(helpers.build_llama(tmp / "sync"), device="cuda")
+    prompts = [loaded.processor(p) for p in helpers.PROMPTS]
+    helpers.greedy(loaded.runner, prompts, 2)  # allocates KV and warms up
+    batch = helpers.make_batch([([5], 3, [0, 1], None), ([6], 7, [2, 3], None)], 4, "cuda")
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        loaded.runner.forward(batch)
+        return True
+    except RuntimeError as exc:
+        print("host sync in forward:", exc)
+        return False
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+
+
+def throughput(helpers, tmp: Path) -> list[dict]:
+    tok = helpers.train_tokenizer()
+    config = transformers.LlamaConfig(
+        vocab_size=49152,
+        hidden_size=576,
+        intermediate_size=1536,
+        num_hidden_layers=30,
+        num_attention_heads=9,
+        num_key_value_heads=3,
+        max_position_embeddings=2048,
+        tie_word_embeddings=True,
+        architectures=["LlamaForCausalLM"],
+        bos_token_id=1,
+        eos_token_id=2,
+    )
+    folder = helpers.save(transformers.LlamaForCausalLM(config), tmp / "smollm2_shape", tokenizer=tok)
+    loaded = load(folder, device="cuda")
+    rows = []
+    for batch in (1, 16, 64):
+        cfg = EngineConfig(page_size=16, num_pages=4096, max_model_len=512, max_batch=64)
+        with Engine(loaded.runner, loaded.tokenizer, cfg) as engine:
+            prompts = [[1] + [10 + i] * 20 for i in range(batch)]
+            engine.generate([Request(prompts[0], SamplingParams(max_tokens=4))])
+            torch.cuda.synchronize()
+            start = time.perf_counter()
+            engine.generate([Request(p, SamplingParams(max_tokens=128, ignore_eos=True)) for p in prompts])
+            seconds = time.perf_counter() - start
+        rows.append({"batch": batch, "tok_s": batch * 128 / seconds})
+    return rows
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", default=".")
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        print("no CUDA device: this check runs on a GPU machine")
+        return 2
+    helpers = test_helpers()
+    report: dict = {"device": torch.cuda.get_device_name(0)}
+    with tempfile.TemporaryDirectory() as tmp:
+        report["parity"] = cuda_parity(helpers, Path(tmp))
+        report["no_host_sync"] = no_host_sync(helpers, Path(tmp))
+        report["throughput"] = throughput(helpers, Path(tmp))
+    ok = all(r["ok"] for r in report["parity"]) and report["no_host_sync"]
+    for row in report["parity"]:
+        print(f"{'PASS' if row['ok'] else 'FAIL'} {row}")
+    print(f"{'PASS' if report['no_host_sync'] else 'FAIL'} forward without host sync")
+    for row in report["throughput"]:
+        print(f"batch {row['batch']:>3}: {row['tok_s']:.0f} tok/s (SmolLM2-135M shape, random weights, bf16)")
+    Path(args.out, "device_check_models.json").write_text(json.dumps(report, indent=2))
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

