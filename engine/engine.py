@@ -280,17 +280,17 @@ class Engine:
         return step
 
     def _stage_inputs(self, step: Step) -> None:
-        """Write the step's inputs and sampling parameters into the slot's host tensors."""
+        """Write the step's inputs into the slot's host tensors (few tensor constructions: host time)."""
         ps, h = self.config.page_size, step.slot.host
         ids: list[int] = []
         positions: list[int] = []
-        starts, ctx, dst, src, tables = [0], [], [], [], []
-        extras: list[Any] = []
+        slots: list[int] = []
+        starts, ctx, dst, src, tables, extras = [0], [], [], [], [], []
         for row, seq in enumerate(step.rows):
-            k = seq.num_scheduled
+            k, pages = seq.num_scheduled, seq.pages
             if k == 0:  # prefill
                 ids += seq.request.prompt_ids
-                positions += range(seq.prompt_len)
+                span = range(seq.prompt_len)
                 extras.append(seq.request.extras)
                 self._stats.prefill_rows += 1
             else:  # decode: the input is the token this sequence's previous step sampled
@@ -298,35 +298,34 @@ class Engine:
                 dst.append(len(ids))
                 src.append(seq.last_row)
                 ids.append(0)
-                positions.append(seq.prompt_len + k - 1)
+                span = (seq.prompt_len + k - 1,)
                 extras.append(None)
                 self._stats.decode_rows += 1
+            positions += span
+            slots += [pages[p // ps] * ps + p % ps for p in span]
             starts.append(len(ids))
             ctx.append(positions[-1] + 1)
-            tables.append(seq.pages)
+            if seq.table_row is None:
+                seq.table_row = torch.full((h.block_tables.shape[1],), -1, dtype=torch.int32)
+                seq.table_row[: len(pages)] = torch.tensor(pages, dtype=torch.int32)
+            tables.append(seq.table_row)
             seq.num_scheduled += 1
             seq.inflight_refs += 1
             seq.last_step, seq.last_row = step.number, row
         n, t, d = len(step.rows), len(ids), len(dst)
-        width = max(len(p) for p in tables)
-        h.input_ids[:t] = torch.tensor(ids)
-        h.positions[:t] = torch.tensor(positions)
-        pos = h.positions[:t]
-        table = torch.tensor([p + [-1] * (width - len(p)) for p in tables], dtype=torch.int32)
-        h.block_tables[:n, :width] = table
-        row_of_token = torch.repeat_interleave(
-            torch.arange(n), torch.tensor(starts[1:]) - torch.tensor(starts[:-1])
-        )
-        h.slot_mapping[:t] = table[row_of_token, pos // ps].long() * ps + pos % ps
+        width = max(len(seq.pages) for seq in step.rows)
+        h.input_ids[:t], h.positions[:t], h.slot_mapping[:t] = torch.tensor([ids, positions, slots])
+        h.block_tables[:n, :width] = torch.stack(tables)[:, :width]
         h.query_start[: n + 1] = torch.tensor(starts)
         h.context_lens[:n] = torch.tensor(ctx)
-        h.gather_dst[:d] = torch.tensor(dst, dtype=torch.int64)
-        h.gather_src[:d] = torch.tensor(src, dtype=torch.int64)
+        if d:
+            h.gather_dst[:d], h.gather_src[:d] = torch.tensor([dst, src])
         step.num_tokens, step.num_decode, step.table_width = t, d, width
         step.max_query_len = max(b - a for a, b in zip(starts, starts[1:], strict=False))
         step.max_context_len = max(ctx)
         step.extras = extras if any(e is not None for e in extras) else []
 
+    @torch.inference_mode()
     def _forward(self, step: Step, prev: DecodeSlot) -> None:
         """Device work: upload inputs, gather decode ids from the previous step's samples, run the model."""
         slot, n, t, d, width = step.slot, len(step.rows), step.num_tokens, step.num_decode, step.table_width
@@ -373,11 +372,16 @@ class Engine:
             self.config.fill_masks([m for _, m in constrained], h.bitmask[:c])
             h.mask_rows[:c] = torch.tensor([row for row, _ in constrained])
         params = [seq.request.sampling for seq in step.rows]
-        h.temperature[:n] = torch.tensor([p.temperature for p in params])
-        h.top_p[:n] = torch.tensor([p.top_p for p in params])
-        h.top_k[:n] = torch.tensor([p.top_k for p in params])
-        h.seeds[:n] = torch.tensor([seq.seed for seq in step.rows])
-        h.counters[:n] = torch.tensor([seq.num_scheduled - 1 for seq in step.rows])
+        h.temperature[:n], h.top_p[:n] = torch.tensor(
+            [[p.temperature for p in params], [p.top_p for p in params]]
+        )
+        h.top_k[:n], h.seeds[:n], h.counters[:n] = torch.tensor(
+            [
+                [p.top_k for p in params],
+                [seq.seed for seq in step.rows],
+                [seq.num_scheduled - 1 for seq in step.rows],
+            ]
+        )
         random_rows = [row for row, p in enumerate(params) if p.temperature > 0]
         r = len(random_rows)
         if r:
@@ -389,6 +393,7 @@ class Engine:
         slot.state = SlotState.FINALIZED
         self._span("finalize", t0)
 
+    @torch.inference_mode()  # runners return inference tensors; the sampler masks them in place
     def _sample(self, slot: DecodeSlot, n: int, r: int, c: int, filter_rows: bool) -> None:
         slot.upload(
             ("temperature", "top_p", "top_k", "seeds", "counters", "random_rows", "mask_rows", "bitmask"),

@@ -22,6 +22,8 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
+import torch
+
 from .detokenizer import Detokenizer
 from .kv_cache import PagePool, pages_needed
 from .matcher import Matcher
@@ -46,6 +48,7 @@ class Sequence:
     finish_reason: FinishReason | None = None
     last_step: int = -1  # the latest step that carries this sequence ...
     last_row: int = -1  # ... and its row there (where its next input id is sampled)
+    table_row: torch.Tensor | None = None  # its pages as a block-table row (built once, at first launch)
 
     @property
     def prompt_len(self) -> int:
