@@ -17,13 +17,14 @@ from .automaton import Automaton  # noqa: E402
 from .batch import fill_masks  # noqa: E402
 from .bitmask import allocate_bitmask  # noqa: E402
 from .compiler import compile  # noqa: E402
-from .errors import GrammarViolation, SchemaError  # noqa: E402
+from .errors import GrammarLimitError, GrammarViolation, SchemaError  # noqa: E402
 from .matcher import Matcher  # noqa: E402
 from .specs import CFG, Regex  # noqa: E402
 
 __all__ = [
     "CFG",
     "Automaton",
+    "GrammarLimitError",
     "GrammarViolation",
     "Matcher",
     "Regex",

@@ -45,6 +45,22 @@ class GrammarViolation(ValueError):
         self.token_text = token_text
 
 
+class GrammarLimitError(GrammarViolation):
+    """llguidance stopped the automaton mid-output on a resource limit (e.g. LexerTooComplex).
+
+    The output cannot be completed under the grammar; the caller ends the request with this error.
+    """
+
+    def __init__(self, token_id: int, token_text: str, detail: str) -> None:
+        ValueError.__init__(
+            self,
+            f"the grammar hit llguidance's resource limit before token {token_id} {token_text!r}: "
+            f"{detail[:300]}; simplify the schema (long bounded repetitions in patterns are the usual cause)",
+        )
+        self.token_id = token_id
+        self.token_text = token_text
+
+
 _UNIMPLEMENTED = re.compile(r"Unimplemented keys: (\[.*?\])")
 _LARK_POSITION = re.compile(r"^at (\d+)\((\d+)\)")
 # Property names and enum/const values are data, not keywords: never report a hit under them.

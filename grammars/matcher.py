@@ -11,7 +11,8 @@ INVARIANTS:
 1. After a refused commit the matcher is exactly as before (same mask, same count).
 2. EOS is allowed by the mask exactly when the grammar accepts; committing EOS terminates.
 3. `is_terminated()` is true once no token but EOS can follow (the output is complete) or EOS has
-   been committed; the engine stops the request then.
+   been committed; the engine stops the request then. If llguidance stops on a resource limit
+   mid-output, the next commit raises GrammarLimitError (a GrammarViolation) instead.
 4. `rollback(n)` undoes exactly the last n commits, EOS included (llguidance does not count an EOS
    committed after the grammar stopped by itself, so the wrapper remembers that one).
 """
@@ -23,7 +24,7 @@ from typing import TYPE_CHECKING, Any
 import llguidance
 
 from .bitmask import buffer_of, width_error
-from .errors import GrammarViolation
+from .errors import GrammarLimitError, GrammarViolation
 
 if TYPE_CHECKING:
     from .automaton import Automaton
@@ -58,6 +59,11 @@ class Matcher:
             self._eos_after_stop = True
             self._count += 1
             return
+        if self._ll.is_error():
+            error = self._ll.get_error()
+            raise GrammarLimitError(
+                token_id, self.automaton.tokenizer.token_text(token_id), error.splitlines()[0]
+            )
         raise GrammarViolation(token_id, self.automaton.tokenizer.token_text(token_id))
 
     def fill_mask(self, bitmask: Any, row: int) -> None:
@@ -75,7 +81,8 @@ class Matcher:
         """Composite matchers clear further bits of a freshly written row; plain ones do nothing."""
 
     def is_terminated(self) -> bool:
-        return self._ll.is_stopped()
+        # An errored llguidance matcher is "stopped" too; that is not a finished output (see commit).
+        return self._ll.is_stopped() and not self._ll.is_error()
 
     def is_accepting(self) -> bool:
         """True when the output so far is complete (EOS is allowed now)."""

@@ -14,6 +14,7 @@ import numpy as np
 
 from .automaton import Automaton
 from .bitmask import allocate_bitmask, allowed_tokens
+from .errors import GrammarLimitError
 
 
 @dataclass(slots=True)
@@ -21,6 +22,7 @@ class Walk:
     tokens: list[int]  # committed tokens, EOS excluded
     terminated: bool  # reached termination (complete output) before max_tokens
     empty_mask: bool  # the mask allowed nothing before termination (a dead end: always a bug)
+    limit: str = ""  # llguidance stopped on a resource limit mid-output (GrammarLimitError)
 
 
 _CLOSERS: dict[str, np.ndarray] = {}
@@ -62,7 +64,10 @@ def random_walk(
                 token = eos
             elif len(closing):
                 token = int(rng.choice(closing))
-        matcher.commit(token)
+        try:
+            matcher.commit(token)
+        except GrammarLimitError as err:
+            return Walk(tokens, False, False, str(err))
         if token == eos:
             return Walk(tokens, True, False)
         tokens.append(token)

@@ -1,6 +1,7 @@
 """Generation soundness: random walks under the mask over a sample of compiled JSONSchemaBench
 schemas; every walk that ends must be JSON that validates against its schema (python-jsonschema).
 A walk that hits max_tokens is "unfinished" (the pull towards closing was not enough), not invalid;
+one that llguidance stops on a resource limit mid-output (GrammarLimitError) is counted apart;
 an empty mask before termination is a dead end and counts as a failure.
 """
 
@@ -73,6 +74,10 @@ def run(tok: Any, n: int = 1400, max_tokens: int = 1500, seed: int = 0) -> dict:
         if walk.empty_mask:
             stats["dead_ends"] += 1
             invalid.append({"file": path.name, "reason": "empty mask before termination"})
+            continue
+        if walk.limit:
+            stats["resource_limits"] += 1
+            invalid.append({"file": f"{path.parent.name}/{path.name}", "reason": walk.limit[:200]})
             continue
         if not walk.terminated:
             stats["unfinished"] += 1

@@ -123,3 +123,23 @@ def test_fill_into_torch_tensors(automaton):
     assert torch.equal(t, single) and t[1].any() and not t[0].any()
     with pytest.raises(ValueError, match="int32"):
         m.fill_mask(torch.zeros((1, automaton.tokenizer.mask_words), dtype=torch.int64), 0)
+
+
+def test_a_resource_limit_mid_output_is_an_error_not_a_finish(tok):
+    """llguidance may stop on a lexer limit while decoding; the matcher must not look finished."""
+    pattern = r"^$|(^(?:\S+\s+){0,99}\S+$)"  # from a real-world schema (JSONSchemaBench)
+    schema = {
+        "type": "object",
+        "properties": {"q": {"type": "string", "maxLength": 5000, "pattern": pattern}},
+        "required": ["q"],
+    }
+    a = grammars.compile(schema, tok, eos_token_id=EOS)
+    m = a.matcher()
+    bm = grammars.allocate_bitmask(1, a.vocab_size)
+    for t in tok.encode('{"q": "').ids:
+        m.fill_mask(bm, 0)
+        m.commit(t)
+    m.fill_mask(bm, 0)
+    assert not m.is_terminated()
+    with pytest.raises(grammars.GrammarLimitError, match="resource limit"):
+        m.commit(EOS)
