@@ -57,6 +57,7 @@ def run(tok: Any, n: int = 1400, max_tokens: int = 1500, seed: int = 0) -> dict:
         "terminated": 0,
         "unfinished": 0,
         "dead_ends": 0,
+        "resource_limits": 0,
         "valid": 0,
         "invalid": 0,
         "validator_errors": 0,
