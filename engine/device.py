@@ -13,7 +13,8 @@ SOLUTION
 INVARIANTS
     - Work runs in the order it was queued (one compute stream / one worker).
     - A worker error is re-raised by the next `wait`; events are still set, so nothing hangs.
-    - `busy_s` is the device's busy time (CPU: summed job time; CUDA: not measured, 0).
+    - `busy_s` is the device's busy time: CPU, summed job time; CUDA, compute-stream time from
+      timing events, counted once their step has been waited for.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from __future__ import annotations
 import queue
 import threading
 import time
+from collections import deque
 from collections.abc import Callable
 from typing import Any
 
@@ -96,11 +98,15 @@ class CudaDevice:
         self.busy_s = 0.0
         self.job_s: dict[str, float] = {}
         self.job_n: dict[str, int] = {}
+        self._timed: deque[tuple[str, torch.cuda.Event, torch.cuda.Event]] = deque()
 
     def run(self, name: str, fn: Job) -> None:
         with torch.cuda.stream(self.compute):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record(self.compute)
             fn()
-        self.job_n[name] = self.job_n.get(name, 0) + 1
+            end.record(self.compute)
+        self._timed.append((name, start, end))
 
     def copy_to_host(self, name: str, fn: Job) -> torch.cuda.Event:
         self.copy.wait_stream(self.compute)
@@ -114,12 +120,23 @@ class CudaDevice:
 
     def wait(self, event: torch.cuda.Event) -> None:
         event.synchronize()
+        self._account()
+
+    def _account(self) -> None:
+        """Add the GPU time of finished compute jobs (compute-stream jobs never overlap each other)."""
+        while self._timed and self._timed[0][2].query():
+            name, start, end = self._timed.popleft()
+            seconds = start.elapsed_time(end) / 1e3
+            self.busy_s += seconds
+            self.job_s[name] = self.job_s.get(name, 0.0) + seconds
+            self.job_n[name] = self.job_n.get(name, 0) + 1
 
     def raise_error(self) -> None:
         pass
 
     def synchronize(self) -> None:
         torch.cuda.synchronize(self.device)
+        self._account()
 
     def close(self) -> None:
         self.synchronize()
