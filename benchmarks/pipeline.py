@@ -44,8 +44,10 @@ def make_tokenizer() -> Tokenizer:
     return tok
 
 
-def run(tokenizer, automaton, forward_s: float, streams: int, pipelined: bool, tokens: int) -> dict:
-    runner = FakeRunner(vocab_size=VOCAB, delay_s=forward_s, seed=0, boost={EOS: -100.0})
+def run(
+    tokenizer, automaton, forward_s: float, streams: int, pipelined: bool, tokens: int, device: str = "cpu"
+) -> dict:
+    runner = FakeRunner(vocab_size=VOCAB, delay_s=forward_s, seed=0, boost={EOS: -100.0}, device=device)
     config = EngineConfig(
         pipelined=pipelined,
         max_batch=max(streams, 1),
