@@ -63,6 +63,7 @@ def run(tok: Any, n: int = 1400, max_tokens: int = 1500, seed: int = 0) -> dict:
         "validator_errors": 0,
     }
     invalid = []
+    limits = []
     for path in sample_paths(n, seed):
         schema = json.loads(path.read_text())["schema"]
         stats["sampled"] += 1
@@ -78,7 +79,7 @@ def run(tok: Any, n: int = 1400, max_tokens: int = 1500, seed: int = 0) -> dict:
             continue
         if walk.limit:
             stats["resource_limits"] += 1
-            invalid.append({"file": f"{path.parent.name}/{path.name}", "reason": walk.limit[:200]})
+            limits.append({"file": f"{path.parent.name}/{path.name}", "reason": walk.limit[:200]})
             continue
         if not walk.terminated:
             stats["unfinished"] += 1
@@ -94,6 +95,7 @@ def run(tok: Any, n: int = 1400, max_tokens: int = 1500, seed: int = 0) -> dict:
             stats["invalid"] += 1
             invalid.append({"file": f"{path.parent.name}/{path.name}", "reason": reason, "text": text[:300]})
     stats["invalid_outputs"] = invalid
+    stats["resource_limit_files"] = limits
     return stats
 
 
@@ -104,6 +106,7 @@ def table(result: dict) -> str:
         "terminated",
         "unfinished",
         "dead_ends",
+        "resource_limits",
         "valid",
         "invalid",
         "validator_errors",
