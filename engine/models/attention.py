@@ -15,7 +15,8 @@ SOLUTION
     forward (`PagedContext`). Untagged modules (vision towers) use transformers' own SDPA.
 
 INVARIANTS
-    - Only slots named in `slot_mapping` are written; only pages named in `block_tables` are read.
+    - Only slots named in `slot_mapping` are written; only pages named in `block_tables` (and the
+      scratch page, where the table is padded with -1) are read.
     - A query at position p sees keys 0..p of its own sequence (causal within the query), plus the
       whole prefix [0, prefix_len) when the family has prefix attention (PaliGemma's image + prompt).
     - Padded query rows always see key 0, so SDPA never produces NaN rows (they are dropped anyway).
@@ -43,6 +44,7 @@ class PagedKV:
     k: list[torch.Tensor]
     v: list[torch.Tensor]
     page_size: int
+    scratch_page: int  # one page past the engine's: block-table padding and padding rows point here
 
 
 @dataclass(slots=True)
@@ -69,7 +71,8 @@ def build_context(batch: ForwardBatch, kv: PagedKV, prefix_lens: torch.Tensor | 
     query_row = token - batch.query_start.to(torch.int64)[query_seq]
 
     pages = -(-batch.max_context_len // kv.page_size)
-    table = batch.block_tables[:, :pages].to(torch.int64).clamp_min(0)
+    table = batch.block_tables[:, :pages].to(torch.int64)
+    table = torch.where(table < 0, kv.scratch_page, table)
     offsets = torch.arange(kv.page_size, device=device)
     gather_slots = (table[:, :, None] * kv.page_size + offsets).reshape(num_seqs, -1)
 
@@ -131,7 +134,7 @@ def paged_attention_forward(
         values.to(query.dtype),
         attn_mask=ctx.mask,
         scale=scaling,
-        enable_gqa=keys.shape[1] != heads,
+        enable_gqa=getattr(module, "num_key_value_groups", 1) > 1,
     )
     return out.transpose(1, 2)[ctx.query_seq, ctx.query_row][None], None
 

@@ -70,3 +70,30 @@ def test_images_are_encoded_once_in_prefill_and_never_in_decode(family, checkpoi
     out = helpers.greedy(loaded.runner, prompts, 4)
     assert max(len(t) for t in out.tokens) > 1  # decode launches did run
     assert len(calls) == 1  # one encoder call, in the single prefill launch, for all five images
+
+
+@pytest.mark.parametrize("family", ["llama", "idefics3"])
+def test_traced_decode_replays_match_eager_decode(family, checkpoints, helpers):
+    loaded = load(checkpoints[family], device="cpu")
+    prompts = helpers.family_prompts(loaded)[:3]  # 3 sequences: padded into the 4-row bucket
+    traced = helpers.greedy(loaded.runner, prompts, 6)
+    assert loaded.runner.decode_graphs.graphs, "decode launches did not go through a traced graph"
+    loaded.runner.decode_graphs = None
+    eager = helpers.greedy(loaded.runner, prompts, 6)
+    assert traced.tokens == eager.tokens
+    for a, b in zip(traced.logits, eager.logits, strict=True):
+        assert all(torch.allclose(x, y, atol=1e-5) for x, y in zip(a, b, strict=True))
+
+
+def test_traced_padding_rows_write_only_the_scratch_page(checkpoints, helpers):
+    runner = load(checkpoints["llama"], device="cpu").runner
+    runner.allocate_kv(16, 4)
+    for t in runner.kv.k:
+        t.fill_(7.0)
+    batch = helpers.make_batch([([5], 2, [3], None), ([6], 5, [8, 1], None), ([9], 0, [12], None)], 4, "cpu")
+    runner.forward(batch)  # 3 rows -> bucket of 4: one padding row
+    assert set(runner.decode_graphs.graphs) == {(4, 2)}
+    changed = (runner.kv.k[0] != 7.0).any(dim=(1, 2)).nonzero().flatten().tolist()
+    scratch = list(range(16 * 4, 17 * 4))
+    assert set(changed) - set(scratch) == set(batch.slot_mapping.tolist())
+    assert set(changed) & set(scratch)  # the padding row wrote there

@@ -1,0 +1,109 @@
+"""`DecodeGraphs`: decode launches replayed as TorchScript graphs, one native call per forward.
+
+PROBLEM
+    On CPU the engine's device thread runs forwards while the main thread does bookkeeping. An
+    eager transformers forward is hundreds of small Python-dispatched ops; it re-takes the GIL
+    between them, so the two threads serialise (DESIGN.md, "One native call per forward"), and for
+    small models the Python overhead is most of the step.
+
+SOLUTION
+    The CPU twin of CUDA-graph replay: the eager decode forward is traced with `torch.jit.trace`
+    once per bucket (num_seqs padded up to a power of two, block-table width padded up to a
+    power of two pages) and replayed; the TorchScript interpreter runs the whole step without the
+    GIL. Shapes are the only thing a trace fixes, so a batch is padded into its bucket: padding
+    rows decode token 0 at position 0 into the runner's scratch page (never one of the engine's),
+    and their logits are dropped. Prefill (variable query lengths, images) stays eager.
+
+INVARIANTS
+    - A replay gives the same logits as the eager forward on the same batch (tested per family
+      through multi-step greedy parity, where every decode launch is a replay).
+    - Padding rows write only the scratch page; real rows' slots are the batch's own.
+    - The KV tensors are inputs of the graph, never constants baked into it, so replays write the
+      live cache.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable
+
+import torch
+
+from foveal.engine.runner import ForwardBatch
+
+
+def bucket(n: int) -> int:
+    return 1 << max(0, n - 1).bit_length()
+
+
+class _Step(torch.nn.Module):
+    """The traced unit: batch tensors and KV tensors in, last-token logits out."""
+
+    def __init__(
+        self, eager: Callable[[ForwardBatch, list, list], torch.Tensor], max_context_len: int
+    ) -> None:
+        super().__init__()
+        self.eager = eager
+        self.max_context_len = max_context_len
+
+    def forward(self, input_ids, positions, query_start, context_lens, block_tables, slot_mapping, ks, vs):
+        batch = ForwardBatch(
+            input_ids,
+            positions,
+            query_start,
+            context_lens,
+            block_tables,
+            slot_mapping,
+            1,
+            self.max_context_len,
+        )
+        return self.eager(batch, list(ks), list(vs))
+
+
+class DecodeGraphs:
+    """Pads a decode batch into its bucket and replays (tracing on first use) that bucket's graph."""
+
+    def __init__(self, eager: Callable[[ForwardBatch, list, list], torch.Tensor]) -> None:
+        self.eager = eager
+        self.graphs: dict[tuple[int, int], torch.jit.ScriptModule] = {}
+
+    def __call__(
+        self, batch: ForwardBatch, ks: list, vs: list, page_size: int, scratch_page: int
+    ) -> torch.Tensor:
+        n, width = batch.num_seqs, batch.block_tables.shape[1]
+        rows, cols = bucket(n), bucket(width)
+        args = (*self._pad(batch, rows, cols, page_size, scratch_page), tuple(ks), tuple(vs))
+        graph = self.graphs.get((rows, cols))
+        if graph is None:
+            with warnings.catch_warnings():
+                warnings.simplefilter(
+                    "ignore"
+                )  # TracerWarnings about Python ints: shapes are fixed per bucket
+                graph = torch.jit.trace(_Step(self.eager, cols * page_size), args, check_trace=False)
+            self.graphs[(rows, cols)] = graph
+        return graph(*args)[:n]
+
+    @staticmethod
+    def _pad(batch: ForwardBatch, rows: int, cols: int, page_size: int, scratch_page: int) -> tuple:
+        n, width = batch.num_seqs, batch.block_tables.shape[1]
+        extra = rows - n
+        device = batch.input_ids.device
+
+        def grow(t: torch.Tensor, value: int) -> torch.Tensor:
+            return torch.cat([t, t.new_full((extra,), value)]) if extra else t
+
+        tables = batch.block_tables
+        if cols > width:
+            tables = torch.cat([tables, tables.new_full((n, cols - width), -1)], dim=1)
+        if extra:
+            pad = tables.new_full((extra, cols), -1)
+            pad[:, 0] = scratch_page
+            tables = torch.cat([tables, pad])
+        return (
+            grow(batch.input_ids, 0),
+            grow(batch.positions, 0),
+            torch.arange(rows + 1, dtype=batch.query_start.dtype, device=device),
+            grow(batch.context_lens, 1),
+            tables,
+            grow(batch.slot_mapping, scratch_page * page_size),
+        )
