@@ -37,6 +37,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 
 from .detokenizer import Detokenizer
@@ -306,20 +307,20 @@ class Engine:
             starts.append(len(ids))
             ctx.append(positions[-1] + 1)
             if seq.table_row is None:
-                seq.table_row = torch.full((h.block_tables.shape[1],), -1, dtype=torch.int32)
-                seq.table_row[: len(pages)] = torch.tensor(pages, dtype=torch.int32)
+                seq.table_row = np.full(h.block_tables.shape[1], -1, dtype=np.int32)
+                seq.table_row[: len(pages)] = pages
             tables.append(seq.table_row)
             seq.num_scheduled += 1
             seq.inflight_refs += 1
             seq.last_step, seq.last_row = step.number, row
         n, t, d = len(step.rows), len(ids), len(dst)
         width = max(len(seq.pages) for seq in step.rows)
-        h.input_ids[:t], h.positions[:t], h.slot_mapping[:t] = torch.tensor([ids, positions, slots])
-        h.block_tables[:n, :width] = torch.stack(tables)[:, :width]
-        h.query_start[: n + 1] = torch.tensor(starts)
-        h.context_lens[:n] = torch.tensor(ctx)
-        if d:
-            h.gather_dst[:d], h.gather_src[:d] = torch.tensor([dst, src])
+        hn = step.slot.np
+        hn.input_ids[:t], hn.positions[:t], hn.slot_mapping[:t] = ids, positions, slots
+        hn.block_tables[:n, :width] = np.stack(tables)[:, :width]
+        hn.query_start[: n + 1] = starts
+        hn.context_lens[:n] = ctx
+        hn.gather_dst[:d], hn.gather_src[:d] = dst, src
         step.num_tokens, step.num_decode, step.table_width = t, d, width
         step.max_query_len = max(b - a for a, b in zip(starts, starts[1:], strict=False))
         step.max_context_len = max(ctx)
@@ -367,25 +368,20 @@ class Engine:
         live = [(row, seq) for row, seq in enumerate(step.rows) if not seq.finalized]
         constrained = [(row, seq.matcher) for row, seq in live if seq.matcher is not None]
         c = len(constrained)
+        hn = slot.np
         if c:
-            h.bitmask[:c].zero_()
+            hn.bitmask[:c] = 0
             self.config.fill_masks([m for _, m in constrained], h.bitmask[:c])
-            h.mask_rows[:c] = torch.tensor([row for row, _ in constrained])
+            hn.mask_rows[:c] = [row for row, _ in constrained]
         params = [seq.request.sampling for seq in step.rows]
-        h.temperature[:n], h.top_p[:n] = torch.tensor(
-            [[p.temperature for p in params], [p.top_p for p in params]]
-        )
-        h.top_k[:n], h.seeds[:n], h.counters[:n] = torch.tensor(
-            [
-                [p.top_k for p in params],
-                [seq.seed for seq in step.rows],
-                [seq.num_scheduled - 1 for seq in step.rows],
-            ]
-        )
+        hn.temperature[:n] = [p.temperature for p in params]
+        hn.top_p[:n] = [p.top_p for p in params]
+        hn.top_k[:n] = [p.top_k for p in params]
+        hn.seeds[:n] = [seq.seed for seq in step.rows]
+        hn.counters[:n] = [seq.num_scheduled - 1 for seq in step.rows]
         random_rows = [row for row, p in enumerate(params) if p.temperature > 0]
         r = len(random_rows)
-        if r:
-            h.random_rows[:r] = torch.tensor(random_rows)
+        hn.random_rows[:r] = random_rows
         filter_rows = any(params[i].top_k > 0 or params[i].top_p < 1 for i in random_rows)
         self.device.run("sample", lambda: self._sample(slot, n, r, c, filter_rows))
         debug = self.config.debug and self.device.device.type == "cpu"

@@ -22,7 +22,7 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
-import torch
+import numpy as np
 
 from .detokenizer import Detokenizer
 from .kv_cache import PagePool, pages_needed
@@ -48,7 +48,7 @@ class Sequence:
     finish_reason: FinishReason | None = None
     last_step: int = -1  # the latest step that carries this sequence ...
     last_row: int = -1  # ... and its row there (where its next input id is sampled)
-    table_row: torch.Tensor | None = None  # its pages as a block-table row (built once, at first launch)
+    table_row: np.ndarray | None = None  # its pages as a block-table row (built once, at first launch)
 
     @property
     def prompt_len(self) -> int:

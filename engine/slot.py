@@ -6,7 +6,8 @@ PROBLEM
 SOLUTION
     Two slots, allocated once at the engine's largest step (max_batch rows, max_step_tokens tokens,
     max_pages per row). Host-side staging tensors (pinned on CUDA) are written by the scheduler and
-    copied to device tensors by the launched work; on CPU both sides are the same tensors. Sampled
+    copied to device tensors by the launched work; on CPU both sides are the same tensors (the
+    scheduler writes them through numpy views, the cheapest way in from Python lists). Sampled
     ids are written on the device, copied to `sampled_host`, and read by commit.
 INVARIANTS
     - A slot moves FREE -> LAUNCHED -> FINALIZED -> FREE; it becomes FREE only in commit, after the
@@ -87,6 +88,8 @@ class DecodeSlot:
         host = StepTensors.allocate(max_batch, max_tokens, max_pages, mask_words)
         on_cpu = device.device.type == "cpu"
         self.host = host if on_cpu else host.map(device.pin)
+        # numpy views of the host tensors: filling them from lists costs ~1 us, torch.tensor() ~20
+        self.np: Any = self.host.map(lambda t: t.numpy())
         self.dev = host if on_cpu else host.map(lambda t: torch.empty_like(t, device=device.device))
         self.sampled = torch.zeros(max_batch, dtype=torch.int64, device=device.device)
         self.sampled_host = device.pin(torch.full((max_batch,), POISON, dtype=torch.int64))
