@@ -200,6 +200,10 @@ class Engine:
             raise ValueError(
                 f"request needs more KV pages than the pool has ({cfg.num_pages}); lower max_tokens"
             )
+        if request.sampling.stop and self.tokenizer is None:
+            raise ValueError(
+                "stop strings need text: create the Engine with a tokenizer, or use stop_token_ids"
+            )
         if any(not 0 <= t < self.runner.vocab_size for t in request.prompt_ids):
             raise ValueError(f"prompt_ids must be in [0, {self.runner.vocab_size})")
 

@@ -144,6 +144,8 @@ def test_requests_the_engine_can_never_run_are_refused_at_submit(h):
             eng.submit(Request([1] * 300, SamplingParams(max_tokens=1)))
         with pytest.raises(ValueError, match="empty"):
             eng.submit(Request([], SamplingParams()))
+        with pytest.raises(ValueError, match="stop strings need text"):
+            eng.submit(Request([1], SamplingParams(max_tokens=2, stop=("x",))))
         with pytest.raises(ValueError, match="prompt_ids must be in"):
             eng.submit(Request([h.VOCAB], SamplingParams(max_tokens=2)))
         # the engine still works after refusing
