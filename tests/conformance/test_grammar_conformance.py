@@ -52,11 +52,33 @@ def test_random_walks_on_a_schema_sample_are_valid(tok):
     assert result["valid"] >= 10
 
 
+def false_accepts(result: dict, optional: bool) -> list[dict]:
+    return [
+        f
+        for r in result.values()
+        for f in r["false_accepts"]
+        if f["keyword"].startswith("optional/") == optional
+    ]
+
+
+@pytest.fixture(scope="module")
+def full_jsts(tok):
+    return jsts.run(tok)
+
+
 @pytest.mark.conformance
-def test_full_jsts(tok):
-    result = jsts.run(tok)
-    for draft, r in result.items():
-        assert r["total"].get("false_accept", 0) == 0, (draft, r["false_accepts"][:5])
+def test_full_jsts_required(full_jsts):
+    assert false_accepts(full_jsts, optional=False) == []
+
+
+@pytest.mark.conformance
+@pytest.mark.xfail(
+    strict=True,
+    reason="known gap: llguidance's format regexes accept 2021-02-29, misplaced leap "
+    "seconds and invalid IDNA hostnames; ECMA \\S vs U+FEFF; draft7 content* are annotations",
+)
+def test_full_jsts_optional(full_jsts):
+    assert false_accepts(full_jsts, optional=True) == []
 
 
 @pytest.mark.conformance
