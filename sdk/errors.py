@@ -1,0 +1,27 @@
+"""Errors a skill call can raise after its request was accepted (bad input raises before: see model.py).
+
+Bad input is refused before any work with the exception that fits it: `TypeError` (wrong type),
+`ValueError` (bad value, unknown or out-of-range setting, a prompt that does not fit),
+`foveal.grammars.SchemaError` (an output type the grammar cannot enforce) and
+`foveal.vision.ImageError` (unreadable image), the last two being ValueErrors too.
+"""
+
+from __future__ import annotations
+
+
+class GenerationError(RuntimeError):
+    """The engine could not finish the request (cancelled, engine closed or failed)."""
+
+
+class IncompleteOutputError(RuntimeError):
+    """A constrained answer reached `max_tokens` before its grammar was complete.
+
+    The text so far is a valid prefix of the output shape but not a whole value; `text` holds it.
+    """
+
+    def __init__(self, skill: str, max_tokens: int, text: str) -> None:
+        super().__init__(
+            f"{skill}: the answer reached max_tokens={max_tokens} before its output shape was complete; "
+            "raise settings['max_tokens'] (or lower settings['max_objects'] for detect/point)"
+        )
+        self.text = text

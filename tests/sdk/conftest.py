@@ -1,0 +1,98 @@
+"""Tiny random models for the SDK tests, built once per session (nothing is downloaded).
+
+The checkpoints come from the models tests' own builders (tests/models/conftest.py), loaded here
+by file path: tests run with --import-mode=importlib, so a conftest cannot be imported by name,
+and copying the builders would let the two drift apart.
+
+- `paligemma_folder`: a tiny PaliGemma (its processor adds <loc>/<seg> tokens): PaliGemma skills.
+- `shapes_folder`: the same checkpoint plus a `foveal.json` (32 location bins): the shapes skills
+  of the embedded model.
+- `llama_folder`: a tiny text-only Llama: chat skills with JSON spatial answers.
+
+Random weights give garbage text, but every constrained answer is valid by construction; the
+tests assert exactly that.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import shutil
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+from PIL import Image
+
+import foveal
+from foveal.shapes_format import ShapesFormat
+
+MODELS_CONFTEST = Path(__file__).resolve().parents[1] / "models" / "conftest.py"
+
+
+def _builders():
+    name = "foveal_tests_model_builders"
+    if name not in sys.modules:
+        spec = importlib.util.spec_from_file_location(name, MODELS_CONFTEST)
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module
+        spec.loader.exec_module(module)
+    return sys.modules[name]
+
+
+def scene_image(seed: int = 0, size: tuple[int, int] = (48, 40)) -> Image.Image:
+    rng = np.random.default_rng(seed)
+    return Image.fromarray(rng.integers(0, 256, (size[1], size[0], 3), dtype=np.uint8))
+
+
+@pytest.fixture(scope="session")
+def model_root(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("sdk_models")
+
+
+@pytest.fixture(scope="session")
+def paligemma_folder(model_root) -> Path:
+    return _builders().build_paligemma(model_root / "paligemma")
+
+
+@pytest.fixture(scope="session")
+def shapes_folder(model_root, paligemma_folder) -> Path:
+    folder = model_root / "shapes"
+    shutil.copytree(paligemma_folder, folder)
+    ShapesFormat(n_bins=32).save(folder)
+    return folder
+
+
+@pytest.fixture(scope="session")
+def llama_folder(model_root) -> Path:
+    return _builders().build_llama(model_root / "llama")
+
+
+def _load(folder: Path):
+    return foveal.load(folder, device="cpu", max_batch_size=8, max_model_len=256)
+
+
+@pytest.fixture(scope="session")
+def shapes_model(shapes_folder):
+    model = _load(shapes_folder)
+    yield model
+    model.close()
+
+
+@pytest.fixture(scope="session")
+def paligemma_model(paligemma_folder):
+    model = _load(paligemma_folder)
+    yield model
+    model.close()
+
+
+@pytest.fixture(scope="session")
+def llama_model(llama_folder):
+    model = _load(llama_folder)
+    yield model
+    model.close()
+
+
+@pytest.fixture(scope="session")
+def image() -> Image.Image:
+    return scene_image(0)
