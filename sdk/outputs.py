@@ -55,7 +55,8 @@ def output_parser(output_type: Any) -> Callable[[str], Any]:
         return pydantic.TypeAdapter(output_type).validate_python
     if type(output_type).__module__.startswith("outlines"):
         return _outlines_parser(output_type)
-    return pydantic.TypeAdapter(output_type).validate_json
+    # Built at parse time: by then grammars.compile has refused any type it cannot enforce.
+    return lambda text: pydantic.TypeAdapter(output_type).validate_json(text)
 
 
 def _text(value: Any) -> str:

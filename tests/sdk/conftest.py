@@ -68,8 +68,8 @@ def llama_folder(model_root) -> Path:
     return _builders().build_llama(model_root / "llama")
 
 
-def _load(folder: Path):
-    return foveal.load(folder, device="cpu", max_batch_size=8, max_model_len=256)
+def _load(folder: Path, max_model_len: int = 256):
+    return foveal.load(folder, device="cpu", max_batch_size=8, max_model_len=max_model_len)
 
 
 @pytest.fixture(scope="session")
@@ -88,7 +88,7 @@ def paligemma_model(paligemma_folder):
 
 @pytest.fixture(scope="session")
 def llama_model(llama_folder):
-    model = _load(llama_folder)
+    model = _load(llama_folder, 512)  # JSON answers are long in a 300-token vocabulary
     yield model
     model.close()
 
