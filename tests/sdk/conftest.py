@@ -46,6 +46,12 @@ def scene_image(seed: int = 0, size: tuple[int, int] = (48, 40)) -> Image.Image:
 
 
 @pytest.fixture(scope="session")
+def builders():
+    """tests/models/conftest.py as a module: train_tokenizer, build_paligemma, build_llama, ..."""
+    return _builders()
+
+
+@pytest.fixture(scope="session")
 def model_root(tmp_path_factory) -> Path:
     return tmp_path_factory.mktemp("sdk_models")
 

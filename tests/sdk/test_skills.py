@@ -1,0 +1,206 @@
+"""Skills per family (prompt, output spec, parser) and generate's output parsers, without a model."""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import enum
+import typing
+
+import pytest
+from outlines.types import JsonSchema
+from pydantic import BaseModel
+
+from foveal import grammars
+from foveal.grammars import spatial
+from foveal.outputs import output_parser
+from foveal.shapes_format import ShapesFormat
+from foveal.skills import (
+    ChatSkills,
+    PaliGemmaSkills,
+    ShapesSkills,
+    check_length,
+    check_object,
+    check_text,
+    skills_for,
+)
+from foveal.vision import scenes
+
+TEMPLATE = (
+    "{{ bos_token }}{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}<|end|>{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
+
+
+@pytest.fixture(scope="module")
+def tokenizer(builders):
+    return builders.train_tokenizer()
+
+
+# ---- shapes -----------------------------------------------------------------------------------------------------
+
+
+def test_shapes_prompts_and_bins_come_from_foveal_json():
+    fmt = ShapesFormat(n_bins=16, prompts={**ShapesFormat().prompts, "detect": "find {object}"})
+    skills = ShapesSkills(fmt)
+    task = skills.detect("red circle", 4)
+    assert task.prompt == "find red circle"
+    assert task.spec == spatial.boxes("loc", max_objects=4, label="red circle", bins=16)
+    assert skills.point("star", 2).spec == spatial.points("loc", max_objects=2, label="star", bins=16)
+    assert skills.caption("long").prompt == "caption long"
+    assert skills.query("how many?").prompt == "answer how many?"
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_shapes_parsers_agree_with_the_training_format(seed):
+    """The text the model was trained to write parses to the same boxes and points as the format's own parser."""
+    fmt = ShapesFormat()
+    skills = ShapesSkills(fmt)
+    scene = scenes.generate_scene(seed)
+    phrase = scene.objects[0].phrase()
+    assert skills.detect(phrase, 50).parse(fmt.detect_target(scene, phrase)) == fmt.parse_detect(
+        fmt.detect_target(scene, phrase)
+    )
+    assert skills.point(phrase, 50).parse(fmt.point_target(scene, phrase)) == fmt.parse_point(
+        fmt.point_target(scene, phrase)
+    )
+
+
+def test_empty_answer_parses_to_no_objects():
+    skills = ShapesSkills(ShapesFormat())
+    assert skills.detect("x", 3).parse("") == []
+    assert skills.point("x", 3).parse("") == []
+
+
+# ---- PaliGemma ---------------------------------------------------------------------------------------------------
+
+
+def test_paligemma_uses_its_own_task_prefixes():
+    skills = PaliGemmaSkills()
+    assert skills.caption("short").prompt == "caption en"
+    assert skills.caption("long").prompt == "describe en"
+    assert skills.query("what colour?").prompt == "answer en what colour?"
+    task = skills.detect("car", 5)
+    assert task.prompt == "detect car" and task.spec.bins == 1024 and task.spec.label == "car"
+    assert task.keep_special
+
+
+def test_paligemma_point_is_the_centre_of_detect_boxes():
+    task = PaliGemmaSkills().point("car", 5)
+    assert task.prompt == "detect car" and task.spec.kind == "boxes"
+    text = "<loc0000><loc0100><loc0200><loc0300> car ; <loc0511><loc0511><loc1023><loc1023> car"
+    assert task.parse(text) == [
+        {"x": 200 / 1023, "y": 100 / 1023},
+        {"x": 767 / 1023, "y": 767 / 1023},
+    ]
+
+
+# ---- chat ------------------------------------------------------------------------------------------------------
+
+
+def test_chat_without_template_uses_a_plain_layout(tokenizer):
+    skills = ChatSkills(tokenizer, image_token=None)
+    assert skills.query("why?").prompt == "Question: why?\nAnswer:"
+    task = skills.detect("car", 3)
+    assert task.spec == spatial.boxes("json", max_objects=3) and not task.keep_special
+    assert task.parse('{"objects": [{"x_min": 0, "y_min": 0.5, "x_max": 1, "y_max": 0.75}]}') == [
+        {"x_min": 0, "y_min": 0.5, "x_max": 1, "y_max": 0.75}
+    ]
+    assert skills.point("car", 3).parse('{"points": [{"x": 0.25, "y": 1}]}') == [{"x": 0.25, "y": 1}]
+
+
+def test_chat_template_from_the_tokenizer_without_a_second_bos(builders):
+    tok = builders.train_tokenizer()
+    tok.chat_template = TEMPLATE
+    skills = ChatSkills(tok, image_token="<image>")
+    prompt = skills.query("what is it?").prompt
+    assert prompt == "<|user|><image>\nwhat is it?<|end|><|assistant|>"  # BOS is added by tokenization
+    ids = tok(prompt)["input_ids"]
+    assert ids.count(tok.bos_token_id) == 1
+
+
+def test_skills_for_picks_the_family(tmp_path, tokenizer):
+    assert isinstance(skills_for(None, "paligemma", tokenizer, "<image>"), PaliGemmaSkills)
+    assert isinstance(skills_for(None, "llama", tokenizer, None), ChatSkills)
+    ShapesFormat(n_bins=8).save(tmp_path)
+    assert skills_for(tmp_path, "paligemma", tokenizer, "<image>").fmt.n_bins == 8
+    with pytest.raises(ValueError, match="describes a 'paligemma' model but the checkpoint is 'llama'"):
+        skills_for(tmp_path, "llama", tokenizer, None)
+
+
+# ---- argument checks ------------------------------------------------------------------------------------------
+
+
+def test_argument_checks():
+    assert check_length("short") == "short"
+    with pytest.raises(ValueError, match="short, normal, long"):
+        check_length("tiny")
+    assert check_object("  red circle ") == "red circle"
+    for bad, error in [
+        ("", ValueError),
+        ("\t", ValueError),
+        (None, TypeError),
+        (3, TypeError),
+        ("x" * 300, ValueError),
+    ]:
+        with pytest.raises(error):
+            check_object(bad)
+    assert check_text("prompt", "line one\nline two") == "line one\nline two"  # prompts may span lines
+
+
+# ---- generate's parsers ---------------------------------------------------------------------------------------
+
+
+class Item(BaseModel):
+    name: str
+    n: int
+
+
+@dataclasses.dataclass
+class Pair:
+    a: int
+    b: str
+
+
+class Colour(enum.Enum):
+    RED = "red"
+    ONE = 1
+
+
+PARSED = [
+    (None, "anything", "anything"),
+    (str, "text", "text"),
+    (grammars.Regex("[0-9]+"), "42", "42"),
+    (grammars.CFG("start: /a+/"), "aaa", "aaa"),
+    ({"type": "object"}, '{"k": [1, 2]}', {"k": [1, 2]}),
+    (True, "[1]", [1]),
+    (JsonSchema({"type": "integer"}), "7", 7),
+    (typing.Literal["yes", "no"], "no", "no"),
+    (typing.Literal[1, 2, True], "2", 2),
+    (typing.Literal[1, 2, True], "true", True),
+    (["a", "b"], "b", "b"),
+    (Colour, "1", Colour.ONE),
+    (Colour, "red", Colour.RED),
+    (int, "-12", -12),
+    (float, "2.5", 2.5),
+    (bool, "True", True),
+    (datetime.date, "2024-02-29", datetime.date(2024, 2, 29)),
+    (Pair, '{"a": 1, "b": "x"}', Pair(1, "x")),
+    (list[Item], '[{"name": "x", "n": 1}]', [Item(name="x", n=1)]),
+    (spatial.points("json"), '{"points": []}', {"points": []}),
+]
+
+
+@pytest.mark.parametrize("output_type, text, value", PARSED, ids=[repr(p[0])[:40] for p in PARSED])
+def test_output_parser_table(output_type, text, value):
+    assert output_parser(output_type)(text) == value
+
+
+def test_pydantic_class_parses_to_an_instance():
+    item = output_parser(Item)('{"name": "x", "n": 3}')
+    assert isinstance(item, Item) and item.n == 3
+
+
+def test_a_text_outside_the_choices_raises():
+    with pytest.raises(ValueError, match="none of the choices"):
+        output_parser(typing.Literal["yes", "no"])("maybe")
