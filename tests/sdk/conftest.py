@@ -102,3 +102,8 @@ def llama_model(llama_folder):
 @pytest.fixture(scope="session")
 def image() -> Image.Image:
     return scene_image(0)
+
+
+@pytest.fixture(scope="session")
+def images() -> list[Image.Image]:
+    return [scene_image(seed) for seed in range(4)]
