@@ -1,9 +1,23 @@
-"""The `foveal` command line: one sub-command per skill, plus `--version` and `--help`."""
+"""The `foveal` command line: one sub-command per skill, plus `demo`, `--version` and `--help`.
+
+    foveal detect IMAGE OBJECT [--out annotated.png] [--json]
+    foveal point IMAGE OBJECT [--out annotated.png] [--json]
+    foveal caption IMAGE [--length short|normal|long] [--json]
+    foveal query IMAGE QUESTION [--json]
+    foveal demo [--seed N] [--out foveal-demo.png]
+
+Every command takes `--model PATH` (default: the embedded model) and `--device`. Without `--json`
+the answer is printed for people (captions and answers stream as they are generated); with it, the
+result dict is printed as JSON. Bad input exits with status 2 and a message on stderr saying what
+to fix; a failure while generating exits with status 1.
+"""
 
 from __future__ import annotations
 
 import argparse
+import json
 import sys
+from typing import Any
 
 import foveal
 
@@ -14,8 +28,41 @@ def build_parser() -> argparse.ArgumentParser:
         description="Vision-language models with structured output (boxes, points, JSON, regex, grammars).",
     )
     parser.add_argument("--version", action="version", version=f"foveal {foveal.__version__}")
-    parser.add_subparsers(dest="command", metavar="COMMAND")
+    commands = parser.add_subparsers(dest="command", metavar="COMMAND")
+
+    for name, what in (("detect", "boxes of every OBJECT"), ("point", "points on every OBJECT")):
+        sub = _command(commands, name, f"{what} in IMAGE")
+        sub.add_argument("image", metavar="IMAGE", help="image file")
+        sub.add_argument("object", metavar="OBJECT", help='object phrase, e.g. "red circle"')
+        sub.add_argument("--out", metavar="PNG", help="write the image with the answer drawn on it")
+        sub.add_argument("--max-objects", type=int, default=None, help="at most this many answers")
+
+    sub = _command(commands, "caption", "describe IMAGE")
+    sub.add_argument("image", metavar="IMAGE", help="image file")
+    sub.add_argument("--length", choices=("short", "normal", "long"), default="normal")
+
+    sub = _command(commands, "query", "answer QUESTION about IMAGE")
+    sub.add_argument("image", metavar="IMAGE", help="image file")
+    sub.add_argument("question", metavar="QUESTION")
+
+    sub = _command(commands, "demo", "detect, point and caption on a generated shapes scene")
+    sub.add_argument("--seed", type=int, default=0, help="scene seed")
+    sub.add_argument("--size", type=int, default=160, help="scene width and height in pixels")
+    sub.add_argument(
+        "--out", metavar="PNG", default="foveal-demo.png", help="annotated image (default: %(default)s)"
+    )
     return parser
+
+
+def _command(commands: Any, name: str, help_text: str) -> argparse.ArgumentParser:
+    sub = commands.add_parser(name, help=help_text, description=help_text)
+    sub.add_argument(
+        "--model", metavar="PATH", default=None, help="checkpoint folder (default: the embedded model)"
+    )
+    sub.add_argument("--device", default="auto", help="auto, cpu or cuda (default: %(default)s)")
+    sub.add_argument("--json", action="store_true", help="print the result as JSON")
+    sub.add_argument("--max-tokens", type=int, default=None, help="answer length limit in tokens")
+    return sub
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -24,4 +71,123 @@ def main(argv: list[str] | None = None) -> int:
     if args.command is None:
         parser.print_help(sys.stdout)
         return 0
+    _quiet_loading()
+    try:
+        model = foveal.load(args.model, device=args.device)
+    except (ValueError, TypeError, OSError) as error:
+        return _fail(error, 2)
+    try:
+        return COMMANDS[args.command](model, args)
+    except (ValueError, TypeError) as error:  # ImageError, SchemaError and bad settings are ValueErrors
+        return _fail(error, 2)
+    except RuntimeError as error:  # GenerationError, IncompleteOutputError
+        return _fail(error, 1)
+    finally:
+        model.close()
+
+
+def _quiet_loading() -> None:
+    """No weight-loading progress bars from transformers: stderr is for foveal's own messages."""
+    from transformers.utils import logging
+
+    logging.disable_progress_bar()
+
+
+def _fail(error: BaseException, status: int) -> int:
+    print(f"foveal: error: {error}", file=sys.stderr)
+    return status
+
+
+# ---- commands --------------------------------------------------------------------------------------------------
+
+
+def run_spatial(model: foveal.Model, args: argparse.Namespace) -> int:
+    settings = _settings(args)
+    if args.max_objects is not None:
+        settings["max_objects"] = args.max_objects
+    result = getattr(model, args.command)(args.image, args.object, settings=settings)
+    if args.out:
+        result.annotated().save(args.out)
+    if args.json:
+        _print_json(result)
+    else:
+        _print_spatial(result, args.object)
+        if args.out:
+            print(f"annotated image: {args.out}")
     return 0
+
+
+def run_text(model: foveal.Model, args: argparse.Namespace) -> int:
+    """caption and query: stream to the terminal, or print the whole result as JSON."""
+    if args.command == "caption":
+        call, key = (
+            (lambda stream: model.caption(args.image, args.length, stream, _settings(args))),
+            "caption",
+        )
+    else:
+        call, key = (lambda stream: model.query(args.image, args.question, stream, _settings(args))), "answer"
+    if args.json:
+        _print_json(call(False))
+        return 0
+    for chunk in call(True)[key]:
+        print(chunk, end="", flush=True)
+    print()
+    return 0
+
+
+def run_demo(model: foveal.Model, args: argparse.Namespace) -> int:
+    from foveal.vision import draw, scenes
+
+    scene = scenes.generate_scene(args.seed, args.size)
+    image = scenes.render(scene)
+    phrase = scene.objects[0].phrase()
+    few = {**_settings(args), "max_objects": scenes.MAX_OBJECTS}  # the shapes world never has more
+    detected = model.detect(image, phrase, few)
+    pointed = model.point(image, phrase, few)
+    caption = model.caption(image, settings=_settings(args))
+    draw(image, {"objects": detected["objects"], "points": pointed["points"]}).save(args.out)
+    report = {
+        "scene": {"seed": args.seed, "size": [scene.width, scene.height], "object": phrase},
+        "detect": detected,
+        "point": pointed,
+        "caption": caption["caption"],
+        "truth": {
+            "objects": [
+                _box(b)
+                for b in (o.box(scene.width, scene.height) for o in scenes.objects_matching(scene, phrase))
+            ],
+            "caption": scenes.caption(scene),
+        },
+        "annotated": args.out,
+    }
+    _print_json(report)
+    return 0
+
+
+COMMANDS = {
+    "detect": run_spatial,
+    "point": run_spatial,
+    "caption": run_text,
+    "query": run_text,
+    "demo": run_demo,
+}
+
+
+def _settings(args: argparse.Namespace) -> dict[str, Any]:
+    return {} if args.max_tokens is None else {"max_tokens": args.max_tokens}
+
+
+def _box(box: tuple[float, float, float, float]) -> dict[str, float]:
+    return dict(zip(("x_min", "y_min", "x_max", "y_max"), box, strict=True))
+
+
+def _print_json(value: Any) -> None:
+    print(json.dumps(value, indent=2))
+
+
+def _print_spatial(result: dict, phrase: str) -> None:
+    key, one, many = ("objects", "box", "boxes") if "objects" in result else ("points", "point", "points")
+    items = result[key]
+    print(f"{len(items)} {one if len(items) == 1 else many} for {phrase!r}")
+    for item in items:
+        print("  " + "  ".join(f"{name}={value:.3f}" for name, value in item.items()))
