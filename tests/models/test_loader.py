@@ -124,3 +124,11 @@ def test_bf16_on_cpu_halves_kv_and_stays_close_to_fp32(checkpoints, helpers):
     for x, y in zip(a, b, strict=True):
         assert y[0].dtype == torch.float32
         assert (x[0] - y[0]).abs().max() < 0.05 * x[0].abs().max()
+
+
+def test_default_budget_is_a_fraction_of_available_memory():
+    from foveal.engine.models import default_budget_bytes
+
+    quarter = default_budget_bytes(torch.device("cpu"))
+    half = default_budget_bytes(torch.device("cpu"), fraction=0.5)
+    assert 0 < quarter < half

@@ -11,7 +11,7 @@ import pytest
 from foveal.engine.models import load
 
 TOLERANCE = 1e-4
-FAMILIES = ["llama", "gemma", "paligemma", "idefics3", "llava"]
+FAMILIES = ["llama", "gemma", "paligemma", "idefics3", "smolvlm", "llava"]
 
 
 @pytest.mark.parametrize("family", FAMILIES)
