@@ -22,6 +22,7 @@ from dataclasses import dataclass
 import torch
 
 _M32 = 0xFFFFFFFF
+UNIFORM_BITS = 23  # see uniform_from_bits
 
 
 @dataclass(slots=True)
@@ -52,9 +53,18 @@ def gumbel_noise(seeds: torch.Tensor, counters: torch.Tensor, vocab_size: int) -
     """[n, V] standard Gumbel noise, a pure function of (seed, counter, token id)."""
     key = _mix32(_mix32(seeds & _M32) ^ (counters & _M32))
     tokens = torch.arange(vocab_size, device=seeds.device, dtype=torch.int64)
-    bits = _mix32((key[:, None] ^ _mix32(tokens)[None, :]) & _M32) >> 8  # 24 bits: exact in float32
-    u = (bits.float() + 0.5) / float(1 << 24)
-    return -torch.log(-torch.log(u))
+    bits = _mix32((key[:, None] ^ _mix32(tokens)[None, :]) & _M32) >> (32 - UNIFORM_BITS)
+    return -torch.log(-torch.log(uniform_from_bits(bits)))
+
+
+def uniform_from_bits(bits: torch.Tensor) -> torch.Tensor:
+    """Map integers in [0, 2**UNIFORM_BITS) to float32 values strictly inside (0, 1).
+
+    (b + 0.5) / 2**23 needs 24 significant bits at most, so float32 holds it exactly and the
+    largest value is 1 - 2**-24 < 1. With 24 bits the largest value would round to 1.0, the
+    noise to +inf, and a masked logit (-inf + inf = NaN) could win the argmax.
+    """
+    return (bits.float() + 0.5) / float(1 << UNIFORM_BITS)
 
 
 def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: torch.Tensor) -> None:

@@ -4,9 +4,18 @@ from __future__ import annotations
 
 import math
 
+import pytest
 import torch
 
-from foveal.engine.sampler import SamplingBatch, apply_bitmask, filter_top_k_top_p, gumbel_noise, sample
+from foveal.engine.sampler import (
+    UNIFORM_BITS,
+    SamplingBatch,
+    apply_bitmask,
+    filter_top_k_top_p,
+    gumbel_noise,
+    sample,
+    uniform_from_bits,
+)
 
 
 def _batch(
@@ -89,3 +98,36 @@ def test_top_k_and_top_p_keep_the_nucleus():
     out = torch.empty(n, dtype=torch.int64)
     sample(logits.repeat(n, 1), _batch(n, 1.0, top_k=2, seeds=[1] * n, counters=list(range(n))), out)
     assert set(out.tolist()) == {0, 1}
+
+
+def test_uniform_noise_stays_strictly_inside_the_unit_interval():
+    # the extreme draws once rounded to 1.0, making the Gumbel noise +inf and a masked token win
+    bits = torch.tensor([0, 1, (1 << UNIFORM_BITS) - 2, (1 << UNIFORM_BITS) - 1])
+    u = uniform_from_bits(bits)
+    assert bool(((u > 0) & (u < 1)).all())
+    assert bool(torch.isfinite(-torch.log(-torch.log(u))).all())
+
+
+@pytest.mark.slow  # 66M draws: about 10 s; the test above covers the cause in the default run
+def test_masked_tokens_never_win_over_many_seeded_draws():
+    vocab = 257_000  # PaliGemma-sized: the rounding bug hit about V / 2**24 of draws
+    n = 64
+    logits = torch.zeros(n, vocab)
+    bitmask = torch.zeros(n, (vocab + 31) // 32, dtype=torch.int32)
+    bitmask[:, 0] = 0b1010  # only tokens 1 and 3 allowed
+    batch = SamplingBatch(
+        temperature=torch.ones(n),
+        top_p=torch.ones(n),
+        top_k=torch.zeros(n, dtype=torch.int64),
+        seeds=torch.arange(n, dtype=torch.int64),
+        counters=torch.zeros(n, dtype=torch.int64),
+        random_rows=torch.arange(n),
+        filter_rows=False,
+        bitmask=bitmask,
+        mask_rows=torch.arange(n),
+    )
+    for step in range(4):
+        batch.counters.fill_(step)
+        out = torch.empty(n, dtype=torch.int64)
+        sample(logits.clone(), batch, out)
+        assert set(out.tolist()) <= {1, 3}

@@ -34,16 +34,13 @@ def calls(images):
 
 
 def _run(model, call):
-    """The result as a plain dict, or the error as text: a failure must repeat exactly too.
-
-    (engine/sampler.py's Gumbel noise can be +inf for a token, which then wins even where the grammar
-    masked it out; the request fails with GenerationError. It depends only on (seed, position,
-    token), so sequential and concurrent runs fail alike: reported to the engine's owner.)
-    """
+    """The result as a plain dict, or the error as text: a failure (an answer cut off by max_tokens)
+    must repeat exactly too. A grammar violation is never an acceptable failure."""
     skill, args = call
     try:
         return dict(getattr(model, skill)(*args))
     except foveal.GenerationError as error:
+        assert "refused token" not in str(error), error  # the mask must make violations impossible
         return f"GenerationError: {error}"
 
 
