@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import contextlib
 import random
-import sys
 import threading
 import time
 from collections import deque
@@ -40,6 +39,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from . import switch
 from .detokenizer import Detokenizer
 from .device import make_device
 from .kv_cache import PagePool, pages_needed
@@ -115,9 +115,9 @@ class Engine:
         self._error: BaseException | None = None
         self._idle = threading.Event()
         self._idle.set()
-        self._old_switch = sys.getswitchinterval()
-        if cfg.switch_interval is not None:
-            sys.setswitchinterval(cfg.switch_interval)
+        self._switch_held = cfg.switch_interval is not None
+        if self._switch_held:
+            switch.acquire(cfg.switch_interval)
         self._thread = threading.Thread(target=self._loop, name="foveal-engine", daemon=True)
         self._thread.start()
 
@@ -178,8 +178,9 @@ class Engine:
             self._cond.notify_all()
         self._thread.join()
         self.device.close()
-        if self.config.switch_interval is not None:
-            sys.setswitchinterval(self._old_switch)
+        if self._switch_held:  # close() may be called twice
+            self._switch_held = False
+            switch.release(self.config.switch_interval)
 
     def __enter__(self) -> Engine:
         return self

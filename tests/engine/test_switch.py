@@ -1,0 +1,21 @@
+"""The GIL switch interval is shared by engines: set while any runs, restored when the last closes."""
+
+import sys
+
+from foveal.engine import Engine, EngineConfig, FakeRunner
+
+
+def _engine(interval: float) -> Engine:
+    return Engine(FakeRunner(vocab_size=64), None, EngineConfig(switch_interval=interval, num_pages=8))
+
+
+def test_engines_closed_out_of_order_restore_the_original_interval():
+    original = sys.getswitchinterval()
+    a = _engine(1e-4)
+    b = _engine(5e-4)
+    assert sys.getswitchinterval() == 1e-4  # the shortest asked for while both run
+    a.close()
+    assert sys.getswitchinterval() == 5e-4
+    b.close()
+    b.close()  # a second close releases nothing
+    assert sys.getswitchinterval() == original
