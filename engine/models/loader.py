@@ -9,6 +9,7 @@ in milliseconds with a message that says what to do.
 
 from __future__ import annotations
 
+import importlib.util
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -121,6 +122,11 @@ def _load_folder(path: Path, device: torch.device, dtype: torch.dtype, source: s
 
 
 def _load_gguf(path: Path, device: torch.device, dtype: torch.dtype) -> LoadedModel:
+    missing = [name for name in ("gguf", "accelerate") if importlib.util.find_spec(name) is None]
+    if missing:
+        raise ModelLoadError(
+            f"loading a .gguf file needs {' and '.join(missing)}: pip install 'foveal[bench]'"
+        )
     kwargs = {"gguf_file": path.name}
     tokenizer = transformers.AutoTokenizer.from_pretrained(path.parent, **kwargs)
     config = transformers.AutoConfig.from_pretrained(path.parent, **kwargs)

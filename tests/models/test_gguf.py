@@ -51,3 +51,15 @@ def test_smollm2_gguf_greedy_tokens_equal_transformers_gguf_path(helpers):
     worst, equal = helpers.parity(loaded, reference, prompts, max_new_tokens=12)
     assert equal
     assert worst < 1e-3  # real weights, 30 layers: larger logits than the tiny models
+
+
+def test_gguf_without_its_packages_says_what_to_install(tmp_path, monkeypatch):
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a: None if name == "gguf" else real(name, *a)
+    )
+    (tmp_path / "model.gguf").write_bytes(b"GGUF")
+    with pytest.raises(ModelLoadError, match=r"needs gguf: pip install 'foveal\[bench\]'"):
+        load(tmp_path / "model.gguf", device="cpu")
