@@ -10,6 +10,13 @@ strings except the single space after `,` and `:`. A random model therefore cann
 with whitespace, and instances serialized with `separators=(", ", ": ")` are what the grammar emits.
 Properties come in the schema's order. `x-guidance` options inside a schema cannot loosen this: our
 options are applied as llguidance *overrides*.
+
+Format policy (JSON): before llguidance compiles a schema, `formats.exact_string_constraints`
+rewrites the string keywords llguidance reads looser than the spec: `date`, `time`, `date-time`
+become exact regexes (leap years; leap seconds only at 23:59 UTC), `hostname` a narrower one (no
+IDNA A-labels), `pattern` classes `\\s`, `\\S`, `.` are read as ECMA-262 defines them, draft-07
+`contentEncoding: base64` is enforced; `idn-hostname`, `idn-email`, `iri`, `iri-reference` and
+draft-07 `contentMediaType` are refused with SchemaError. grammars/formats.py documents each rule.
 """
 
 from __future__ import annotations
@@ -23,6 +30,7 @@ from typing import Any
 import llguidance
 
 from .errors import SchemaError
+from .formats import exact_string_constraints
 
 JSON_OPTIONS: dict[str, Any] = {
     "whitespace_flexible": False,
@@ -70,7 +78,7 @@ def json_schema_source(schema: dict | bool | str) -> GrammarSource:
         raise SchemaError("the schema `false` allows no output at all; give a schema some value satisfies")
     if schema is True:
         schema = {}  # same meaning, and llguidance applies options to object schemas only
-    schema = apply_draft_ref_rule(schema)
+    schema = exact_string_constraints(apply_draft_ref_rule(schema))
     # Key order is meaningful (property order is the output order), so the key keeps it.
     text = json.dumps(schema, ensure_ascii=False, separators=(",", ":"))
     try:

@@ -72,11 +72,6 @@ def test_full_jsts_required(full_jsts):
 
 
 @pytest.mark.conformance
-@pytest.mark.xfail(
-    strict=True,
-    reason="known gap: llguidance's format regexes accept 2021-02-29, misplaced leap "
-    "seconds and invalid IDNA hostnames; ECMA \\S vs U+FEFF; draft7 content* are annotations",
-)
 def test_full_jsts_optional(full_jsts):
     assert false_accepts(full_jsts, optional=True) == []
 
