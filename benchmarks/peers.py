@@ -177,15 +177,15 @@ def tiny_llama_folder(folder: str | Path) -> Path:
     return folder
 
 
-def reference_model(source: Path) -> Any:
-    """transformers' own model of the same checkpoint (GGUF dequantized to fp32, like foveal's)."""
+def reference_model(source: Path, device: str = "cpu", dtype: torch.dtype = torch.float32) -> Any:
+    """transformers' own model of the same checkpoint (a GGUF is dequantized, like foveal's)."""
     if source.suffix == ".gguf":
         model = transformers.AutoModelForCausalLM.from_pretrained(
-            source.parent, gguf_file=source.name, dtype=torch.float32
+            source.parent, gguf_file=source.name, dtype=dtype
         )
     else:
-        model = transformers.AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32)
-    return model.eval()
+        model = transformers.AutoModelForCausalLM.from_pretrained(source, dtype=dtype)
+    return model.to(device).eval()
 
 
 def sdk_model(loaded: engine_models.LoadedModel, max_batch: int, max_model_len: int = 512) -> Model:
@@ -236,6 +236,7 @@ def hf_generate(
     if processor is not None:
         processor.reset()
         extra["logits_processor"] = transformers.LogitsProcessorList([processor])
+    ids, mask = ids.to(hf.device), mask.to(hf.device)
     start = time.perf_counter()
     with torch.inference_mode():
         out = hf.generate(
@@ -384,14 +385,18 @@ def ratios(rows: list[dict]) -> dict:
     return out
 
 
-def run(source: Path, requests: int, warm: bool = True) -> dict:
+def run(source: Path, requests: int, warm: bool = True, device: str = "cpu") -> dict:
     """Load the checkpoint twice (foveal's engine, transformers' reference) and run both workloads."""
-    loaded = engine_models.load(source, device="cpu", dtype="float32")
-    hf = reference_model(source)
+    loaded = engine_models.load(source, device=device)
+    return run_loaded(loaded, reference_model(source, device, loaded.runner.dtype), requests, warm)
+
+
+def run_loaded(loaded: engine_models.LoadedModel, hf: Any, requests: int, warm: bool = True) -> dict:
+    """Both workloads on an already loaded checkpoint (no other engine may be running on its runner)."""
     with sdk_model(loaded, max_batch=requests) as model:
         rows = run_workload(model, hf, json_workload(requests), warm)
         rows += run_workload(model, hf, detect_workload(model, requests), warm)
-    return {"model": str(source), "requests": requests, "rows": rows, "ratios": ratios(rows)}
+    return {"model": loaded.source, "requests": requests, "rows": rows, "ratios": ratios(rows)}
 
 
 def print_table(report: dict) -> None:
