@@ -259,7 +259,8 @@ def test_data_positions_are_not_rewritten_and_input_is_not_mutated():
     before = copy.deepcopy(schema)
     out = formats.exact_string_constraints(schema)
     assert schema == before
-    assert out["properties"]["format"] == {"type": "string", "pattern": f"^{formats.DATE}$"}
+    assert out["properties"]["format"] == {"$ref": "#/$defs/foveal-format-date"}
+    assert out["$defs"]["foveal-format-date"] == {"type": "string", "pattern": f"^{formats.DATE}$"}
     assert out["properties"]["pattern"] == before["properties"]["pattern"]
     for key in ("enum", "default", "examples"):
         assert out[key] == before[key]
@@ -271,6 +272,38 @@ def test_a_format_joins_an_existing_pattern(tok):
     assert out["pattern"] == "^2024-" and out["allOf"] == [{"pattern": f"^{formats.DATE}$"}]
     assert accepts(schema, "2024-02-29", tok)
     assert not accepts(schema, "2023-02-28", tok) and not accepts(schema, "2024-02-30", tok)
+
+
+def test_plain_format_nodes_share_one_definition(tok):
+    stamp = {"type": "string", "format": "date-time", "description": "when"}
+    schema = {"type": "object", "properties": {"a": stamp, "b": stamp}, "$defs": {"n": {"type": "integer"}}}
+    out = formats.exact_string_constraints(schema)
+    assert out["properties"] == {"a": {"$ref": "#/$defs/foveal-format-date-time"}} | {
+        "b": {"$ref": "#/$defs/foveal-format-date-time"}
+    }
+    assert set(out["$defs"]) == {"n", "foveal-format-date-time"}
+    good = {"a": "2024-02-29T23:59:60Z", "b": "2024-01-01t00:00:00.5+01:00"}
+    assert accepts(schema, good, tok)
+    assert not accepts(schema, {**good, "b": "2023-02-29T00:00:00Z"}, tok)
+
+
+def test_formats_stay_inline_where_a_ref_would_change_meaning(tok):
+    constrained = {"type": "string", "format": "date", "maxLength": 10}
+    assert (
+        "$ref" not in formats.exact_string_constraints({"properties": {"d": constrained}})["properties"]["d"]
+    )
+    assert "$ref" not in formats.exact_string_constraints({"type": "string", "format": "date"})
+    nullable = {"oneOf": [string("date"), {"type": "null"}]}  # a $ref would hide the branch's type
+    assert "$ref" not in formats.exact_string_constraints(nullable)["oneOf"][0]
+    assert accepts(nullable, None, tok) and not accepts(nullable, "2023-02-29", tok)
+    nested_id = {
+        "type": "object",
+        "properties": {"x": {"$id": "http://example.com/x", "properties": {"d": string("date")}}},
+    }
+    out = formats.exact_string_constraints(nested_id)
+    assert "$defs" not in out and out["properties"]["x"]["properties"]["d"]["pattern"] == f"^{formats.DATE}$"
+    assert accepts(nested_id, {"x": {"d": "2024-02-29"}}, tok)
+    assert not accepts(nested_id, {"x": {"d": "2023-02-29"}}, tok)
 
 
 # --- invariant 4: refusals name keyword and path ----------------------------------------------
