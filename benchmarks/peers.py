@@ -116,7 +116,9 @@ def detect_ask(phrase: str) -> str:
 # ---- validity ------------------------------------------------------------------------------------------------
 
 
-def valid_json(text: str) -> bool:
+def valid_json(text: Any) -> bool:
+    if not isinstance(text, str):
+        return False
     try:
         jsonschema.validate(json.loads(text), PERSON_SCHEMA)
     except (ValueError, jsonschema.ValidationError):
@@ -242,6 +244,8 @@ def hf_generate(
         out = hf.generate(
             ids, attention_mask=mask, max_new_tokens=max_tokens, do_sample=False, pad_token_id=pad, **extra
         )
+    if out.is_cuda:
+        torch.cuda.synchronize()
     wall = time.perf_counter() - start
     rows = [until_eos(r, tokenizer.eos_token_id) for r in out[:, width:].tolist()]
     return [tokenizer.decode(r, skip_special_tokens=True) for r in rows], sum(map(len, rows)), wall
@@ -275,7 +279,7 @@ def hf_continuous(
         use_async_batching=use_async,
     )
     previous = hf.config._attn_implementation
-    hf.set_attn_implementation("paged|sdpa")
+    hf.set_attn_implementation("sdpa")  # transformers 5.24: generate_batch pages it itself ("paged|" is deprecated)
     try:
         start = time.perf_counter()
         results = hf.generate_batch(inputs=prompts, generation_config=config, continuous_batching_config=cb)
@@ -300,6 +304,7 @@ def row(name: str, workload: Workload, constrained: bool, outputs: list, tokens:
         "tok_s": tokens / wall,
         "req_s": len(outputs) / wall,
         "valid_share": valid / len(outputs),
+        "raised": sum(isinstance(o, Exception) for o in outputs),  # foveal: cut at max_tokens, said so
         "sample": str(outputs[0])[:160],
     }
 
@@ -351,8 +356,10 @@ def run_workload(model: Model, hf: Any, workload: Workload, warm: bool = True) -
             if "async" not in name:
                 raise
             rows.append(unavailable(name, workload, e))
+            print(f"  {workload.name} {name}: unavailable: {e}", flush=True)
             continue
         rows.append(row(name, workload, constrained, outputs, tokens, wall))
+        print(f"  {workload.name} {name}{'' if constrained else ', no grammar'}: {wall:.1f} s", flush=True)
     return rows
 
 
@@ -391,11 +398,19 @@ def run(source: Path, requests: int, warm: bool = True, device: str = "cpu") -> 
     return run_loaded(loaded, reference_model(source, device, loaded.runner.dtype), requests, warm)
 
 
-def run_loaded(loaded: engine_models.LoadedModel, hf: Any, requests: int, warm: bool = True) -> dict:
-    """Both workloads on an already loaded checkpoint (no other engine may be running on its runner)."""
+def run_loaded(
+    loaded: engine_models.LoadedModel,
+    hf: Any,
+    requests: int,
+    warm: bool = True,
+    max_tokens: int | None = None,
+) -> dict:
+    """Both workloads on an already loaded checkpoint (no other engine may be running on its runner).
+    `max_tokens`: the answer budget of both workloads (default: 64 for json, 96 for detect)."""
+    json_tokens, detect_tokens = (max_tokens, max_tokens) if max_tokens else (64, 96)
     with sdk_model(loaded, max_batch=requests) as model:
-        rows = run_workload(model, hf, json_workload(requests), warm)
-        rows += run_workload(model, hf, detect_workload(model, requests), warm)
+        rows = run_workload(model, hf, json_workload(requests, json_tokens), warm)
+        rows += run_workload(model, hf, detect_workload(model, requests, detect_tokens), warm)
     return {"model": loaded.source, "requests": requests, "rows": rows, "ratios": ratios(rows)}
 
 

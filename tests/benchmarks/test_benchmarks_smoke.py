@@ -1,0 +1,95 @@
+"""Smoke runs of the benchmark harness (benchmarks/run.py and its pieces) on tiny models, so it cannot rot.
+
+These check that every piece runs and reports what it claims, not how fast anything is: speed
+figures come from `python -m benchmarks.run` (see README, Performance).
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from benchmarks import grammar_peers, peers, run
+from foveal import grammars
+
+
+def test_validity_checkers_accept_answers_and_refuse_the_rest():
+    assert peers.valid_json('{"name": "Ada", "age": 36, "colors": ["red"]}')
+    assert not peers.valid_json('{"name": "Ada", "age": 360, "colors": []}')  # maximum 120
+    assert not peers.valid_json('{"name": "Ada", "age": 36')  # cut short
+    assert not peers.valid_json(RuntimeError("cut"))  # a call that raised
+    box = {"x_min": 0.1, "y_min": 0.2, "x_max": 0.5, "y_max": 0.6}
+    assert peers.valid_detect({"objects": [box]})
+    assert peers.valid_detect(json.dumps({"objects": []}))
+    assert not peers.valid_detect({"objects": [box | {"x_min": 0.7}]})  # x_min > x_max: not a box
+    assert not peers.valid_detect({"objects": [box | {"y_max": 1.5}]})  # outside [0, 1]
+    assert not peers.valid_detect({"objects": [box] * (peers.MAX_OBJECTS + 1)})
+    assert not peers.valid_detect("Sure! Here are the boxes")
+
+
+def test_peers_run_every_contender_on_both_workloads(tiny, monkeypatch):
+    import torch
+
+    # outlines-core's mask kernel is torch.compile'd: ~13 s on first use here; eager is enough for a smoke run
+    # (the benchmark itself runs each contender once untimed first, so that compile is never timed).
+    monkeypatch.setattr(torch._dynamo.config, "disable", True)
+    folder, loaded, hf = tiny
+    report = peers.run_loaded(loaded, hf, requests=2, warm=False, max_tokens=12)
+    rows = {(r["workload"], r["contender"], r["constrained"]): r for r in report["rows"]}
+    assert len(rows) == 12  # 2 workloads x 6 contenders
+    for workload in ("json", "detect"):
+        ours = rows[(workload, "foveal pipelined", True)]
+        assert ours["requests"] == 2 and ours["tokens"] > 0 and ours["tok_s"] > 0
+        cb_async = rows[(workload, "transformers generate_batch (async)", False)]
+        assert "requires a device type" in cb_async["error"]  # transformers refuses async batching on CPU
+        # A constrained answer is valid, or raised IncompleteOutputError when max_tokens cut it: never wrong.
+        assert ours["valid_share"] * ours["requests"] + ours["raised"] == ours["requests"]
+    assert set(report["ratios"]) >= {
+        "json vs generate+outlines (constrained)",
+        "detect vs generate (unconstrained)",
+    }
+
+
+def test_pipelining_and_structure_rows_decode_the_same_tokens(tiny):
+    _, loaded, _ = tiny
+    free = run.pipelining(loaded, "tiny", [2], tokens=6, repeat=1)
+    automaton = grammars.compile(run.ENDLESS_BOXES, loaded.tokenizer, vocab_size=loaded.runner.vocab_size)
+    constrained = run.pipelining(loaded, "tiny", [2], tokens=6, repeat=1, automaton=automaton)
+    for r in free + constrained:
+        assert r["streams"] == 2 and r["gain"] > 0 and r["ideal_gain"] >= 1.0
+        assert 0 <= r["pipelined_idle"] <= 1
+    assert constrained[0]["constrained"] and not free[0]["constrained"]
+
+
+def test_grammar_peers_compile_and_walk_or_say_what_is_missing():
+    report = grammar_peers.run(1, ("Github_trivial",))
+    ours = report["results"]["foveal (llguidance)"]
+    assert ours["schemas"] == 1 and ours["compiled"] + len(ours["refused"]) == 1
+    for name in ("xgrammar", "outlines-core"):
+        assert (name in report["results"]) != (name in report["missing"])
+    for message in report["missing"].values():
+        assert "pip install" in message
+
+
+def test_machine_description_names_cpu_versions_and_load():
+    m = run.machine("cpu")
+    assert m["cores"] >= 1 and len(m["load_average"]) == 3
+    assert m["versions"]["torch"] != "not installed" and m["versions"]["llguidance"] != "not installed"
+
+
+@pytest.mark.slow
+def test_run_quick_writes_the_table_and_json(tmp_path, capsys):
+    out = tmp_path / "run.json"
+    report = run.main(["--quick", "--json", str(out)])
+    assert json.loads(out.read_text())["summary"] == json.loads(json.dumps(report["summary"], default=str))
+    areas = {r["area"] for r in report["summary"]}
+    assert areas == {"1 pipelining", "2 structure", "3 peers", "4 grammar", "5 image reuse"}
+    assert "target" in capsys.readouterr().out
+
+
+@pytest.mark.slow
+def test_device_check_cpu_smoke(tmp_path):
+    from benchmarks import device_check
+
+    assert device_check.main(["--cpu", "--quick", "--json", str(tmp_path / "device.json")]) == 0
