@@ -66,6 +66,8 @@ class TrainConfig:
         default_factory=lambda: {"detect": 0.35, "point": 0.2, "caption": 0.2, "query": 0.25}
     )
     render_sizes: tuple[int, int] = (64, 160)  # scenes render at a random size in this range, then resize
+    aux_weight: float = 0.5  # dense per-patch loss on the image features (see patch_targets); 0: off
+    init_from: str | None = None  # start from this checkpoint's model weights (a warm start), not random
     bf16: bool = True  # bf16 autocast: ~25% faster steps on this CPU (avx512_bf16); weights stay fp32
 
 
@@ -258,6 +260,9 @@ class Batch:
     token_type_ids: torch.Tensor
     pixel_values: torch.Tensor
     labels: torch.Tensor  # -100 outside the suffix
+    patch_colour: torch.Tensor  # (B, P) 0: background, 1..6: colour of the object covering the patch
+    patch_shape: torch.Tensor  # (B, P) 0: background, 1..3: shape
+    patch_box: torch.Tensor  # (B, P, 4) that object's (x_min, y_min, x_max, y_max); 0 on background
 
 
 def encode_example(tok, prompt: str, target: str, n_image_tokens: int) -> tuple[list[int], int]:
@@ -281,7 +286,47 @@ def collate(examples: list[Example], tok, cfg: TrainConfig, n_image_tokens: int)
         types[row, :n_prefix] = 0
         labels[row, n_prefix : len(ids)] = torch.tensor(ids[n_prefix:])
     pixels = torch.stack([pixel_tensor(scenes.render(e.scene), cfg.image_size) for e in examples])
-    return Batch(input_ids, attention, types, pixels, labels)
+    grid = cfg.image_size // cfg.patch_size
+    colour, shape, box = zip(*(patch_targets(e.scene, grid) for e in examples), strict=True)
+    return Batch(
+        input_ids, attention, types, pixels, labels, torch.stack(colour), torch.stack(shape), torch.stack(box)
+    )
+
+
+def patch_targets(scene: scenes.Scene, grid: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Dense labels of the image features: per patch, the object whose box holds the patch centre
+    (plus, for every object, the patch holding its own centre, so objects smaller than a patch
+    count too). Why: the answer tokens give the vision tower one sparse signal per object; a label
+    per patch teaches it colour, shape and extent directly (an auxiliary loss: nothing of it is
+    exported)."""
+    colour = torch.zeros(grid * grid, dtype=torch.long)
+    shape = torch.zeros(grid * grid, dtype=torch.long)
+    box = torch.zeros(grid * grid, 4)
+    centres = (torch.arange(grid, dtype=torch.float32) + 0.5) / grid
+    for o in scene.objects:
+        b = torch.tensor(o.box(scene.width, scene.height))
+        cx, cy = o.centre(scene.width, scene.height)
+        inside = (
+            (centres[None] >= b[0])
+            & (centres[None] < b[2])
+            & (centres[:, None] >= b[1])
+            & (centres[:, None] < b[3])
+        ).flatten()
+        inside[min(int(cy * grid), grid - 1) * grid + min(int(cx * grid), grid - 1)] = True
+        colour[inside] = 1 + list(scenes.COLOURS).index(o.colour)
+        shape[inside] = 1 + scenes.SHAPES.index(o.shape)
+        box[inside] = b
+    return colour, shape, box
+
+
+def aux_loss(features: torch.Tensor, head: torch.nn.Linear, batch: Batch) -> torch.Tensor:
+    """Colour and shape cross-entropy on every patch, L1 on the box of covered patches."""
+    out = head(features.float())
+    n_colours = len(scenes.COLOURS) + 1
+    loss = F.cross_entropy(out[..., :n_colours].flatten(0, 1), batch.patch_colour.flatten())
+    loss = loss + F.cross_entropy(out[..., n_colours:-4].flatten(0, 1), batch.patch_shape.flatten())
+    covered = batch.patch_colour > 0
+    return loss + 4.0 * F.l1_loss(out[..., -4:].sigmoid()[covered], batch.patch_box[covered])
 
 
 def batch_for_step(step: int, cfg: TrainConfig, fmt: ShapesFormat, tok, n_image_tokens: int) -> Batch:
@@ -342,9 +387,12 @@ class Trainer:
         )
         self.n_image_tokens = (cfg.image_size // cfg.patch_size) ** 2
         self.loc_ids = torch.tensor(self.tok.convert_tokens_to_ids(self.fmt.loc_tokens()))
-        self.opt = torch.optim.AdamW(
-            self.model.parameters(), lr=cfg.lr, betas=(0.9, 0.98), weight_decay=cfg.weight_decay
-        )
+        if cfg.init_from:
+            self.model.load_state_dict(torch.load(cfg.init_from, weights_only=False)["model"])
+        torch.manual_seed(cfg.seed + 1)
+        self.aux_head = torch.nn.Linear(cfg.text_width, len(scenes.COLOURS) + len(scenes.SHAPES) + 2 + 4)
+        params = list(self.model.parameters()) + (list(self.aux_head.parameters()) if cfg.aux_weight else [])
+        self.opt = torch.optim.AdamW(params, lr=cfg.lr, betas=(0.9, 0.98), weight_decay=cfg.weight_decay)
         self.step = 0
 
     def train_step(self) -> float:
@@ -363,9 +411,13 @@ class Trainer:
                 logits_to_keep=batch.input_ids.shape[1] - first,
             )
         loss = loss_fn(out.logits, batch.labels[:, first:], self.loc_ids, self.cfg)
+        if self.cfg.aux_weight:
+            loss = loss + self.cfg.aux_weight * aux_loss(
+                out.image_outputs.pooler_output, self.aux_head, batch
+            )
         self.opt.zero_grad(set_to_none=True)
         loss.backward()
-        torch.nn.utils.clip_grad_norm_(self.model.parameters(), 1.0)
+        torch.nn.utils.clip_grad_norm_([p for g in self.opt.param_groups for p in g["params"]], 1.0)
         self.opt.step()
         self.step += 1
         return float(loss.detach())
@@ -377,6 +429,7 @@ class Trainer:
             "config": asdict(self.cfg),
             "step": self.step,
             "model": self.model.state_dict(),
+            "aux_head": self.aux_head.state_dict(),
             "optimizer": self.opt.state_dict(),
             "torch_rng": torch.get_rng_state(),
         }
@@ -387,6 +440,8 @@ class Trainer:
     def load_checkpoint(self, path: Path) -> None:
         state = torch.load(path, weights_only=False)
         self.model.load_state_dict(state["model"])
+        if "aux_head" in state:
+            self.aux_head.load_state_dict(state["aux_head"])
         self.opt.load_state_dict(state["optimizer"])
         torch.set_rng_state(state["torch_rng"])
         self.step = int(state["step"])

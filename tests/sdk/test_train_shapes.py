@@ -190,3 +190,17 @@ def test_detect_and_point_targets_are_accepted_by_the_spatial_grammar():
                 for token_id in tok(text, add_special_tokens=False)["input_ids"] + [tok.eos_token_id]:
                     matcher.commit(token_id)  # raises on a token the grammar forbids
                 assert matcher.is_terminated(), text
+
+
+def test_patch_targets_label_every_object_with_its_colour_shape_and_box():
+    for seed in range(50):
+        scene = scenes.generate_scene(seed, 96)
+        colour, shape, box = ts.patch_targets(scene, 8)
+        assert set(colour.tolist()) <= {0} | {1 + list(scenes.COLOURS).index(o.colour) for o in scene.objects}
+        for o in scene.objects:
+            cx, cy = o.centre(96, 96)
+            k = min(int(cy * 8), 7) * 8 + min(int(cx * 8), 7)
+            assert colour[k] == 1 + list(scenes.COLOURS).index(o.colour)
+            assert shape[k] == 1 + scenes.SHAPES.index(o.shape)
+            assert torch.allclose(box[k], torch.tensor(o.box(96, 96)))
+        assert ((colour == 0) == (shape == 0)).all() and (box[colour == 0] == 0).all()
