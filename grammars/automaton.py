@@ -1,7 +1,8 @@
 """Automaton: a compiled output spec, immutable and shared by every sequence that uses it.
 
 It holds llguidance's compiled matcher for the initial state as a template; `matcher()` deep-copies
-it (~5 µs), so compiling happens once per (spec, tokenizer) and starting a sequence is cheap.
+it (~5 µs), so compiling happens once per (spec, tokenizer) and starting a sequence is cheap. The
+template is the one field ever replaced: by `renew_template`, when its shared lexer is exhausted.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from .tokenizer import TokenizerHandle
 
 @dataclass(frozen=True, slots=True)
 class Automaton:
-    """Compiled spec; never mutated after `compile()` returns it (safe to share across threads)."""
+    """Compiled spec; its meaning never changes after `compile()` (safe to share across threads)."""
 
     key: str
     kind: str
@@ -34,6 +35,18 @@ class Automaton:
     def matcher(self) -> Matcher:
         """A fresh Matcher at the start of the output."""
         return self.matcher_class(self, self.template.deep_copy())
+
+    def renew_template(self, exhausted: llguidance.LLMatcher) -> None:
+        """Replace the template whose shared lexer hit a resource limit with a fresh compile.
+
+        llguidance's lexer DFA is shared by all deep copies of a template and its error state is
+        sticky, so without this one over-long output would fail every later matcher of the
+        automaton. Only the template a failing matcher came from is replaced (several failing
+        matchers renew once). The grammar text is unchanged, so the automaton's meaning is too.
+        """
+        if self.template is exhausted:
+            fresh = llguidance.LLMatcher(self.tokenizer.ll, self.grammar, log_level=0)
+            object.__setattr__(self, "template", fresh)  # a cache refresh, not a change of meaning
 
 
 def compile_template(handle: TokenizerHandle, source: Any) -> llguidance.LLMatcher:

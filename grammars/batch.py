@@ -21,6 +21,7 @@ def fill_masks(matchers: Sequence[Matcher | None] | Mapping[int, Matcher], bitma
     ptr, rows, words = buffer_of(bitmask)
     items = matchers.items() if isinstance(matchers, Mapping) else enumerate(matchers)
     pairs = []
+    filled = []
     composites = []
     for row, m in items:
         if m is None:
@@ -30,10 +31,13 @@ def fill_masks(matchers: Sequence[Matcher | None] | Mapping[int, Matcher], bitma
         if not 0 <= row < rows:
             raise IndexError(f"row {row} is outside the bitmask's {rows} rows")
         pairs.append((m._ll, row))
+        filled.append(m)
         if m.refines:
             composites.append((m, row))
     if not pairs:
         return
     executor().unsafe_compute_mask_ptr(pairs, ptr, words * 4, rows)
+    for m in filled:
+        m._fueled = True  # llguidance refilled each lexer's fuel (see matcher.py)
     for m, row in composites:
         m._refine(ptr, row, words)

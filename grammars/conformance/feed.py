@@ -31,8 +31,27 @@ def load_tokenizer() -> Any:
     return Tokenizer.from_file(str(SMOLLM2 / "tokenizer.json"))
 
 
+def fresh_automaton(spec: Any, tok: Any) -> Automaton:
+    """`spec` compiled anew, bypassing the cache: its shared llguidance lexer is cold and unused,
+    so a verdict on it cannot depend on what other matchers did before."""
+    from ..automaton import compile_template
+    from ..specs import grammar_source
+    from ..tokenizer import tokenizer_handle
+
+    handle = tokenizer_handle(tok, eos_token_id=EOS)
+    source = grammar_source(spec)
+    template = compile_template(handle, source)
+    return Automaton(
+        key="fresh", kind=source.kind, grammar=source.grammar, tokenizer=handle, template=template
+    )
+
+
 def feed(automaton: Automaton, token_ids: list[int], mask_times: list[float] | None = None) -> bool:
-    """True when the automaton accepts exactly this token sequence (then EOS)."""
+    """True when the automaton accepts exactly this token sequence (then EOS).
+
+    With `mask_times` the mask is filled (and timed) before each commit; without, tokens are only
+    committed. The verdict is the same either way (matcher.py, invariant 5).
+    """
     m = automaton.matcher()
     bitmask = allocate_bitmask(1, automaton.vocab_size) if mask_times is not None else None
     for t in token_ids:

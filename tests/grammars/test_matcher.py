@@ -8,6 +8,7 @@ import torch
 
 from foveal import grammars
 from foveal.grammars.bitmask import allowed_tokens, is_allowed
+from foveal.grammars.conformance.feed import fresh_automaton
 
 EOS = 2
 SCHEMA = {
@@ -143,3 +144,74 @@ def test_a_resource_limit_mid_output_is_an_error_not_a_finish(tok):
     assert not m.is_terminated()
     with pytest.raises(grammars.GrammarLimitError, match="resource limit"):
         m.commit(EOS)
+
+
+def verdict(automaton, ids: list[int], masks: bool) -> bool:
+    m = automaton.matcher()
+    bm = grammars.allocate_bitmask(1, automaton.vocab_size)
+    try:
+        for t in ids:
+            if masks:
+                m.fill_mask(bm, 0)
+            m.commit(t)
+    except grammars.GrammarViolation:
+        return False
+    return m.is_accepting()
+
+
+@pytest.mark.parametrize("name", ["o21115", "o21142"])
+def test_commit_verdict_does_not_depend_on_mask_fills(shared_dir, tok, name):
+    """Invariant 5. These files' valid instances were rejected by commit-only feeding (the shared
+    lexer ran out of fuel, refilled only by mask computations) and accepted with masks."""
+    import json
+
+    from foveal.grammars.conformance.feed import serializations
+
+    doc = json.loads((shared_dir / "conformance/jsonschemabench/Github_medium" / f"{name}.json").read_text())
+    texts = [(serializations(t["data"], doc["schema"])[0], t["valid"]) for t in doc["tests"]]
+    # commit-only first, on a fresh automaton: nothing has warmed or refuelled its lexer
+    commit_only = fresh_automaton(doc["schema"], tok)
+    masked = fresh_automaton(doc["schema"], tok)
+    for text, valid in texts:
+        ids = tok.encode(text, add_special_tokens=False).ids
+        assert verdict(commit_only, ids, masks=False) == verdict(masked, ids, masks=True) == valid, text
+
+
+def test_a_lexer_limit_does_not_fail_later_matchers(tok):
+    """Invariant 6. llguidance's lexer is shared by all matchers of an automaton and its error is
+    sticky; the automaton renews its template so the limit stays with the output that hit it."""
+    heavy = {"type": "string", "maxLength": 5000, "pattern": r"^$|(^(?:\S+\s+){0,99}\S+$)"}
+    schema = {
+        "type": "object",
+        "properties": {"a": {"type": "integer"}, "q": heavy},
+        "additionalProperties": False,
+    }
+    a = fresh_automaton(schema, tok)
+    good = tok.encode('{"a": 1}').ids
+    assert verdict(a, good, masks=False)
+    m = a.matcher()
+    with pytest.raises(grammars.GrammarLimitError, match="lexer error"):
+        for t in tok.encode('{"q": "a b"}').ids:
+            m.commit(t)
+    assert verdict(a, good, masks=False) and verdict(a, good, masks=True)
+
+
+def test_a_lexer_exhausted_behind_the_matcher_is_a_limit_not_a_violation(shared_dir, tok):
+    """Raw llguidance commits (no masks, so no refuelling) drain the lexer behind the wrapper's back;
+    the wrapper's next commit must report llguidance's limit (GrammarLimitError), not a bad token,
+    even though `try_consume_tokens` reports it as a plain refusal, and the automaton renews, so a
+    matcher created afterwards accepts the valid instance."""
+    import json
+
+    from foveal.grammars.conformance.feed import serializations
+
+    doc = json.loads((shared_dir / "conformance/jsonschemabench/Github_medium/o21115.json").read_text())
+    ids = tok.encode(serializations(doc["tests"][1]["data"], doc["schema"])[0]).ids
+    a = fresh_automaton(doc["schema"], tok)
+    m = a.matcher()
+    m.fill_mask(grammars.allocate_bitmask(1, a.vocab_size), 0)  # the wrapper believes it is fuelled
+    done = m._ll.try_consume_tokens(ids)
+    assert done < len(ids) and not m._ll.is_error()  # llguidance itself: a silent refusal
+    with pytest.raises(grammars.GrammarLimitError, match="lexer error"):
+        m.commit(ids[done])
+    assert verdict(a, ids, masks=False)
