@@ -279,7 +279,9 @@ def hf_continuous(
         use_async_batching=use_async,
     )
     previous = hf.config._attn_implementation
-    hf.set_attn_implementation("sdpa")  # transformers 5.24: generate_batch pages it itself ("paged|" is deprecated)
+    hf.set_attn_implementation(
+        "sdpa"
+    )  # transformers 5.24: generate_batch pages it itself ("paged|" is deprecated)
     try:
         start = time.perf_counter()
         results = hf.generate_batch(inputs=prompts, generation_config=config, continuous_batching_config=cb)
@@ -321,36 +323,42 @@ def unavailable(name: str, workload: Workload, error: BaseException) -> dict:
 # ---- the suite -----------------------------------------------------------------------------------------------
 
 
-def run_workload(model: Model, hf: Any, workload: Workload, warm: bool = True) -> list[dict]:
-    """Every contender on one workload; each runs once untimed (compiles, traces, cache sizing) when `warm`."""
+def contenders(model: Model, hf: Any, workload: Workload, processor: Any) -> list[tuple[str, bool, Any]]:
+    """(name, constrained, run) for every contender on `workload`; run() -> (outputs, tokens, seconds)."""
     tokenizer = model.loaded.tokenizer
     prompts = prompt_ids(model, workload)
-    processor = outlines_processor(hf, tokenizer, workload.outlines_type)
-    contenders = [
+    n = workload.max_tokens
+    return [
         ("foveal pipelined", True, lambda: foveal_calls(model, workload, True)),
         ("foveal pipelined", False, lambda: foveal_calls(model, workload, False)),
-        (
-            "transformers generate + outlines",
-            True,
-            lambda: hf_generate(hf, tokenizer, prompts, workload.max_tokens, processor),
-        ),
-        ("transformers generate", False, lambda: hf_generate(hf, tokenizer, prompts, workload.max_tokens)),
+        ("transformers generate + outlines", True, lambda: hf_generate(hf, tokenizer, prompts, n, processor)),
+        ("transformers generate", False, lambda: hf_generate(hf, tokenizer, prompts, n)),
         (
             "transformers generate_batch (sync)",
             False,
-            lambda: hf_continuous(hf, tokenizer, prompts, workload.max_tokens, False),
+            lambda: hf_continuous(hf, tokenizer, prompts, n, False),
         ),
         (
             "transformers generate_batch (async)",
             False,
-            lambda: hf_continuous(hf, tokenizer, prompts, workload.max_tokens, True),
+            lambda: hf_continuous(hf, tokenizer, prompts, n, True),
         ),
     ]
+
+
+def run_workload(model: Model, hf: Any, workload: Workload, warm: bool = True) -> list[dict]:
+    """Every contender on one workload, timed once. With `warm`, each first runs untimed on a small
+    slice of the workload (2 requests, 8 tokens): grammar compiles, decode traces, outlines-core's
+    torch.compile'd mask kernel. generate_batch sizes its cache on every call: that stays timed."""
+    processor = outlines_processor(hf, model.loaded.tokenizer, workload.outlines_type)
+    small = Workload(workload.name, workload.asks[:2], 8, workload.outlines_type, workload.phrases[:2])
     rows = []
-    for name, constrained, fn in contenders:
+    timed = contenders(model, hf, workload, processor)
+    warmups = contenders(model, hf, small, processor)
+    for (name, constrained, fn), (_, _, warm_fn) in zip(timed, warmups, strict=True):
         try:
             if warm:
-                fn()
+                warm_fn()
             outputs, tokens, wall = fn()
         except RuntimeError as e:  # transformers: async batching needs CUDA/XPU
             if "async" not in name:
