@@ -1,5 +1,9 @@
 """Generation soundness: random walks under the mask over a sample of compiled JSONSchemaBench
-schemas; every walk that ends must be JSON that validates against its schema (python-jsonschema).
+schemas; every walk that ends must be JSON that validates against its schema (python-jsonschema,
+with its format checker on: a walk that breaks a `format` is invalid). python-jsonschema silently
+skips a format whose checker library is missing (`date-time`/`time`: rfc3339-validator,
+`hostname`: fqdn, `uri`/`uri-reference`: rfc3986-validator, all in the dev extra), so `run`
+refuses to start without them.
 A walk that hits max_tokens is "unfinished" (the pull towards closing was not enough), not invalid;
 one that llguidance stops on a resource limit mid-output (GrammarLimitError) is counted apart;
 an empty mask before termination is a dead end and counts as a failure.
@@ -25,6 +29,33 @@ def sample_paths(n: int, seed: int = 0) -> list:
     return [paths[i] for i in sorted(rng.choice(len(paths), size=min(n, len(paths)), replace=False))]
 
 
+CHECKED_FORMATS = (
+    "date",
+    "date-time",
+    "time",
+    "hostname",
+    "email",
+    "ipv4",
+    "ipv6",
+    "uuid",
+    "uri",
+    "uri-reference",
+)
+
+
+def require_format_checkers() -> None:
+    """Raise before any walk if python-jsonschema would skip one of CHECKED_FORMATS."""
+    import jsonschema
+
+    # the draft-2020-12 checker knows every format here; older drafts' checkers use the same libraries
+    missing = [f for f in CHECKED_FORMATS if f not in jsonschema.Draft202012Validator.FORMAT_CHECKER.checkers]
+    if missing:
+        raise RuntimeError(
+            f"python-jsonschema cannot check format(s) {missing} here, so invalid walks would pass; "
+            "install the dev extra: pip install -c constraints.txt -e '.[dev]'"
+        )
+
+
 def validate(schema: Any, text: str) -> str | None:
     """None if the text is JSON valid under the schema, else the reason."""
     import re
@@ -38,7 +69,8 @@ def validate(schema: Any, text: str) -> str | None:
         return f"not JSON: {err}"
     try:
         cls = jsonschema.validators.validator_for(schema, default=jsonschema.Draft202012Validator)
-        error = jsonschema.exceptions.best_match(cls(schema).iter_errors(data))
+        validator = cls(schema, format_checker=cls.FORMAT_CHECKER)
+        error = jsonschema.exceptions.best_match(validator.iter_errors(data))
     except (
         jsonschema.exceptions.SchemaError,
         referencing.exceptions.Unresolvable,
@@ -50,6 +82,7 @@ def validate(schema: Any, text: str) -> str | None:
 
 
 def run(tok: Any, n: int = 1400, max_tokens: int = 1500, seed: int = 0) -> dict:
+    require_format_checkers()
     rng = np.random.default_rng(seed)
     stats = {
         "sampled": 0,

@@ -52,6 +52,18 @@ def test_random_walks_on_a_schema_sample_are_valid(tok):
     assert result["valid"] >= 10
 
 
+def test_soundness_validation_checks_formats():
+    """A walk that breaks a `format` must count as invalid, in every draft the corpora use."""
+    soundness.require_format_checkers()  # the dev extra's checker libraries are installed
+    cases = {"date": '"2021-02-29"', "date-time": '"2021-01-01T24:00:00Z"', "time": '"12:00:00"'}
+    cases |= {"hostname": '"-a-"', "email": '"no-at"', "ipv4": '"1.2.3.256"', "uri": '"no scheme"'}
+    for draft in ("https://json-schema.org/draft/2020-12/schema", "http://json-schema.org/draft-07/schema#"):
+        for fmt, text in cases.items():
+            schema = {"$schema": draft, "type": "string", "format": fmt}
+            assert soundness.validate(schema, text) is not None, (draft, fmt)
+    assert soundness.validate({"format": "date"}, '"2024-02-29"') is None
+
+
 def false_accepts(result: dict, optional: bool) -> list[dict]:
     return [
         f
