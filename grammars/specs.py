@@ -11,6 +11,14 @@ with whitespace, and instances serialized with `separators=(", ", ": ")` are wha
 Properties come in the schema's order. `x-guidance` options inside a schema cannot loosen this: our
 options are applied as llguidance *overrides*.
 
+Extra keys of pydantic classes: a class that does not say otherwise (pydantic's default
+`extra="ignore"`, or `extra="ignore"`/`"forbid"` said explicitly) compiles to objects with
+`additionalProperties: false`. Pydantic would drop such keys when validating the output, so they
+are never useful, and allowing them lets a random model fill its output with invented keys until
+max_tokens. `extra="allow"` keeps them allowed (typed by `__pydantic_extra__` when annotated). This
+holds for every class pydantic describes (models, dataclasses, TypedDicts, nested or in `list[...]`);
+JSON-schema dicts keep their own semantics (no `additionalProperties` means any extra key).
+
 Format policy (JSON): before llguidance compiles a schema, `formats.exact_string_constraints`
 rewrites the string keywords llguidance reads looser than the spec: `date`, `time`, `date-time`
 become exact regexes (leap years; leap seconds only at 23:59 UTC), `hostname` a narrower one (no
@@ -22,6 +30,7 @@ draft-07 `contentMediaType` are refused with SchemaError. grammars/formats.py do
 from __future__ import annotations
 
 import enum
+import functools
 import json
 import typing
 from dataclasses import dataclass
@@ -190,9 +199,26 @@ def _is_structured_type(spec: Any) -> bool:
 def _pydantic_schema(spec: Any) -> dict:
     import pydantic
 
+    generator = _closed_objects_generator()
     if _is_pydantic_model(spec):
-        return spec.model_json_schema()
-    return pydantic.TypeAdapter(spec).json_schema()
+        return spec.model_json_schema(schema_generator=generator)
+    return pydantic.TypeAdapter(spec).json_schema(schema_generator=generator)
+
+
+@functools.cache
+def _closed_objects_generator() -> type:
+    """pydantic's JSON-schema generator, with classes closed unless they say `extra="allow"`."""
+    from pydantic.json_schema import GenerateJsonSchema
+
+    class ClosedObjects(GenerateJsonSchema):
+        def _update_class_schema(self, json_schema: Any, cls: type[Any], config: Any) -> None:
+            super()._update_class_schema(json_schema, cls, config)
+            # pydantic sets the key for extra="allow"/"forbid" and typed extras; only the
+            # unsaid (or "ignore") case is left, and only object schemas take the keyword.
+            if json_schema.get("type") == "object" and "additionalProperties" not in json_schema:
+                json_schema["additionalProperties"] = False
+
+    return ClosedObjects
 
 
 def _is_outlines(spec: Any) -> bool:

@@ -231,3 +231,58 @@ def test_boolean_schemas(tok):
     assert accepts(grammars.compile(True, tok, eos_token_id=EOS), '{"any": [1, "json"]}', tok)
     with pytest.raises(grammars.SchemaError, match="allows no output"):
         grammars.compile(False, tok, eos_token_id=EOS)
+
+
+class Tag(BaseModel):
+    name: str
+
+
+class Tagged(BaseModel):
+    tag: Tag
+    tags: list[Tag]
+
+
+class Loose(BaseModel):
+    model_config = {"extra": "allow"}
+    name: str
+
+
+class IntExtras(BaseModel):
+    model_config = {"extra": "allow"}
+    __pydantic_extra__: dict[str, int]
+    name: str
+
+
+class Ignoring(BaseModel):
+    model_config = {"extra": "ignore"}
+    name: str
+
+
+def test_pydantic_classes_allow_no_extra_keys_unless_extra_allow(tok):
+    """A class that does not say extra="allow" gets no invented keys, nested or in lists."""
+    for spec in (Tag, Ignoring):
+        a = grammars.compile(spec, tok, eos_token_id=EOS)
+        assert accepts(a, '{"name": "x"}', tok) and not accepts(a, '{"name": "x", "k": 1}', tok)
+    a = grammars.compile(Tagged, tok, eos_token_id=EOS)
+    assert accepts(a, '{"tag": {"name": "a"}, "tags": [{"name": "b"}]}', tok)
+    assert not accepts(a, '{"tag": {"name": "a", "k": 1}, "tags": []}', tok)
+    assert not accepts(a, '{"tag": {"name": "a"}, "tags": [{"name": "b", "k": 1}]}', tok)
+    assert not accepts(a, '{"tag": {"name": "a"}, "tags": [], "k": 1}', tok)
+    a = grammars.compile(list[Tag], tok, eos_token_id=EOS)
+    assert accepts(a, '[{"name": "a"}]', tok) and not accepts(a, '[{"name": "a", "k": 1}]', tok)
+    # the mask agrees: once the only field is written, the object can only close
+    m = grammars.compile(Tag, tok, eos_token_id=EOS).matcher()
+    for t in tok.encode('{"name": "x"').ids:
+        m.commit(t)
+    bm = grammars.allocate_bitmask(1, m.automaton.vocab_size)
+    m.fill_mask(bm, 0)
+    assert {tok.decode([int(t)]) for t in allowed(bm, 0)} == {"}"}
+
+
+def test_pydantic_extra_allow_and_json_schema_dicts_keep_extra_keys(tok):
+    a = grammars.compile(Loose, tok, eos_token_id=EOS)
+    assert accepts(a, '{"name": "x", "k": [1, "y"]}', tok)
+    a = grammars.compile(IntExtras, tok, eos_token_id=EOS)
+    assert accepts(a, '{"name": "x", "k": 1}', tok) and not accepts(a, '{"name": "x", "k": "y"}', tok)
+    schema = {"type": "object", "properties": {"name": {"type": "string"}}, "required": ["name"]}
+    assert accepts(grammars.compile(schema, tok, eos_token_id=EOS), '{"name": "x", "k": 1}', tok)
