@@ -18,7 +18,8 @@ INVARIANTS
     - Only slots named in `slot_mapping` are written; only pages named in `block_tables` (and the
       scratch page, where the table is padded with -1) are read.
     - A query at position p sees keys 0..p of its own sequence (causal within the query), plus the
-      whole prefix [0, prefix_len) when the family has prefix attention (PaliGemma's image + prompt).
+      whole prefix [0, prefix_len) when the family has prefix attention (PaliGemma's image + prompt);
+      so a PaliGemma prompt must be prefilled in one launch (the engine does not split prompts).
     - Padded query rows always see key 0, so SDPA never produces NaN rows (they are dropped anyway).
     - No host synchronisation: every index is derived on the device from the batch tensors.
 """
