@@ -10,6 +10,7 @@ in milliseconds with a message that says what to do.
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -106,8 +107,8 @@ def check_folder(path: Path) -> None:
 
 def _load_folder(path: Path, device: torch.device, dtype: torch.dtype, source: str) -> LoadedModel:
     check_folder(path)
-    config = transformers.AutoConfig.from_pretrained(path)
-    family, arch = family_for(getattr(config, "architectures", None))
+    # The architecture is checked from the raw JSON: AutoConfig would ask for trust_remote_code first.
+    family, arch = family_for(json.loads((path / "config.json").read_text()).get("architectures"))
     if family.has_vision and not any(
         (path / n).is_file() for n in ("preprocessor_config.json", "processor_config.json")
     ):

@@ -1,5 +1,6 @@
 """The loader's sources and its errors: local folders, hub cache, pickle refusal, mismatches, dtypes."""
 
+import json
 import shutil
 
 import pytest
@@ -132,3 +133,32 @@ def test_default_budget_is_a_fraction_of_available_memory():
     quarter = default_budget_bytes(torch.device("cpu"))
     half = default_budget_bytes(torch.device("cpu"), fraction=0.5)
     assert 0 < quarter < half
+
+
+def test_remote_code_folder_is_refused_without_running_it(checkpoints, tmp_path):
+    folder = copy(checkpoints["llama"], tmp_path / "remote")
+    config = json.loads((folder / "config.json").read_text())
+    config.update(
+        architectures=["EvilForCausalLM"], model_type="evil", auto_map={"AutoConfig": "evil.EvilConfig"}
+    )
+    (folder / "config.json").write_text(json.dumps(config))
+    (folder / "evil.py").write_text("raise SystemExit('remote code ran')\n")
+    with pytest.raises(ModelLoadError, match="unsupported architecture.*EvilForCausalLM"):
+        load(folder, device="cpu")
+
+
+def test_image_inputs_path_bytes_and_array_equal_pil(checkpoints, helpers, tmp_path):
+    import numpy as np
+
+    processor = load(checkpoints["llava"], device="cpu").processor
+    image = helpers.images(1)[0]
+    image.save(tmp_path / "im.png")
+    expected = processor("what is this?", image)
+    for other in (tmp_path / "im.png", (tmp_path / "im.png").read_bytes(), np.asarray(image)):
+        got = processor("what is this?", other)
+        assert got.token_ids == expected.token_ids
+        assert torch.equal(got.extras["pixel_values"], expected.extras["pixel_values"])
+    with pytest.raises(TypeError, match="HxWx3 uint8 array"):
+        processor("what is this?", 42)
+    with pytest.raises(ValueError, match="text-only model; call it with image=None"):
+        load(checkpoints["llama"], device="cpu").processor("hi", image)
