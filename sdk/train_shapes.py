@@ -1,7 +1,8 @@
 """Train foveal's embedded default model: a tiny PaliGemma on synthetic shape scenes.
 
-`python -m foveal.train_shapes --run runs/shapes --steps 20000` trains (or resumes) and
-`--export sdk/embedded` writes the Hugging Face folder that ships in the package.
+`python -m foveal.train_shapes --run runs/shapes --steps 20000` trains (or resumes from the run
+folder's last.pt) and `--export sdk/embedded` writes the Hugging Face folder that ships in the
+package. `--config '{"init_from": "runs/a/last.pt"}'` starts a new run from another run's weights.
 
 PROBLEM: a model that really answers detect / point / caption / query on the shapes world has to
 be trained on this project's own CPU budget (a few CPU-hours), reproducibly, and interrupted runs
@@ -11,14 +12,18 @@ SOLUTION: a small SigLIP + Gemma PaliGemma built from configs (`build_model`), a
 tokenizer over the world's words plus PaliGemma's <image>/<locNNNN>/<segNNN> tokens
 (`build_tokenizer`), batches drawn from a generator seeded by (seed, step) so that the data of a
 step never depends on what ran before, soft neighbour-smoothed targets over the location bins
-(a near miss costs less than a far one: a denser signal than one-hot), and checkpoints holding
-model, optimizer, step and torch RNG state.
+(a near miss costs less than a far one: a denser signal than one-hot), an auxiliary dense loss
+on the image features (per patch: colour, shape and box of the object there; `patch_targets`),
+2-D sine-cosine init of the vision position embeddings, and checkpoints holding model, auxiliary
+head, optimizer, step and torch RNG state. The run folder keeps its config.json and tokenizer, so
+a resume depends on neither the command line nor the current corpus code.
 
 INVARIANTS (tests/sdk/test_train_shapes.py):
 1. Same seed and config, same batches and same weights (determinism).
 2. Training n steps in one go equals training k steps, stopping, and resuming to n.
 3. Training input ids equal what transformers' PaliGemmaProcessor builds for the same prompt/suffix.
 4. Training scene seeds are >= TRAIN_SEED_BASE; evaluation uses seeds below it.
+5. Every detect/point target is accepted by the project's spatial grammar (grammars.spatial).
 """
 
 from __future__ import annotations
@@ -375,7 +380,8 @@ def lr_at(step: int, cfg: TrainConfig) -> float:
 
 
 class Trainer:
-    """Owns model, optimizer, tokenizer and the run folder; `train_until(step)` is resumable."""
+    """Owns tokenizer, model, auxiliary head and optimizer; `train_step()` advances one step,
+    `save_checkpoint` / `load_checkpoint` make that resumable."""
 
     def __init__(self, cfg: TrainConfig, run_dir: str | Path | None = None):
         self.cfg = cfg
