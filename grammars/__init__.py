@@ -3,6 +3,7 @@
     a = grammars.compile(spec, tokenizer)   # Automaton, cached; raises SchemaError before decoding
     m = a.matcher()                         # one sequence: commit / fill_mask / is_terminated / rollback
     grammars.fill_masks(matchers, bitmask)  # a whole decoding step in one native call
+    grammars.set_mask_threads(n)            # its thread pool (or $FOVEAL_MASK_THREADS)
 
 Specs: pydantic models, JSON-schema dicts, Regex, CFG (Lark), typing.Literal, Enum, lists of
 choices, outlines output types, and the spatial shapes of `grammars.spatial`. Built on llguidance.
@@ -15,7 +16,7 @@ require_foveal_name(__name__, "foveal.grammars")
 from . import spatial  # noqa: E402
 from .automaton import Automaton  # noqa: E402
 from .batch import fill_masks  # noqa: E402
-from .bitmask import allocate_bitmask  # noqa: E402
+from .bitmask import allocate_bitmask, mask_threads, set_mask_threads  # noqa: E402
 from .compiler import compile  # noqa: E402
 from .errors import GrammarLimitError, GrammarViolation, SchemaError  # noqa: E402
 from .matcher import Matcher  # noqa: E402
@@ -32,5 +33,7 @@ __all__ = [
     "allocate_bitmask",
     "compile",
     "fill_masks",
+    "mask_threads",
+    "set_mask_threads",
     "spatial",
 ]

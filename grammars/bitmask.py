@@ -1,5 +1,16 @@
 """Token bitmasks: the int32 `(rows, ceil(V/32))` buffers masks are written into, and the executor.
 
+Executor threads: llguidance's `LLExecutor` fills a batch on its own thread pool. The engine's device
+thread runs the forward at the same time, so every mask thread competes with it for a core. The
+pool size is `mask_threads()`: `set_mask_threads(n)` if called, else the environment variable
+`FOVEAL_MASK_THREADS`, else `default_mask_threads()`: one core left to the device thread, at most
+4, at least 1. Measured on the 2-core development machine (benchmarks/grammar_layer.py
+--contention, a shared and busy machine, so p99s are noise): alone, 2 executor threads filled no
+faster than 1 (p50 47 / 152 / 251 µs for 8 / 32 / 64 rows either way); beside a busy 2-thread
+matmul loop, 2 threads filled 64 rows in 458 µs p50 against 513 µs for 1, but the loop kept 77% of
+its solo rate against 84%. The forward is ~100x longer than a fill, so the default here is 1. The
+cap of 4 for larger machines is a guess, not measured here.
+
 Bit `t % 32` of word `t // 32` in a row is set when token `t` is allowed. Buffers may be numpy
 arrays or CPU torch tensors (pinned or not); llguidance writes into them by raw pointer with the GIL
 released, so each must be int32, 2-D and C-contiguous, and its row width must equal the automaton's
@@ -10,6 +21,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import os
 from typing import Any
 
 import llguidance
@@ -57,10 +69,49 @@ def row_view(ptr: int, row: int, words: int) -> np.ndarray:
     return np.ctypeslib.as_array((ctypes.c_int32 * words).from_address(ptr + row * words * 4))
 
 
-@functools.cache
+ENV_MASK_THREADS = "FOVEAL_MASK_THREADS"
+_chosen_threads: int | None = None  # set_mask_threads(); None: environment or default
+
+
+def default_mask_threads(cores: int | None = None) -> int:
+    """One core left to the device thread, at most 4 threads, at least 1 (see the module docstring)."""
+    if cores is None:
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return max(1, min(cores - 1, 4))
+
+
+def mask_threads() -> int:
+    """The executor's thread count: set_mask_threads(), else $FOVEAL_MASK_THREADS, else the default."""
+    if _chosen_threads is not None:
+        return _chosen_threads
+    value = os.environ.get(ENV_MASK_THREADS)
+    return default_mask_threads() if value is None else _checked_threads(value, ENV_MASK_THREADS)
+
+
+def set_mask_threads(n: int | None) -> None:
+    """Use n threads for batched mask fills from now on (None: back to environment/default)."""
+    global _chosen_threads
+    _chosen_threads = None if n is None else _checked_threads(n, "set_mask_threads")
+
+
+def _checked_threads(value: Any, source: str) -> int:
+    try:
+        n = int(value)
+    except (TypeError, ValueError):
+        n = 0
+    if n < 1 or str(value).strip() != str(n):
+        raise ValueError(f"{source}={value!r}: the number of mask threads must be a whole number >= 1")
+    return n
+
+
 def executor() -> llguidance.LLExecutor:
-    """The process-wide llguidance thread pool for batched mask fills (created on first use)."""
-    return llguidance.LLExecutor()
+    """The process-wide llguidance thread pool for batched mask fills, of mask_threads() threads."""
+    return _executor(mask_threads())
+
+
+@functools.cache
+def _executor(threads: int) -> llguidance.LLExecutor:
+    return llguidance.LLExecutor(num_threads=threads)
 
 
 def allowed_tokens(bitmask: Any, row: int = 0) -> np.ndarray:

@@ -215,3 +215,41 @@ def test_a_lexer_exhausted_behind_the_matcher_is_a_limit_not_a_violation(shared_
     with pytest.raises(grammars.GrammarLimitError, match="lexer error"):
         m.commit(ids[done])
     assert verdict(a, ids, masks=False)
+
+
+def test_mask_threads_default_leaves_a_core_to_the_device_thread():
+    from foveal.grammars.bitmask import default_mask_threads
+
+    assert [default_mask_threads(c) for c in (1, 2, 3, 5, 16)] == [1, 1, 2, 4, 4]
+
+
+def test_mask_threads_from_environment_or_function(monkeypatch, automaton, tok):
+    from foveal.grammars.bitmask import ENV_MASK_THREADS, default_mask_threads
+
+    monkeypatch.delenv(ENV_MASK_THREADS, raising=False)
+    assert grammars.mask_threads() == default_mask_threads()
+    monkeypatch.setenv(ENV_MASK_THREADS, "3")
+    assert grammars.mask_threads() == 3
+    for bad in ("0", "two", "1.5"):
+        monkeypatch.setenv(ENV_MASK_THREADS, bad)
+        with pytest.raises(ValueError, match=f"{ENV_MASK_THREADS}='{bad}'.*whole number >= 1"):
+            grammars.mask_threads()
+    with pytest.raises(ValueError, match="set_mask_threads=0"):
+        grammars.set_mask_threads(0)
+    try:
+        grammars.set_mask_threads(2)  # wins over the (bad) environment value
+        assert grammars.mask_threads() == 2
+        matchers = [automaton.matcher() for _ in range(8)]
+        for i, m in enumerate(matchers):
+            for t in tok.encode('{"name": "abc", "n": 1}').ids[:i]:
+                m.commit(t)
+        two = grammars.allocate_bitmask(8, automaton.vocab_size)
+        grammars.fill_masks(matchers, two)
+        grammars.set_mask_threads(1)
+        one = grammars.allocate_bitmask(8, automaton.vocab_size)
+        grammars.fill_masks(matchers, one)
+        assert np.array_equal(one, two) and len({bytes(r) for r in one}) > 4
+    finally:
+        grammars.set_mask_threads(None)
+    monkeypatch.setenv(ENV_MASK_THREADS, "2")
+    assert grammars.mask_threads() == 2
