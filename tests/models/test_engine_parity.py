@@ -8,8 +8,9 @@ from foveal.engine.models import load
 MAX_NEW = 8
 
 
-@pytest.mark.parametrize("family", ["llama", "paligemma", "idefics3"])
-@pytest.mark.parametrize("pipelined", [True, False])
+@pytest.mark.parametrize(
+    ("family", "pipelined"), [("llama", True), ("llama", False), ("paligemma", True), ("idefics3", True)]
+)
 def test_engine_greedy_tokens_match_transformers(family, pipelined, checkpoints, helpers):
     loaded = load(checkpoints[family], device="cpu")
     prompts = helpers.family_prompts(loaded)
