@@ -136,7 +136,7 @@ def throughput(helpers, tmp: Path) -> list[dict]:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", default=".")
+    parser.add_argument("--out", default="out/benchmarks")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         print("no CUDA device: this check runs on a GPU machine")
@@ -153,6 +153,7 @@ def main() -> int:
     print(f"{'PASS' if report['no_host_sync'] else 'FAIL'} forward without host sync")
     for row in report["throughput"]:
         print(f"batch {row['batch']:>3}: {row['tok_s']:.0f} tok/s (SmolLM2-135M shape, random weights, bf16)")
+    Path(args.out).mkdir(parents=True, exist_ok=True)
     Path(args.out, "device_check_models.json").write_text(json.dumps(report, indent=2))
     return 0 if ok else 1
 

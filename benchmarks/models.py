@@ -1,6 +1,6 @@
 """Model runners: parity table, SmolLM2 GGUF equality, load time and tokens/s next to transformers.
 
-    python -m benchmarks.models [--out benchmarks/models.json] [--new-tokens 32] [--skip-gguf]
+    python -m benchmarks.models [--out out/benchmarks/models.json] [--threads N] [--reps 3] [--skip-gguf]
 
 1. Parity table: each family's tiny random checkpoint (built as in tests/models), five prompts in
    one batch through foveal's runner vs transformers' `generate` per prompt: max |logit diff|, tokens equal.
@@ -202,7 +202,7 @@ def row(batch: int, runner: str, tokens: int, seconds: list[float]) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", default=str(ROOT / "benchmarks" / "models.json"))
+    parser.add_argument("--out", default="out/benchmarks/models.json")
     parser.add_argument("--new-tokens", type=int, default=32)
     parser.add_argument("--skip-gguf", action="store_true")
     parser.add_argument("--reps", type=int, default=3)
@@ -232,6 +232,7 @@ def main() -> None:
         for r in s["throughput"]:
             print(f"{r['batch']:>5} {r['runner']:<34} {r['tok_s_median']:>12.1f} {r['tok_s_best']:>10.1f}")
     report["load_average_at_end"] = os.getloadavg()
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(report, indent=2))
     print(f"\nwrote {args.out}")
 
