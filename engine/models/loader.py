@@ -105,10 +105,22 @@ def check_folder(path: Path) -> None:
         )
 
 
+def check_attention(text_config: dict) -> None:
+    """Refuse attention variants the paged attention does not implement (they would run, wrongly)."""
+    for key in ("attn_logit_softcapping", "sliding_window"):
+        if text_config.get(key) is not None:
+            raise ModelLoadError(
+                f"the text model sets {key}={text_config[key]!r}, which foveal's paged attention does not "
+                "implement yet (Gemma 2/3, Mistral-style models); use a checkpoint without it"
+            )
+
+
 def _load_folder(path: Path, device: torch.device, dtype: torch.dtype, source: str) -> LoadedModel:
     check_folder(path)
     # The architecture is checked from the raw JSON: AutoConfig would ask for trust_remote_code first.
-    family, arch = family_for(json.loads((path / "config.json").read_text()).get("architectures"))
+    raw = json.loads((path / "config.json").read_text())
+    family, arch = family_for(raw.get("architectures"))
+    check_attention(raw.get("text_config") or raw)
     if family.has_vision and not any(
         (path / n).is_file() for n in ("preprocessor_config.json", "processor_config.json")
     ):

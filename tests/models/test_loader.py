@@ -162,3 +162,13 @@ def test_image_inputs_path_bytes_and_array_equal_pil(checkpoints, helpers, tmp_p
         processor("what is this?", 42)
     with pytest.raises(ValueError, match="text-only model; call it with image=None"):
         load(checkpoints["llama"], device="cpu").processor("hi", image)
+
+
+@pytest.mark.parametrize("key", ["sliding_window", "attn_logit_softcapping"])
+def test_attention_variants_not_implemented_are_refused(key, checkpoints, tmp_path):
+    folder = copy(checkpoints["paligemma"], tmp_path / key)
+    config = json.loads((folder / "config.json").read_text())
+    config["text_config"][key] = 4096 if key == "sliding_window" else 50.0
+    (folder / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ModelLoadError, match=f"{key}=.*does not implement"):
+        load(folder, device="cpu")
