@@ -1,6 +1,7 @@
 """The whole benchmark suite in one run: one summary table, one JSON, the machine described.
 
     python -m benchmarks.run [--quick] [--json out/benchmarks/run.json] [--device cpu] [--threads N]
+    python -m benchmarks.run --markdown out/benchmarks/run.json     # a saved run's table, for the README
 
 Issue 8's five measurements, in this order, all in one process so that the ratios share the
 machine's load (the load average is recorded at the start and the end of each section):
@@ -343,6 +344,26 @@ def print_summary(report: dict) -> None:
         print(f"{r['area']:<14} {r['measure']:<92} {value:>8} {target:>7} {met:>4}")
 
 
+def markdown(report: dict) -> str:
+    """The summary as a Markdown table (for README's Performance section)."""
+    m = report["machine"]
+    lines = [
+        f"Machine: {m['cpu']}, {m['cores']} cores, torch threads {m['torch_threads']}, device {m['device']}; "
+        f"load average {m['load_average'][0]:.2f} at the start, {m['load_average_end'][0]:.2f} at the end; "
+        + ", ".join(f"{k} {v}" for k, v in m["versions"].items())
+        + f". Whole run: {report.get('seconds', 0) / 60:.0f} min.",
+        "",
+        "| area | measure | value | target | met |",
+        "|---|---|---:|---:|:---:|",
+    ]
+    for r in report["summary"]:
+        value = "-" if r["value"] is None else f"{r['value']:.2f}"
+        target = "" if r["target"] is None else f"≥ {r['target']:g}"
+        met = "" if r["met"] is None else ("yes" if r["met"] else "**no**")
+        lines.append(f"| {r['area']} | {r['measure'].replace('|', '/')} | {value} | {target} | {met} |")
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -355,7 +376,14 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument(
         "--threads", type=int, default=0, help="torch threads for every contender (0: torch's default)"
     )
+    parser.add_argument(
+        "--markdown", metavar="RUN_JSON", help="print a saved run's summary as Markdown; no run"
+    )
     args = parser.parse_args(argv)
+    if args.markdown:
+        report = json.loads(Path(args.markdown).read_text())
+        print(markdown(report))
+        return report
     if args.threads:
         torch.set_num_threads(args.threads)
     started = time.perf_counter()
