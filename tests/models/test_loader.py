@@ -172,3 +172,23 @@ def test_attention_variants_not_implemented_are_refused(key, checkpoints, tmp_pa
     (folder / "config.json").write_text(json.dumps(config))
     with pytest.raises(ModelLoadError, match=f"{key}=.*does not implement"):
         load(folder, device="cpu")
+
+
+def test_hub_id_not_cached_is_downloaded_without_pickles(checkpoints, tmp_path, monkeypatch):
+    """The online branch: a cache miss downloads the folder (safetensors/JSON/tokenizer patterns only)."""
+    from huggingface_hub.errors import LocalEntryNotFoundError
+
+    calls = []
+
+    def fake_snapshot_download(repo_id, cache_dir=None, local_files_only=False, allow_patterns=None):
+        calls.append((repo_id, local_files_only, allow_patterns))
+        if local_files_only:
+            raise LocalEntryNotFoundError("not cached")
+        return str(checkpoints["llama"])
+
+    monkeypatch.setattr("foveal.engine.models.hub.snapshot_download", fake_snapshot_download)
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    assert load("tiny-org/tiny-llama", device="cpu").family == "llama"
+    (_, cached_only, _), (_, _, patterns) = calls
+    assert cached_only
+    assert "*.safetensors" in patterns and not any(p.endswith((".bin", ".pt", ".pth")) for p in patterns)
