@@ -201,7 +201,8 @@ def sdk_model(loaded: engine_models.LoadedModel, max_batch: int, max_model_len: 
 
 
 def foveal_calls(model: Model, workload: Workload, constrained: bool) -> tuple[list[Any], int, float]:
-    """Every request from its own thread at once; returns outputs, generated tokens, wall seconds."""
+    """Every request from its own thread at once; returns outputs, generated tokens, wall seconds, and
+    where the engine's time went (its stats: forward, sample and host ms per step, device busy share)."""
     settings = {"temperature": 0.0, "max_tokens": workload.max_tokens}
 
     def call(i: int) -> Any:
@@ -219,7 +220,12 @@ def foveal_calls(model: Model, workload: Workload, constrained: bool) -> tuple[l
     with ThreadPoolExecutor(len(workload.asks)) as pool:
         outputs = list(pool.map(call, range(len(workload.asks))))
     wall = time.perf_counter() - start
-    return outputs, model.engine.stats()["tokens"], wall
+    stats = model.engine.stats()
+    detail = {
+        k: stats[k] for k in ("steps", "forward_ms", "sample_ms", "host_ms_per_step", "device_busy_fraction")
+    }
+    detail["phase_ms_per_step"] = stats["phase_ms_per_step"]
+    return outputs, stats["tokens"], wall, detail
 
 
 def prompt_ids(model: Model, workload: Workload) -> list[list[int]]:
@@ -235,9 +241,11 @@ def hf_generate(
     ids = torch.tensor([[pad] * (width - len(p)) + list(p) for p in prompts])
     mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
     extra = {}
+    timed = None
     if processor is not None:
         processor.reset()
-        extra["logits_processor"] = transformers.LogitsProcessorList([processor])
+        timed = TimedProcessor(processor)
+        extra["logits_processor"] = transformers.LogitsProcessorList([timed])
     ids, mask = ids.to(hf.device), mask.to(hf.device)
     start = time.perf_counter()
     with torch.inference_mode():
@@ -248,7 +256,26 @@ def hf_generate(
         torch.cuda.synchronize()
     wall = time.perf_counter() - start
     rows = [until_eos(r, tokenizer.eos_token_id) for r in out[:, width:].tolist()]
-    return [tokenizer.decode(r, skip_special_tokens=True) for r in rows], sum(map(len, rows)), wall
+    steps = out.shape[1] - width
+    detail = {"steps": steps, "ms_per_step": 1e3 * wall / max(steps, 1)}
+    if timed is not None:  # outlines' share of the time: its mask building and application, per step
+        detail["processor_ms_per_step"] = 1e3 * timed.seconds / max(timed.calls, 1)
+        detail["processor_share"] = timed.seconds / wall
+    return [tokenizer.decode(r, skip_special_tokens=True) for r in rows], sum(map(len, rows)), wall, detail
+
+
+class TimedProcessor:
+    """A logits processor that times the one it wraps (transformers calls it once per step)."""
+
+    def __init__(self, inner: Any) -> None:
+        self.inner, self.seconds, self.calls = inner, 0.0, 0
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        start = time.perf_counter()
+        out = self.inner(input_ids, scores)
+        self.seconds += time.perf_counter() - start
+        self.calls += 1
+        return out
 
 
 def until_eos(row: list[int], eos: int) -> list[int]:
@@ -291,10 +318,12 @@ def hf_continuous(
     rows = [until_eos(list(results[k].generated_tokens), tokenizer.eos_token_id) for k in sorted(results)]
     if len(rows) != len(prompts):
         raise RuntimeError(f"generate_batch returned {len(rows)} results for {len(prompts)} prompts")
-    return [tokenizer.decode(r, skip_special_tokens=True) for r in rows], sum(map(len, rows)), wall
+    return [tokenizer.decode(r, skip_special_tokens=True) for r in rows], sum(map(len, rows)), wall, {}
 
 
-def row(name: str, workload: Workload, constrained: bool, outputs: list, tokens: int, wall: float) -> dict:
+def row(
+    name: str, workload: Workload, constrained: bool, outputs: list, tokens: int, wall: float, detail: dict
+) -> dict:
     valid = sum(is_valid(workload, o) for o in outputs)
     return {
         "contender": name,
@@ -308,6 +337,7 @@ def row(name: str, workload: Workload, constrained: bool, outputs: list, tokens:
         "valid_share": valid / len(outputs),
         "raised": sum(isinstance(o, Exception) for o in outputs),  # foveal: cut at max_tokens, said so
         "sample": str(outputs[0])[:160],
+        "detail": detail,
     }
 
 
@@ -324,7 +354,7 @@ def unavailable(name: str, workload: Workload, error: BaseException) -> dict:
 
 
 def contenders(model: Model, hf: Any, workload: Workload, processor: Any) -> list[tuple[str, bool, Any]]:
-    """(name, constrained, run) for every contender on `workload`; run() -> (outputs, tokens, seconds)."""
+    """(name, constrained, run) for every contender; run() -> (outputs, tokens, seconds, detail)."""
     tokenizer = model.loaded.tokenizer
     prompts = prompt_ids(model, workload)
     n = workload.max_tokens
@@ -359,14 +389,14 @@ def run_workload(model: Model, hf: Any, workload: Workload, warm: bool = True) -
         try:
             if warm:
                 warm_fn()
-            outputs, tokens, wall = fn()
+            outputs, tokens, wall, detail = fn()
         except RuntimeError as e:  # transformers: async batching needs CUDA/XPU
             if "async" not in name:
                 raise
             rows.append(unavailable(name, workload, e))
             print(f"  {workload.name} {name}: unavailable: {e}", flush=True)
             continue
-        rows.append(row(name, workload, constrained, outputs, tokens, wall))
+        rows.append(row(name, workload, constrained, outputs, tokens, wall, detail))
         print(f"  {workload.name} {name}{'' if constrained else ', no grammar'}: {wall:.1f} s", flush=True)
     return rows
 
@@ -435,9 +465,25 @@ def print_table(report: dict) -> None:
             f"{r['workload']:<8} {r['contender']:<36} {'yes' if r['constrained'] else 'no':>7} | "
             f"{r['tok_s']:>7.1f} {r['req_s']:>6.2f} {r['valid_share']:>6.0%} {r['wall_s']:>7.1f}"
         )
+        if where := where_time_went(r.get("detail", {})):
+            print(f"{'':<8}   {where}")
     for label, v in report["ratios"].items():
         text = v.get("unavailable") or f"tokens/s {v['tok_s']:.2f}x, requests/s {v['req_s']:.2f}x"
         print(f"  foveal {label}: {text[:100]}")
+
+
+def where_time_went(d: dict) -> str:
+    if "forward_ms" in d:
+        return (
+            f"{d['steps']} steps: forward {d['forward_ms']:.1f} ms, sample {d['sample_ms']:.2f} ms, "
+            f"host {d['host_ms_per_step']:.2f} ms per step; device busy {d['device_busy_fraction']:.0%}"
+        )
+    if "ms_per_step" in d:
+        text = f"{d['steps']} steps: {d['ms_per_step']:.1f} ms per step"
+        if "processor_ms_per_step" in d:
+            text += f", of which outlines {d['processor_ms_per_step']:.1f} ms ({d['processor_share']:.0%})"
+        return text
+    return ""
 
 
 def main(argv: list[str] | None = None) -> None:
