@@ -53,6 +53,9 @@ ENDLESS_BOXES = {  # a realistic JSON mask that cannot close within the benchmar
         "additionalProperties": False,
     },
 }
+# THREADS: one intra-op thread for every contender on CPU. Measured on the shared 2-core machine (load
+# average ~5): a SmolLM2-sized batch-8 forward took 121 ms on 1 thread and 778 ms on 2 (intra-op
+# barriers wait on preempted threads), and foveal's scheduler thread needs the other core.
 TARGETS = {
     "pipelined gain / ideal": 0.9,
     "constrained / unconstrained tok/s at 32 streams": 0.95,
@@ -374,7 +377,10 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--json", default="out/benchmarks/run.json", help="where to write the report")
     parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
     parser.add_argument(
-        "--threads", type=int, default=0, help="torch threads for every contender (0: torch's default)"
+        "--threads",
+        type=int,
+        default=None,
+        help="torch threads for every contender (default: 1 on CPU, see THREADS)",
     )
     parser.add_argument(
         "--markdown", metavar="RUN_JSON", help="print a saved run's summary as Markdown; no run"
@@ -384,8 +390,9 @@ def main(argv: list[str] | None = None) -> dict:
         report = json.loads(Path(args.markdown).read_text())
         print(markdown(report))
         return report
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    threads = args.threads or (1 if args.device == "cpu" else 0)
+    if threads:
+        torch.set_num_threads(threads)
     started = time.perf_counter()
     report = run(args.quick, args.device)
     report["seconds"] = time.perf_counter() - started
