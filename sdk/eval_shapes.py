@@ -9,9 +9,10 @@ disjoint from training: training draws seeds >= train_shapes.TRAIN_SEED_BASE):
 - caption exact match per length (normal is the bar);
 - query accuracy (exact match; question kinds rotate: count, color, shape, relation).
 
-Decoding: greedy through transformers' `PaliGemmaForConditionalGeneration.generate` and its
-PaliGemmaProcessor, unconstrained (the SDK's engine with grammar-constrained decoding replaces this
-once it exists); the output says so.
+Decoding (--engine, printed with the table): "transformers" (default) is greedy through
+transformers' `PaliGemmaForConditionalGeneration.generate` and its PaliGemmaProcessor, free text
+parsed back by `shapes_format`; "foveal" runs the SDK (`foveal.load(folder)`, the project's engine,
+detect/point constrained by the spatial grammars).
 """
 
 from __future__ import annotations
@@ -27,7 +28,10 @@ import torch
 from foveal.shapes_format import ShapesFormat
 from foveal.vision import scenes
 
-DECODER = "transformers generate, greedy, unconstrained"
+ENGINES = {
+    "transformers": "transformers generate, greedy, unconstrained",
+    "foveal": "foveal.load: the project's engine, greedy, grammar-constrained detect/point",
+}
 DEFAULT_MODEL = Path(__file__).parent / "embedded"
 QUERY_KINDS = ("count", "color", "shape", "relation")
 
@@ -115,40 +119,91 @@ class Generator:
         return out
 
 
-def evaluate_model(folder: str | Path, n: int = 500, seed_offset: int = 0, details: bool = False) -> dict:
+def evaluate_model(
+    folder: str | Path,
+    n: int = 500,
+    seed_offset: int = 0,
+    details: bool = False,
+    engine: str = "transformers",
+) -> dict:
+    """Metrics of the model in `folder` on n held-out scenes; engine "transformers" (greedy, free text)
+    or "foveal" (foveal.load: the project's engine, grammar-constrained)."""
+    if engine not in ENGINES:
+        raise ValueError(f"engine {engine!r} is unknown; use one of {', '.join(ENGINES)}")
     fmt = ShapesFormat.load(folder)
-    gen = Generator(folder)
     scene_list = [eval_scene(seed_offset + i) for i in range(n)]
     tasks = [eval_tasks(s, i) for i, s in enumerate(scene_list)]
     images = [scenes.render(s) for s in scene_list]
-    phrases = [t["phrase"] for t in tasks]
-    text = {
-        "detect": gen(images, [fmt.prompt("detect", object=p) for p in phrases], 48),
-        "point": gen(images, [fmt.prompt("point", object=p) for p in phrases], 32),
-        "query": gen(images, [fmt.prompt("query", question=t["question"]) for t in tasks], 8),
-    }
-    for length in ("short", "normal", "long"):
-        text[f"caption_{length}"] = gen(images, [fmt.prompt("caption", length=length)] * n, 64)
-    metrics = score(fmt, scene_list, tasks, text)
+    answer = answers_transformers if engine == "transformers" else answers_foveal
+    said = answer(folder, fmt, images, tasks)
+    metrics = score(scene_list, tasks, said)
     if details:
         metrics["examples"] = [
-            {"seed": s.seed, **t, **{k: v[i] for k, v in text.items()}}
+            {"seed": s.seed, **t, **{k: v[i] for k, v in said.items()}}
             for i, (s, t) in enumerate(zip(scene_list, tasks, strict=True))
         ][:20]
     return metrics
 
 
-def score(fmt: ShapesFormat, scene_list: list, tasks: list[dict], text: dict[str, list[str]]) -> dict:
+def answers_transformers(folder: str | Path, fmt: ShapesFormat, images: list, tasks: list[dict]) -> dict:
+    gen = Generator(folder)
+    phrases = [t["phrase"] for t in tasks]
+    said = {
+        "detect": [
+            fmt.parse_detect(t) for t in gen(images, [fmt.prompt("detect", object=p) for p in phrases], 48)
+        ],
+        "point": [
+            fmt.parse_point(t) for t in gen(images, [fmt.prompt("point", object=p) for p in phrases], 32)
+        ],
+        "query": gen(images, [fmt.prompt("query", question=t["question"]) for t in tasks], 8),
+    }
+    for length in ("short", "normal", "long"):
+        said[f"caption_{length}"] = gen(images, [fmt.prompt("caption", length=length)] * len(images), 64)
+    return said
+
+
+def answers_foveal(folder: str | Path, fmt: ShapesFormat, images: list, tasks: list[dict]) -> dict:
+    import foveal
+
+    with foveal.load(folder) as model:
+        phrases = [t["phrase"] for t in tasks]
+        said = {
+            "detect": [r["objects"] for r in _mapped(model, "detect", images, phrases)],
+            "point": [r["points"] for r in _mapped(model, "point", images, phrases)],
+            "query": [r["answer"] for r in _mapped(model, "query", images, [t["question"] for t in tasks])],
+        }
+        for length in ("short", "normal", "long"):
+            said[f"caption_{length}"] = [
+                r["caption"] for r in _mapped(model, "caption", images, [length] * len(images))
+            ]
+    return said
+
+
+def _mapped(model, skill: str, images: list, args: list[str]) -> list:
+    """`model.map` per distinct argument (it takes one argument for all its images), in input order."""
+    out: list = [None] * len(images)
+    for arg in dict.fromkeys(args):
+        rows = [i for i, a in enumerate(args) if a == arg]
+        for i, result in zip(
+            rows, model.map(skill, [images[i] for i in rows], arg, progress=False), strict=True
+        ):
+            if isinstance(result, Exception):
+                raise result
+            out[i] = result
+    return out
+
+
+def score(scene_list: list, tasks: list[dict], said: dict[str, list]) -> dict:
     tp = n_pred = n_true = hits = n_points = p_hits = 0
     ious: list[float] = []
     for i, (scene, task) in enumerate(zip(scene_list, tasks, strict=True)):
         objs = scenes.objects_matching(scene, task["phrase"])
         truth = [o.box(scene.width, scene.height) for o in objs]
-        boxes = fmt.parse_detect(text["detect"][i])
+        boxes = said["detect"][i]
         matched, best = match_boxes(boxes, truth)
         tp, n_pred, n_true = tp + matched, n_pred + len(boxes), n_true + len(truth)
         ious += best
-        points = fmt.parse_point(text["point"][i])
+        points = said["point"][i]
         hit = match_points(points, objs, scene)
         hits, n_points, p_hits = hits + hit, n_points + len(points), p_hits + hit
     metrics = {
@@ -159,15 +214,13 @@ def score(fmt: ShapesFormat, scene_list: list, tasks: list[dict], text: dict[str
         "point_hit_rate": hits / max(1, n_true),
         "point_precision": p_hits / max(1, n_points),
         "query_accuracy": float(
-            np.mean([t.strip() == k["answer"] for t, k in zip(text["query"], tasks, strict=True)])
+            np.mean([t.strip() == k["answer"] for t, k in zip(said["query"], tasks, strict=True)])
         ),
     }
     for length in ("short", "normal", "long"):
-        said = text[f"caption_{length}"]
         truth = [scenes.caption(s, length) for s in scene_list]
-        metrics[f"caption_{length}_exact"] = float(
-            np.mean([a.strip() == b for a, b in zip(said, truth, strict=True)])
-        )
+        exact = [a.strip() == b for a, b in zip(said[f"caption_{length}"], truth, strict=True)]
+        metrics[f"caption_{length}_exact"] = float(np.mean(exact))
     return metrics
 
 
@@ -196,6 +249,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--seed-offset", type=int, default=0, help="first held-out scene seed")
     p.add_argument("--json", default=None, help="write the metrics here")
     p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--engine", choices=list(ENGINES), default="transformers", help="how to decode")
     args = p.parse_args(argv)
     if not (Path(args.model) / "model.safetensors").is_file():
         raise SystemExit(
@@ -203,9 +257,10 @@ def main(argv: list[str] | None = None) -> None:
         )
     torch.set_num_threads(args.threads)
     t0 = time.time()
-    metrics = evaluate_model(args.model, n=args.n, seed_offset=args.seed_offset)
-    metrics.update(model=str(args.model), decoder=DECODER, seconds=round(time.time() - t0, 1))
-    print(f"decoder: {DECODER}\nmodel: {args.model}\n")
+    metrics = evaluate_model(args.model, n=args.n, seed_offset=args.seed_offset, engine=args.engine)
+    decoder = ENGINES[args.engine]
+    metrics.update(model=str(args.model), decoder=decoder, seconds=round(time.time() - t0, 1))
+    print(f"decoder: {decoder}\nmodel: {args.model}\n")
     print(format_table(metrics))
     if args.json:
         Path(args.json).write_text(json.dumps(metrics, indent=2) + "\n")
