@@ -29,6 +29,9 @@ class Family:
     prefix_attention: bool = False
     image_keys: tuple[str, ...] = ()  # processor outputs that go to the forward with the image
     image_cat_dim: int = 0  # the images axis of those tensors, to join several sequences' images
+    # How the model's forward takes precomputed features (`mm_encoder_outputs["image"].pooler_output`):
+    # a list of [tokens, hidden] tensors (LLaVA, Idefics3 concatenate it) or one tensor (PaliGemma).
+    features_as_list: bool = False
 
     @property
     def has_vision(self) -> bool:
@@ -63,6 +66,7 @@ FAMILIES: tuple[Family, ...] = (
         image_token="<image>",
         image_keys=("pixel_values", "pixel_attention_mask"),
         image_cat_dim=1,
+        features_as_list=True,
     ),
     # SmolVLM is Idefics3's architecture; its own SmolVLMProcessor cannot be built without torchvision
     # (video), and for images it expands prompts as Idefics3Processor does, which we use instead.
@@ -73,6 +77,7 @@ FAMILIES: tuple[Family, ...] = (
         image_token="<image>",
         image_keys=("pixel_values", "pixel_attention_mask"),
         image_cat_dim=1,
+        features_as_list=True,
     ),
     Family(
         "llava",
@@ -80,6 +85,7 @@ FAMILIES: tuple[Family, ...] = (
         processor_class="LlavaProcessor",
         image_token="<image>",
         image_keys=("pixel_values",),
+        features_as_list=True,
     ),
 )
 

@@ -22,6 +22,7 @@ import transformers
 from foveal.engine.models.attention import ATTN_NAME
 from foveal.engine.models.families import Family, ModelLoadError, family_for
 from foveal.engine.models.hub import looks_like_hub_id, resolve_hub_id
+from foveal.engine.models.image_cache import DEFAULT_IMAGE_CACHE_BYTES
 from foveal.engine.models.processor import InputProcessor
 from foveal.engine.models.runner import HFRunner
 
@@ -44,8 +45,16 @@ def load(
     path_or_hub_id: str | os.PathLike,
     device: str | torch.device = "auto",
     dtype: str | torch.dtype | None = None,
+    image_cache_bytes: int = DEFAULT_IMAGE_CACHE_BYTES,
 ) -> LoadedModel:
-    """Load a checkpoint for the engine. device "auto": CUDA when available; dtype None: bf16 on CUDA, fp32 on CPU."""
+    """Load a checkpoint for the engine. device "auto": CUDA when available; dtype None: bf16 on CUDA, fp32 on CPU.
+
+    `image_cache_bytes`: bound of the runner's cache of image features by image key (0: off).
+    """
+    if isinstance(image_cache_bytes, bool) or not isinstance(image_cache_bytes, int) or image_cache_bytes < 0:
+        raise ModelLoadError(
+            f"image_cache_bytes must be an int >= 0 (0 turns the cache off), got {image_cache_bytes!r}"
+        )
     dev = resolve_device(device)
     torch_dtype = resolve_dtype(dtype, dev)
     source = str(path_or_hub_id)
@@ -53,12 +62,12 @@ def load(
     if path.suffix == ".gguf":
         if not path.is_file():
             raise ModelLoadError(f"no such GGUF file: {path}")
-        return _load_gguf(path, dev, torch_dtype)
+        return _load_gguf(path, dev, torch_dtype, image_cache_bytes)
     if not path.exists():
         if not looks_like_hub_id(source):
             raise ModelLoadError(f"{source!r} is neither a folder nor a hub id of the form 'org/name'")
         path = resolve_hub_id(source)
-    return _load_folder(path, dev, torch_dtype, source)
+    return _load_folder(path, dev, torch_dtype, source, image_cache_bytes)
 
 
 def resolve_device(device: str | torch.device) -> torch.device:
@@ -115,7 +124,9 @@ def check_attention(text_config: dict) -> None:
             )
 
 
-def _load_folder(path: Path, device: torch.device, dtype: torch.dtype, source: str) -> LoadedModel:
+def _load_folder(
+    path: Path, device: torch.device, dtype: torch.dtype, source: str, image_cache_bytes: int
+) -> LoadedModel:
     check_folder(path)
     # The architecture is checked from the raw JSON: AutoConfig would ask for trust_remote_code first.
     raw = json.loads((path / "config.json").read_text())
@@ -131,10 +142,10 @@ def _load_folder(path: Path, device: torch.device, dtype: torch.dtype, source: s
     model = getattr(transformers, arch).from_pretrained(
         path, dtype=dtype, attn_implementation=_attn_implementation(family), use_safetensors=True
     )
-    return _assemble(model.to(device), family, tokenizer, hf_processor, source)
+    return _assemble(model.to(device), family, tokenizer, hf_processor, source, image_cache_bytes)
 
 
-def _load_gguf(path: Path, device: torch.device, dtype: torch.dtype) -> LoadedModel:
+def _load_gguf(path: Path, device: torch.device, dtype: torch.dtype, image_cache_bytes: int) -> LoadedModel:
     missing = [name for name in ("gguf", "accelerate") if importlib.util.find_spec(name) is None]
     if missing:
         raise ModelLoadError(
@@ -149,7 +160,7 @@ def _load_gguf(path: Path, device: torch.device, dtype: torch.dtype) -> LoadedMo
     model = getattr(transformers, arch).from_pretrained(
         path.parent, dtype=dtype, attn_implementation=ATTN_NAME, **kwargs
     )
-    return _assemble(model.to(device), family, tokenizer, None, str(path))
+    return _assemble(model.to(device), family, tokenizer, None, str(path), image_cache_bytes)
 
 
 def _load_processor(family: Family, path: Path) -> tuple[Any, Any]:
@@ -165,14 +176,17 @@ def _attn_implementation(family: Family) -> str | dict[str, str]:
     return {"": ATTN_NAME, "text_config": ATTN_NAME, "vision_config": "sdpa"}
 
 
-def _assemble(model: Any, family: Family, tokenizer: Any, hf_processor: Any, source: str) -> LoadedModel:
-    runner = HFRunner(model, family)
+def _assemble(
+    model: Any, family: Family, tokenizer: Any, hf_processor: Any, source: str, image_cache_bytes: int
+) -> LoadedModel:
+    runner = HFRunner(model, family, image_cache_bytes=image_cache_bytes)
     if len(tokenizer) > runner.vocab_size:
         raise ModelLoadError(
             f"the tokenizer has {len(tokenizer)} tokens but the model's vocabulary has {runner.vocab_size}: "
             "they do not belong together; save the checkpoint's own tokenizer into the folder"
         )
-    processor = InputProcessor(family, tokenizer, hf_processor, runner.device, runner.dtype)
+    image_token_id = getattr(model.config, "image_token_id", None) if family.has_vision else None
+    processor = InputProcessor(family, tokenizer, hf_processor, runner.device, runner.dtype, image_token_id)
     return LoadedModel(runner, tokenizer, processor, _eos_ids(model, tokenizer), family.name, source)
 
 

@@ -4,6 +4,8 @@ It wraps the family's own transformers processor (tokenizer, image processor, pl
 expansion), so a prompt is tokenized exactly as the reference model expects. Image tensors are
 moved to the runner's device and dtype here, before the request reaches the engine, so a launch
 never copies from the host. PaliGemma's bidirectional prefix is the processor's token_type_ids == 0.
+`extras["image_tokens"]` counts the prompt's image placeholder tokens (the model's `image_token_id`):
+the number of feature rows the image fills, by which the runner splits a batch of encoded images.
 """
 
 from __future__ import annotations
@@ -45,9 +47,18 @@ class InputProcessor:
     """Callable `(text, image=None) -> PromptInputs` for one loaded model."""
 
     def __init__(
-        self, family: Family, tokenizer: Any, hf_processor: Any, device: torch.device, dtype: torch.dtype
+        self,
+        family: Family,
+        tokenizer: Any,
+        hf_processor: Any,
+        device: torch.device,
+        dtype: torch.dtype,
+        image_token_id: int | None = None,
     ):
+        if family.has_vision and image_token_id is None:
+            raise ValueError(f"a {family.name} processor needs the model config's image_token_id")
         self.family = family
+        self.image_token_id = image_token_id
         self.tokenizer = tokenizer
         self.hf_processor = hf_processor
         self.device = device
@@ -67,6 +78,7 @@ class InputProcessor:
             dtype = self.dtype if value.is_floating_point() else value.dtype
             extras[key] = value.to(self.device, dtype)
         ids = out["input_ids"][0]
+        extras["image_tokens"] = int((ids == self.image_token_id).sum())
         if self.family.prefix_attention:
             extras["prefix_len"] = int((out["token_type_ids"][0] == 0).sum())
         return PromptInputs(ids.tolist(), extras)

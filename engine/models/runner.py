@@ -10,23 +10,33 @@ SOLUTION
     (shifted by the family's offset: PaliGemma counts from 1), no transformers cache, and a
     `PagedContext` passed through transformers' kwargs to every decoder attention call
     (`attention.py`), where sequences are separated again. Images of the sequences being prefilled
-    are passed once, in that launch, as the family's image kwargs; transformers' own code encodes
-    them and scatters the features over the image placeholder tokens in order. The last-token rows
-    are selected before the LM head (`logits_to_keep`), so the head runs on B rows, not T.
+    are encoded in that launch by the family's own `get_image_features` (misses only: features of
+    an `extras["image_key"]` seen before come from the runner's `ImageFeatureCache`, image_cache.py),
+    and handed to the forward as `mm_encoder_outputs`, transformers' hook for precomputed encoder
+    outputs, so transformers' own code scatters them over the image placeholder tokens in order.
+    The last-token rows are selected before the LM head (`logits_to_keep`), so the head runs on B
+    rows, not T.
 
 INVARIANTS
     - `forward` before `allocate_kv` raises (tested).
     - Logits are float32, [num_seqs, vocab_size], whatever the compute dtype.
-    - Images are encoded only in launches whose `extras` carry them (prefill), never in decode.
+    - Images are encoded only in launches whose `extras` carry them (prefill), never in decode,
+      and an image whose key is cached is not encoded again; a hit gives the same logits as a miss.
+    - Cached features must fill exactly the request's image tokens, else the launch raises (a key
+      reused for another image can never be scattered silently).
     - On CPU, decode launches replay a traced graph per bucket (traced.py) with the same logits.
 """
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
+from transformers.modeling_outputs import BaseModelOutputWithPooling
 
 from foveal.engine.models.attention import PagedKV, build_context
 from foveal.engine.models.families import Family
+from foveal.engine.models.image_cache import DEFAULT_IMAGE_CACHE_BYTES, ImageFeatureCache
 from foveal.engine.models.traced import DecodeGraphs
 from foveal.engine.runner import ForwardBatch
 
@@ -34,9 +44,17 @@ from foveal.engine.runner import ForwardBatch
 class HFRunner:
     """One loaded transformers model, driven one `ForwardBatch` at a time (from a single thread)."""
 
-    def __init__(self, model: torch.nn.Module, family: Family, trace_decode: bool | None = None) -> None:
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        family: Family,
+        trace_decode: bool | None = None,
+        image_cache_bytes: int = DEFAULT_IMAGE_CACHE_BYTES,
+    ) -> None:
         self.model = model.eval().requires_grad_(False)
         self.family = family
+        # Touched only from the thread that calls forward (the engine's device thread): no lock.
+        self.image_cache = ImageFeatureCache(image_cache_bytes)
         text = model.config.get_text_config()
         self.vocab_size: int = text.vocab_size
         self.device: torch.device = next(model.parameters()).device
@@ -80,7 +98,7 @@ class HFRunner:
         kv = PagedKV(ks, vs, self.kv.page_size, self.kv.scratch_page)
         prefix_lens = self._prefix_lens(batch) if self.family.prefix_attention else None
         context = build_context(batch, kv, prefix_lens)
-        image_kwargs = self.family.image_kwargs([e for e in batch.extras if e is not None])
+        image_kwargs = self._image_inputs([e for e in batch.extras if e is not None])
         out = self.model(
             input_ids=batch.input_ids[None],
             position_ids=(batch.positions + self.family.position_offset)[None],
@@ -90,6 +108,42 @@ class HFRunner:
             **image_kwargs,
         )
         return out.logits[0].float()
+
+    def _image_inputs(self, extras: list[dict[str, Any]]) -> dict[str, Any]:
+        """`mm_encoder_outputs` for the launch's images in sequence order: cached features, misses encoded at once."""
+        with_images = [e for e in extras if self.family.image_keys and self.family.image_keys[0] in e]
+        if not with_images:
+            return {}
+        features: list[torch.Tensor | None] = [
+            self.image_cache.get(e["image_key"]) if "image_key" in e else None for e in with_images
+        ]
+        misses = [i for i, f in enumerate(features) if f is None]
+        if misses:
+            encoded = self.encode_images([with_images[i] for i in misses])
+            for i, feats in zip(misses, encoded, strict=True):
+                features[i] = feats
+                if "image_key" in with_images[i]:
+                    self.image_cache.put(
+                        with_images[i]["image_key"], feats.clone()
+                    )  # not a view of the batch
+        for e, feats in zip(with_images, features, strict=True):
+            if feats.shape[0] != e["image_tokens"]:
+                raise ValueError(
+                    f"image features of key {e.get('image_key')!r} have {feats.shape[0]} rows but the prompt has "
+                    f"{e['image_tokens']} image tokens; an image_key must identify one image's pixels"
+                )
+        joined = torch.cat(features)
+        pooled = [joined] if self.family.features_as_list else joined
+        return {"mm_encoder_outputs": {"image": BaseModelOutputWithPooling(pooler_output=pooled)}}
+
+    def encode_images(self, extras: list[dict[str, Any]]) -> list[torch.Tensor]:
+        """The family's image features of each request's image, [image tokens, hidden], in one encoder call."""
+        pooled = self.model.get_image_features(**self.family.image_kwargs(extras)).pooler_output
+        if isinstance(pooled, (list, tuple)):
+            flat = torch.cat([p.reshape(-1, p.shape[-1]) for p in pooled])
+        else:
+            flat = pooled.reshape(-1, pooled.shape[-1])
+        return list(flat.split([e["image_tokens"] for e in extras]))
 
     def _prefix_lens(self, batch: ForwardBatch) -> torch.Tensor | None:
         """Per sequence, the bidirectional prefix length (0 for sequences in decode: their prefix is cached)."""
