@@ -16,7 +16,6 @@ Exit status 1 if a check fails.
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import sys
 import tempfile
@@ -27,29 +26,17 @@ import torch
 import transformers
 
 from foveal.engine import Engine, EngineConfig, Request, SamplingParams
-from foveal.engine.models import load
-
-ROOT = Path(__file__).resolve().parents[1]
+from foveal.engine.models import load, parity, tiny
 
 
-def test_helpers():
-    spec = importlib.util.spec_from_file_location(
-        "models_conftest", ROOT / "tests" / "models" / "conftest.py"
-    )
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
-
-
-def cuda_parity(helpers, tmp: Path) -> list[dict]:
+def cuda_parity(tmp: Path) -> list[dict]:
     rows = []
-    for family, build in helpers.BUILDERS.items():
+    for family, build in tiny.BUILDERS.items():
         folder = build(tmp / family)
         loaded = load(folder, device="cuda", dtype="float32")
-        reference = helpers.reference_model(folder).to("cuda")
-        prompts = helpers.family_prompts(loaded)
-        ours = helpers.greedy(loaded.runner, prompts, 8, loaded.eos_token_ids)
+        reference = parity.reference_model(folder).to("cuda")
+        prompts = tiny.family_prompts(loaded)
+        ours = parity.greedy(loaded.runner, prompts, 8, loaded.eos_token_ids)
         worst, equal = 0.0, True
         for seq, prompt in enumerate(prompts):
             ids = torch.tensor([prompt.token_ids], device="cuda")
@@ -71,7 +58,7 @@ def cuda_parity(helpers, tmp: Path) -> list[dict]:
             for a, b in zip(ours.logits[seq], out.logits, strict=False):
                 worst = max(worst, float((a - b[0].float().cpu()).abs().max()))
         bf16 = load(folder, device="cuda")
-        first16 = helpers.greedy(bf16.runner, prompts, 1).tokens
+        first16 = parity.greedy(bf16.runner, prompts, 1).tokens
         agree = sum(a[0] == b[0] for a, b in zip(first16, ours.tokens, strict=True)) / len(prompts)
         rows.append(
             {
@@ -86,11 +73,11 @@ def cuda_parity(helpers, tmp: Path) -> list[dict]:
     return rows
 
 
-def no_host_sync(helpers, tmp: Path) -> bool:
-    loaded = load(helpers.build_llama(tmp / "sync"), device="cuda")
-    prompts = [loaded.processor(p) for p in helpers.PROMPTS]
-    helpers.greedy(loaded.runner, prompts, 2)  # allocates KV and warms up
-    batch = helpers.make_batch([([5], 3, [0, 1], None), ([6], 7, [2, 3], None)], 4, "cuda")
+def no_host_sync(tmp: Path) -> bool:
+    loaded = load(tiny.build_llama(tmp / "sync"), device="cuda")
+    prompts = [loaded.processor(p) for p in tiny.PROMPTS]
+    parity.greedy(loaded.runner, prompts, 2)  # allocates KV and warms up
+    batch = parity.make_batch([([5], 3, [0, 1], None), ([6], 7, [2, 3], None)], 4, "cuda")
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
@@ -103,8 +90,8 @@ def no_host_sync(helpers, tmp: Path) -> bool:
         torch.cuda.set_sync_debug_mode("default")
 
 
-def throughput(helpers, tmp: Path) -> list[dict]:
-    tok = helpers.train_tokenizer()
+def throughput(tmp: Path) -> list[dict]:
+    tok = tiny.train_tokenizer()
     config = transformers.LlamaConfig(
         vocab_size=49152,
         hidden_size=576,
@@ -118,7 +105,7 @@ def throughput(helpers, tmp: Path) -> list[dict]:
         bos_token_id=1,
         eos_token_id=2,
     )
-    folder = helpers.save(transformers.LlamaForCausalLM(config), tmp / "smollm2_shape", tokenizer=tok)
+    folder = tiny.save(transformers.LlamaForCausalLM(config), tmp / "smollm2_shape", tokenizer=tok)
     loaded = load(folder, device="cuda")
     rows = []
     for batch in (1, 16, 64):
@@ -141,12 +128,11 @@ def main() -> int:
     if not torch.cuda.is_available():
         print("no CUDA device: this check runs on a GPU machine")
         return 2
-    helpers = test_helpers()
     report: dict = {"device": torch.cuda.get_device_name(0)}
     with tempfile.TemporaryDirectory() as tmp:
-        report["parity"] = cuda_parity(helpers, Path(tmp))
-        report["no_host_sync"] = no_host_sync(helpers, Path(tmp))
-        report["throughput"] = throughput(helpers, Path(tmp))
+        report["parity"] = cuda_parity(Path(tmp))
+        report["no_host_sync"] = no_host_sync(Path(tmp))
+        report["throughput"] = throughput(Path(tmp))
     ok = all(r["ok"] for r in report["parity"]) and report["no_host_sync"]
     for row in report["parity"]:
         print(f"{'PASS' if row['ok'] else 'FAIL'} {row}")

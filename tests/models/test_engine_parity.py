@@ -3,7 +3,7 @@
 import pytest
 
 from foveal.engine import Engine, EngineConfig, Request, SamplingParams
-from foveal.engine.models import load
+from foveal.engine.models import load, parity, tiny
 
 MAX_NEW = 8
 
@@ -11,13 +11,13 @@ MAX_NEW = 8
 @pytest.mark.parametrize(
     ("family", "pipelined"), [("llama", True), ("llama", False), ("paligemma", True), ("idefics3", True)]
 )
-def test_engine_greedy_tokens_match_transformers(family, pipelined, checkpoints, helpers):
+def test_engine_greedy_tokens_match_transformers(family, pipelined, checkpoints):
     loaded = load(checkpoints[family], device="cpu")
-    prompts = helpers.family_prompts(loaded)
-    reference = helpers.reference_model(checkpoints[family])
+    prompts = tiny.family_prompts(loaded)
+    reference = parity.reference_model(checkpoints[family])
     expected = []
     for prompt in prompts:
-        tokens, _ = helpers.reference_greedy(reference, prompt, loaded.runner.family, MAX_NEW)
+        tokens, _ = parity.reference_greedy(reference, prompt, loaded.runner.family, MAX_NEW)
         expected.append([t for t in tokens if t not in loaded.eos_token_ids])  # the engine drops the EOS
     config = EngineConfig(
         pipelined=pipelined, page_size=4, num_pages=256, max_model_len=256, eos_token_ids=loaded.eos_token_ids

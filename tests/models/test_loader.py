@@ -6,7 +6,7 @@ import shutil
 import pytest
 import torch
 
-from foveal.engine.models import ModelLoadError, load, pages_for_budget, supported_architectures
+from foveal.engine.models import ModelLoadError, load, pages_for_budget, parity, supported_architectures, tiny
 
 
 def copy(src, dst):
@@ -115,13 +115,13 @@ def test_kv_bytes_per_token_and_budget(family, expected, checkpoints):
         pages_for_budget(runner, budget_bytes=expected, page_size=16)
 
 
-def test_bf16_on_cpu_halves_kv_and_stays_close_to_fp32(checkpoints, helpers):
+def test_bf16_on_cpu_halves_kv_and_stays_close_to_fp32(checkpoints):
     fp32 = load(checkpoints["llama"], device="cpu")
     bf16 = load(checkpoints["llama"], device="cpu", dtype="bfloat16")
     assert bf16.runner.kv_bytes_per_token() * 2 == fp32.runner.kv_bytes_per_token()
-    prompts = [fp32.processor(p) for p in helpers.PROMPTS]
-    a = helpers.greedy(fp32.runner, prompts, 1).logits
-    b = helpers.greedy(bf16.runner, prompts, 1).logits
+    prompts = [fp32.processor(p) for p in tiny.PROMPTS]
+    a = parity.greedy(fp32.runner, prompts, 1).logits
+    b = parity.greedy(bf16.runner, prompts, 1).logits
     for x, y in zip(a, b, strict=True):
         assert y[0].dtype == torch.float32
         assert (x[0] - y[0]).abs().max() < 0.05 * x[0].abs().max()
@@ -147,11 +147,11 @@ def test_remote_code_folder_is_refused_without_running_it(checkpoints, tmp_path)
         load(folder, device="cpu")
 
 
-def test_image_inputs_path_bytes_and_array_equal_pil(checkpoints, helpers, tmp_path):
+def test_image_inputs_path_bytes_and_array_equal_pil(checkpoints, tmp_path):
     import numpy as np
 
     processor = load(checkpoints["llava"], device="cpu").processor
-    image = helpers.images(1)[0]
+    image = tiny.images(1)[0]
     image.save(tmp_path / "im.png")
     expected = processor("what is this?", image)
     for other in (tmp_path / "im.png", (tmp_path / "im.png").read_bytes(), np.asarray(image)):

@@ -8,19 +8,19 @@ reference is transformers' `generate` on each prompt alone.
 
 import pytest
 
-from foveal.engine.models import load
+from foveal.engine.models import load, parity, tiny
 
 TOLERANCE = 1e-4
 FAMILIES = ["llama", "gemma", "paligemma", "idefics3", "smolvlm", "llava"]
 
 
 @pytest.mark.parametrize("family", FAMILIES)
-def test_greedy_tokens_and_logits_match_transformers(family, checkpoints, helpers):
+def test_greedy_tokens_and_logits_match_transformers(family, checkpoints):
     loaded = load(checkpoints[family], device="cpu")
     assert loaded.family == family
-    prompts = helpers.family_prompts(loaded)
+    prompts = tiny.family_prompts(loaded)
     assert len({len(p.token_ids) for p in prompts}) >= 5
-    reference = helpers.reference_model(checkpoints[family])
-    worst, equal = helpers.parity(loaded, reference, prompts, max_new_tokens=8)
+    reference = parity.reference_model(checkpoints[family])
+    worst, equal = parity.compare(loaded, reference, prompts, max_new_tokens=8)
     assert equal, f"{family}: greedy tokens differ from transformers"
     assert worst < TOLERANCE, f"{family}: max logit difference {worst:.2e}"

@@ -5,21 +5,21 @@ import dataclasses
 import pytest
 import torch
 
-from foveal.engine.models import load
+from foveal.engine.models import load, parity, tiny
 
 
-def test_forward_before_allocate_kv_raises(checkpoints, helpers):
+def test_forward_before_allocate_kv_raises(checkpoints):
     loaded = load(checkpoints["llama"], device="cpu")
-    batch = helpers.make_batch([([1, 2, 3], 0, [0], None)], 4, "cpu")
+    batch = parity.make_batch([([1, 2, 3], 0, [0], None)], 4, "cpu")
     with pytest.raises(RuntimeError, match="allocate_kv"):
         loaded.runner.forward(batch)
 
 
-def test_only_named_slots_are_written_and_garbage_elsewhere_is_never_attended(checkpoints, helpers):
+def test_only_named_slots_are_written_and_garbage_elsewhere_is_never_attended(checkpoints):
     loaded = load(checkpoints["llama"], device="cpu")
     runner = loaded.runner
-    prompts = [loaded.processor(p) for p in helpers.PROMPTS[:3]]
-    clean = helpers.greedy(runner, prompts, 4).logits
+    prompts = [loaded.processor(p) for p in tiny.PROMPTS[:3]]
+    clean = parity.greedy(runner, prompts, 4).logits
     # Same run over a pool full of large finite garbage: results must not change, unnamed pages must not be written.
     runner.allocate_kv(64, 4)
     for t in runner.kv.k + runner.kv.v:
@@ -27,70 +27,70 @@ def test_only_named_slots_are_written_and_garbage_elsewhere_is_never_attended(ch
     items = [
         (p.token_ids, 0, [40 - 3 * j - i for j in range(5)], None) for i, p in enumerate(prompts)
     ]  # interleaved
-    logits = runner.forward(helpers.make_batch(items, 4, "cpu"))
+    logits = runner.forward(parity.make_batch(items, 4, "cpu"))
     for row in range(3):
         assert torch.allclose(logits[row], clean[row][0], atol=1e-5)
-    written = {s // 4 for s in helpers.make_batch(items, 4, "cpu").slot_mapping.tolist()}
+    written = {s // 4 for s in parity.make_batch(items, 4, "cpu").slot_mapping.tolist()}
     for page in set(range(64)) - written:
         assert bool((runner.kv.k[0][page * 4 : page * 4 + 4] == 1e4).all())
 
 
-def test_prefill_and_decode_mixed_in_one_launch_match_separate_launches(checkpoints, helpers):
+def test_prefill_and_decode_mixed_in_one_launch_match_separate_launches(checkpoints):
     loaded = load(checkpoints["llama"], device="cpu")
     runner = loaded.runner
-    first, second = (loaded.processor(p) for p in helpers.PROMPTS[2:4])
-    alone = helpers.greedy(runner, [second], 1).logits[0][0]
+    first, second = (loaded.processor(p) for p in tiny.PROMPTS[2:4])
+    alone = parity.greedy(runner, [second], 1).logits[0][0]
     runner.allocate_kv(32, 4)
-    logits = runner.forward(helpers.make_batch([(first.token_ids, 0, [0, 1, 2, 3, 4, 5], None)], 4, "cpu"))
+    logits = runner.forward(parity.make_batch([(first.token_ids, 0, [0, 1, 2, 3, 4, 5], None)], 4, "cpu"))
     token = int(logits[0].argmax())
     decode = ([token], len(first.token_ids), [0, 1, 2, 3, 4, 5], None)
     prefill = (second.token_ids, 0, [20, 21, 22, 23, 24, 25, 26, 27, 28, 29, 30], None)
-    mixed = runner.forward(helpers.make_batch([decode, prefill], 4, "cpu"))
-    reference = helpers.greedy(runner, [first], 2).logits[0][1]
+    mixed = runner.forward(parity.make_batch([decode, prefill], 4, "cpu"))
+    reference = parity.greedy(runner, [first], 2).logits[0][1]
     assert torch.allclose(mixed[0], reference, atol=1e-5)
     assert torch.allclose(mixed[1], alone, atol=1e-5)
 
 
-def test_paligemma_prefix_is_bidirectional(checkpoints, helpers):
+def test_paligemma_prefix_is_bidirectional(checkpoints):
     """Turning the prefix mask off changes the logits: the test above would notice a causal-only runner."""
     loaded = load(checkpoints["paligemma"], device="cpu")
-    prompts = helpers.family_prompts(loaded)[:3]
-    prefix = helpers.greedy(loaded.runner, prompts, 1).logits
+    prompts = tiny.family_prompts(loaded)[:3]
+    prefix = parity.greedy(loaded.runner, prompts, 1).logits
     loaded.runner.family = dataclasses.replace(loaded.runner.family, prefix_attention=False)
-    causal = helpers.greedy(loaded.runner, prompts, 1).logits
+    causal = parity.greedy(loaded.runner, prompts, 1).logits
     assert max(float((a[0] - b[0]).abs().max()) for a, b in zip(prefix, causal, strict=True)) > 1e-3
 
 
 @pytest.mark.parametrize("family", ["paligemma", "llava"])
-def test_images_are_encoded_once_in_prefill_and_never_in_decode(family, checkpoints, helpers):
+def test_images_are_encoded_once_in_prefill_and_never_in_decode(family, checkpoints):
     loaded = load(checkpoints[family], device="cpu")
     calls = []
     loaded.runner.model.model.vision_tower.register_forward_hook(lambda *_: calls.append(1))
-    prompts = helpers.family_prompts(loaded)[:5]
-    out = helpers.greedy(loaded.runner, prompts, 4)
+    prompts = tiny.family_prompts(loaded)[:5]
+    out = parity.greedy(loaded.runner, prompts, 4)
     assert max(len(t) for t in out.tokens) > 1  # decode launches did run
     assert len(calls) == 1  # one encoder call, in the single prefill launch, for all five images
 
 
 @pytest.mark.parametrize("family", ["llama", "idefics3"])
-def test_traced_decode_replays_match_eager_decode(family, checkpoints, helpers):
+def test_traced_decode_replays_match_eager_decode(family, checkpoints):
     loaded = load(checkpoints[family], device="cpu")
-    prompts = helpers.family_prompts(loaded)[:3]  # 3 sequences: padded into the 4-row bucket
-    traced = helpers.greedy(loaded.runner, prompts, 6)
+    prompts = tiny.family_prompts(loaded)[:3]  # 3 sequences: padded into the 4-row bucket
+    traced = parity.greedy(loaded.runner, prompts, 6)
     assert loaded.runner.decode_graphs.graphs, "decode launches did not go through a traced graph"
     loaded.runner.decode_graphs = None
-    eager = helpers.greedy(loaded.runner, prompts, 6)
+    eager = parity.greedy(loaded.runner, prompts, 6)
     assert traced.tokens == eager.tokens
     for a, b in zip(traced.logits, eager.logits, strict=True):
         assert all(torch.allclose(x, y, atol=1e-5) for x, y in zip(a, b, strict=True))
 
 
-def test_traced_padding_rows_write_only_the_scratch_page(checkpoints, helpers):
+def test_traced_padding_rows_write_only_the_scratch_page(checkpoints):
     runner = load(checkpoints["llama"], device="cpu").runner
     runner.allocate_kv(16, 4)
     for t in runner.kv.k:
         t.fill_(7.0)
-    batch = helpers.make_batch([([5], 2, [3], None), ([6], 5, [8, 1], None), ([9], 0, [12], None)], 4, "cpu")
+    batch = parity.make_batch([([5], 2, [3], None), ([6], 5, [8, 1], None), ([9], 0, [12], None)], 4, "cpu")
     runner.forward(batch)  # 3 rows -> bucket of 4: one padding row
     assert set(runner.decode_graphs.graphs) == {(4, 2)}
     changed = (runner.kv.k[0] != 7.0).any(dim=(1, 2)).nonzero().flatten().tolist()

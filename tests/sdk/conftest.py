@@ -1,8 +1,6 @@
 """Tiny random models for the SDK tests, built once per session (nothing is downloaded).
 
-The checkpoints come from the models tests' own builders (tests/models/conftest.py), loaded here
-by file path: tests run with --import-mode=importlib, so a conftest cannot be imported by name,
-and copying the builders would let the two drift apart.
+The checkpoints come from `foveal.engine.models.tiny`, the builders the model tests use too.
 
 - `paligemma_folder`: a tiny PaliGemma (its processor adds <loc>/<seg> tokens): PaliGemma skills.
 - `shapes_folder`: the same checkpoint plus a `foveal.json` (32 location bins): the shapes skills
@@ -15,9 +13,7 @@ tests assert exactly that.
 
 from __future__ import annotations
 
-import importlib.util
 import shutil
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -25,19 +21,8 @@ import pytest
 from PIL import Image
 
 import foveal
+from foveal.engine.models import tiny
 from foveal.shapes_format import ShapesFormat
-
-MODELS_CONFTEST = Path(__file__).resolve().parents[1] / "models" / "conftest.py"
-
-
-def _builders():
-    name = "foveal_tests_model_builders"
-    if name not in sys.modules:
-        spec = importlib.util.spec_from_file_location(name, MODELS_CONFTEST)
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[name] = module
-        spec.loader.exec_module(module)
-    return sys.modules[name]
 
 
 def scene_image(seed: int = 0, size: tuple[int, int] = (48, 40)) -> Image.Image:
@@ -47,8 +32,8 @@ def scene_image(seed: int = 0, size: tuple[int, int] = (48, 40)) -> Image.Image:
 
 @pytest.fixture(scope="session")
 def builders():
-    """tests/models/conftest.py as a module: train_tokenizer, build_paligemma, build_llama, ..."""
-    return _builders()
+    """`foveal.engine.models.tiny`: train_tokenizer, build_paligemma, build_llama, ..."""
+    return tiny
 
 
 @pytest.fixture(scope="session")
@@ -58,7 +43,7 @@ def model_root(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="session")
 def paligemma_folder(model_root) -> Path:
-    return _builders().build_paligemma(model_root / "paligemma")
+    return tiny.build_paligemma(model_root / "paligemma")
 
 
 @pytest.fixture(scope="session")
@@ -71,7 +56,7 @@ def shapes_folder(model_root, paligemma_folder) -> Path:
 
 @pytest.fixture(scope="session")
 def llama_folder(model_root) -> Path:
-    return _builders().build_llama(model_root / "llama")
+    return tiny.build_llama(model_root / "llama")
 
 
 def _load(folder: Path, max_model_len: int = 256):

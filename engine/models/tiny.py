@@ -1,0 +1,236 @@
+"""Tiny random checkpoints of each supported family, for tests, notebooks and benchmarks; offline.
+
+`build(family, folder)` writes a checkpoint folder the way a user's would look: config.json with
+random weights (model.safetensors), a byte-level BPE tokenizer trained here on a small corpus, and
+for vision families the family's own processor (image processor + placeholder expansion). Nothing
+is downloaded, and each build is deterministic (seeded). The folders load through
+`foveal.engine.models.load` / `foveal.load` exactly as real checkpoints do; their weights are
+random, so they check plumbing and parity (`parity.py`), not answers.
+
+Also here: the inputs the checks use (`PROMPTS`, `images()`, `family_prompts(loaded)`).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import transformers as tf
+from PIL import Image
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+from transformers import PreTrainedTokenizerFast
+from transformers.models.clip.image_processing_pil_clip import CLIPImageProcessorPil
+from transformers.models.idefics3.image_processing_pil_idefics3 import Idefics3ImageProcessorPil
+from transformers.models.siglip.image_processing_pil_siglip import SiglipImageProcessorPil
+
+from foveal.engine.models.processor import PromptInputs
+
+CORPUS = [
+    "a red circle left of a blue square",
+    "describe the image in one sentence",
+    "how many shapes are there? answer with a number",
+    "the quick brown fox jumps over the lazy dog",
+    "detect every green triangle and give its box",
+    "point at the yellow star near the top right corner",
+] * 20
+SPECIALS = ["<pad>", "<bos>", "<eos>", "<unk>", "<image>"]
+
+PROMPTS = [
+    "a",
+    "red circle",
+    "describe the image in one sentence",
+    "how many shapes are there? answer with a number please",
+    "the quick brown fox jumps over the lazy dog and a blue square detect every green triangle",
+]
+
+
+def train_tokenizer(vocab_size: int = 300) -> PreTrainedTokenizerFast:
+    """A byte-level BPE tokenizer trained here on a tiny corpus; it adds <bos> in front of every text."""
+    tok = Tokenizer(models.BPE(unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size, special_tokens=SPECIALS, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+    )
+    tok.train_from_iterator(CORPUS, trainer)
+    bos = tok.token_to_id("<bos>")
+    tok.post_processor = processors.TemplateProcessing(single="<bos> $A", special_tokens=[("<bos>", bos)])
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok, bos_token="<bos>", eos_token="<eos>", pad_token="<pad>", unk_token="<unk>"
+    )
+
+
+def images(n: int = 5) -> list[Image.Image]:
+    """Deterministic images of different sizes and aspect ratios."""
+    rng = np.random.default_rng(0)
+    sizes = [(40, 30), (64, 64), (25, 80), (90, 45), (33, 33), (50, 70)]
+    return [Image.fromarray(rng.integers(0, 256, (h, w, 3), dtype=np.uint8)) for w, h in sizes[:n]]
+
+
+def save(model: Any, folder: Path, tokenizer: Any = None, processor: Any = None) -> Path:
+    """Save a model with its processor (which saves its tokenizer) or, for text-only models, its tokenizer."""
+    model.save_pretrained(folder)
+    if processor is not None:
+        processor.save_pretrained(folder)
+    elif tokenizer is not None:
+        tokenizer.save_pretrained(folder)
+    return folder
+
+
+# ---- tiny random checkpoints, one builder per family: (folder) -> folder --------------------------------------
+
+TEXT = dict(
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=512,
+    initializer_range=0.2,  # peaked logits: greedy ties would make token equality a coin toss
+)
+VISION = dict(
+    hidden_size=32,
+    intermediate_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=2,
+    image_size=28,
+    patch_size=14,
+)
+
+
+def _special_ids(tok) -> dict:
+    return dict(bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+
+
+def build_llama(folder: Path) -> Path:
+    tok = train_tokenizer()
+    torch.manual_seed(0)
+    config = tf.LlamaConfig(
+        vocab_size=len(tok), **TEXT, **_special_ids(tok), architectures=["LlamaForCausalLM"]
+    )
+    return save(tf.LlamaForCausalLM(config), folder, tokenizer=tok)
+
+
+def build_gemma(folder: Path) -> Path:
+    tok = train_tokenizer()
+    torch.manual_seed(0)
+    text = {**TEXT, "num_key_value_heads": 1, "head_dim": 16}
+    config = tf.GemmaConfig(
+        vocab_size=len(tok), **text, **_special_ids(tok), architectures=["GemmaForCausalLM"]
+    )
+    return save(tf.GemmaForCausalLM(config), folder, tokenizer=tok)
+
+
+def build_paligemma(folder: Path) -> Path:
+    tok = train_tokenizer()
+    image_processor = SiglipImageProcessorPil(size={"height": 28, "width": 28})
+    image_processor.image_seq_length = 4  # (28 / 14) ** 2 patches
+    processor = tf.PaliGemmaProcessor(
+        image_processor=image_processor, tokenizer=tok
+    )  # adds <loc>/<seg> tokens
+    torch.manual_seed(0)
+    text = tf.GemmaConfig(vocab_size=len(tok), **{**TEXT, "num_key_value_heads": 1, "head_dim": 16})
+    vision = tf.SiglipVisionConfig(**VISION, projection_dim=TEXT["hidden_size"])
+    config = tf.PaliGemmaConfig(
+        vision_config=vision.to_dict(),
+        text_config=text.to_dict(),
+        image_token_index=tok.convert_tokens_to_ids("<image>"),
+        projection_dim=TEXT["hidden_size"],
+        hidden_size=TEXT["hidden_size"],
+        architectures=["PaliGemmaForConditionalGeneration"],
+        **_special_ids(tok),
+    )
+    return save(tf.PaliGemmaForConditionalGeneration(config), folder, processor=processor)
+
+
+def build_idefics3(folder: Path) -> Path:
+    tok = train_tokenizer()
+    image_processor = Idefics3ImageProcessorPil(
+        size={"longest_edge": 56}, max_image_size={"longest_edge": 28}, do_image_splitting=True
+    )
+    processor = tf.Idefics3Processor(image_processor=image_processor, tokenizer=tok, image_seq_len=1)
+    torch.manual_seed(0)
+    config = tf.Idefics3Config(
+        vision_config=tf.Idefics3VisionConfig(**VISION).to_dict(),
+        text_config=tf.LlamaConfig(vocab_size=len(tok), **TEXT).to_dict(),
+        image_token_id=tok.convert_tokens_to_ids("<image>"),
+        scale_factor=2,  # pixel shuffle: 2x2 patches -> one token
+        architectures=["Idefics3ForConditionalGeneration"],
+        **_special_ids(tok),
+    )
+    return save(tf.Idefics3ForConditionalGeneration(config), folder, processor=processor)
+
+
+def build_smolvlm(folder: Path) -> Path:
+    """SmolVLM's architecture and image processor; the folder names SmolVLMProcessor, as real ones do."""
+    tok = train_tokenizer()
+    image_processor = tf.SmolVLMImageProcessorPil(
+        size={"longest_edge": 56}, max_image_size={"longest_edge": 28}, do_image_splitting=True
+    )
+    processor = tf.Idefics3Processor(image_processor=image_processor, tokenizer=tok, image_seq_len=1)
+    torch.manual_seed(0)
+    config = tf.SmolVLMConfig(
+        vision_config=tf.SmolVLMVisionConfig(**VISION).to_dict(),
+        text_config=tf.LlamaConfig(vocab_size=len(tok), **TEXT).to_dict(),
+        image_token_id=tok.convert_tokens_to_ids("<image>"),
+        scale_factor=2,
+        architectures=["SmolVLMForConditionalGeneration"],
+        **_special_ids(tok),
+    )
+    save(tf.SmolVLMForConditionalGeneration(config), folder, processor=processor)
+    names = folder / "processor_config.json"
+    names.write_text(names.read_text().replace('"Idefics3Processor"', '"SmolVLMProcessor"'))
+    return folder
+
+
+def build_llava(folder: Path) -> Path:
+    tok = train_tokenizer()
+    image_processor = CLIPImageProcessorPil(size={"shortest_edge": 28}, crop_size={"height": 28, "width": 28})
+    processor = tf.LlavaProcessor(
+        image_processor=image_processor,
+        tokenizer=tok,
+        patch_size=14,
+        vision_feature_select_strategy="default",
+        num_additional_image_tokens=1,
+    )
+    torch.manual_seed(0)
+    config = tf.LlavaConfig(
+        vision_config=tf.CLIPVisionConfig(**VISION).to_dict(),
+        text_config=tf.LlamaConfig(vocab_size=len(tok), **TEXT).to_dict(),
+        image_token_index=tok.convert_tokens_to_ids("<image>"),
+        vision_feature_select_strategy="default",
+        vision_feature_layer=-1,
+        architectures=["LlavaForConditionalGeneration"],
+        **_special_ids(tok),
+    )
+    return save(tf.LlavaForConditionalGeneration(config), folder, processor=processor)
+
+
+BUILDERS = {
+    "llama": build_llama,
+    "gemma": build_gemma,
+    "paligemma": build_paligemma,
+    "idefics3": build_idefics3,
+    "smolvlm": build_smolvlm,
+    "llava": build_llava,
+}
+
+
+def build(family: str, folder: str | Path) -> Path:
+    """Write the tiny random checkpoint of `family` (a key of BUILDERS) to `folder`; returns the folder."""
+    if family not in BUILDERS:
+        raise ValueError(f"no tiny checkpoint for {family!r}; choose one of {', '.join(BUILDERS)}")
+    return BUILDERS[family](Path(folder))
+
+
+def family_prompts(loaded: Any) -> list[PromptInputs]:
+    """Five prompts of different lengths (with five different images for vision families); vision
+    families that can also take a text-only prompt get a sixth one without an image."""
+    if loaded.runner.family.processor_class is None:
+        return [loaded.processor(p) for p in PROMPTS]
+    prompts = [loaded.processor(p, im) for p, im in zip(PROMPTS, images(), strict=True)]
+    if loaded.family != "paligemma":
+        prompts.append(loaded.processor("a blue square"))
+    return prompts
