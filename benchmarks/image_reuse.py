@@ -1,18 +1,22 @@
-"""Several calls on one image: what each call spends on the image, and what reuse saves.
+"""Several calls on one image: what each call spends on the image, and what reuse saves, end to end.
 
-    python -m benchmarks.image_reuse [--model PATH] [--calls 8] [--out out/benchmarks/image_reuse.json] [--quick]
+    python -m benchmarks.image_reuse [--model PATH] [--calls 8] [--cache-bytes N] [--out out/benchmarks/image_reuse.json] [--quick]
 
 For each input (a 160 px shapes scene as PNG bytes, a 1920x1080 and a 4000x3000 JPEG), it measures
-(medians of --repeat runs, milliseconds):
-  - decode: `load_image` (decode, EXIF, RGB), key: `image_key` (hash of the pixels),
-    preprocess: the model's processor (resize, normalize, prompt ids),
+(medians over --repeat runs, milliseconds):
+  - the parts of one call's image work: decode: `load_image` (decode, EXIF, RGB), key: `image_key`
+    (hash of the pixels), preprocess: the model's processor (resize, normalize, prompt ids),
     vision: the model's vision tower + projector on those pixels (`get_image_features`);
-  - per call, detect with the raw bytes each time vs with `model.encode_image(bytes)` made once:
-    the SDK-side reuse (decode and key skipped) that exists today.
-The vision encoding is not yet cached by the runner: the `vision` column is what a runner cache
-keyed by `extras["image_key"]` would save per call after the first (not measured end to end:
-the cache does not exist yet). Model: --model, else the embedded architecture (train_shapes'
-default config) with untrained weights, exported to a temporary folder (same cost per call).
+  - per call, mean over --calls calls (detect, or --skill query) on the same image (the first call included), through
+    `foveal.load(...)` and its engine, in three set-ups run interleaved:
+      uncached: the raw bytes each call, the runner's image-feature cache off (`resize(0)`): every
+                call decodes, keys, preprocesses and encodes;
+      raw:      the raw bytes each call, the cache on (`--cache-bytes`): the vision tower runs once;
+      encoded:  `model.encode_image(bytes)` once (timed), then the cache on: decode and key run once too;
+    hit_call_ms is the median of calls 2..N with the cache on (raw bytes), vision_share the vision
+    column over the uncached per-call time, and hits/misses the cache's counts in the raw runs.
+Model: --model, else the embedded architecture (train_shapes' default config) with untrained
+weights, exported to a temporary folder (same cost per call as trained weights).
 """
 
 from __future__ import annotations
@@ -71,41 +75,110 @@ def default_model() -> Path:
     return train_shapes.Trainer(train_shapes.TrainConfig()).export(folder, dtype=torch.float32)
 
 
-def measure(model: foveal.Model, data: bytes, calls: int, repeat: int) -> dict:
+QUESTION = "what is red?"
+
+
+def call(model: foveal.Model, image, settings: dict) -> None:
+    """One call: detect by default; with settings["skill"] == "query", a question cut at max_tokens."""
+    if settings.get("skill", "detect") == "query":
+        model.query(image, QUESTION, settings={"max_tokens": settings["max_tokens"]})
+    else:
+        model.detect(image, "red circle", {k: v for k, v in settings.items() if k != "skill"})
+
+
+def timed_calls(model: foveal.Model, image, calls: int, settings: dict) -> list[float]:
+    """Milliseconds of each of `calls` calls on `image`."""
+    times = []
+    for _ in range(calls):
+        t0 = time.perf_counter()
+        call(model, image, settings)
+        times.append(1e3 * (time.perf_counter() - t0))
+    return times
+
+
+def measure(
+    model: foveal.Model,
+    data: bytes,
+    calls: int,
+    repeat: int,
+    cache_bytes: int | None = None,
+    settings: dict = SETTINGS,
+) -> dict:
+    """One input's row; `cache_bytes`: the cache bound for the cached runs (default: the runner's own)."""
     pil = load_image(data)
-    prompt = model.skills.detect("red circle", SETTINGS["max_objects"]).prompt
+    if settings.get("skill", "detect") == "query":
+        prompt = model.skills.query(QUESTION).prompt
+    else:
+        prompt = model.skills.detect("red circle", settings["max_objects"]).prompt
     pixels = model.loaded.processor(prompt, pil).extras["pixel_values"]
     hf = model.loaded.runner.model
-    model.detect(data, "red circle", SETTINGS)  # warm-up: traces, grammar compile
+    cache = model.loaded.runner.image_cache
+    bound = cache.max_bytes if cache_bytes is None else cache_bytes
+    call(model, data, settings)  # warm-up: traces, grammar compile
 
     def vision():
         with torch.inference_mode():
             hf.get_image_features(pixels)
 
-    def raw_calls():
-        for _ in range(calls):
-            model.detect(data, "red circle", SETTINGS)
-
-    def reused_calls():
-        encoded = model.encode_image(data)
-        for _ in range(calls):
-            model.detect(encoded, "red circle", SETTINGS)
-
-    raw, reused = [], []
-    for _ in range(repeat):  # interleaved, so load from other processes hits both alike
-        raw.append(median_ms(raw_calls, 1) / calls)
-        reused.append(median_ms(reused_calls, 1) / calls)
+    uncached, raw, encoded, hits = [], [], [], []
+    stats = cache.stats
+    for _ in range(repeat):  # interleaved, so load from other processes hits all set-ups alike
+        cache.resize(0)  # between calls only: the cache is the device thread's while a request runs
+        uncached.append(timed_calls(model, data, calls, settings))
+        cache.resize(bound)
+        cache.clear()
+        before = (stats.hits, stats.misses)
+        raw.append(timed_calls(model, data, calls, settings))
+        hits.append((stats.hits - before[0], stats.misses - before[1]))
+        cache.clear()
+        t0 = time.perf_counter()
+        image = model.encode_image(data)
+        first = 1e3 * (time.perf_counter() - t0)
+        times = timed_calls(model, image, calls, settings)
+        times[0] += first  # encode_image is part of the first call's cost
+        encoded.append(times)
+    per_call = lambda runs: statistics.median(sum(r) / calls for r in runs)  # noqa: E731
     row = {
         "bytes": len(data),
         "decode_ms": median_ms(lambda: load_image(data), repeat),
         "key_ms": median_ms(lambda: image_key(pil), repeat),
         "preprocess_ms": median_ms(lambda: model.loaded.processor(prompt, pil), repeat),
         "vision_ms": median_ms(vision, repeat),
-        "raw_per_call_ms": statistics.median(raw),
-        "encoded_per_call_ms": statistics.median(reused),
+        "uncached_per_call_ms": per_call(uncached),
+        "raw_per_call_ms": per_call(raw),
+        "encoded_per_call_ms": per_call(encoded),
+        "hit_call_ms": statistics.median(t for r in raw for t in r[1:]) if calls > 1 else None,
+        "cache_hits": hits[-1][0],
+        "cache_misses": hits[-1][1],
+        "cache_bytes": bound,
     }
-    row["saved_per_call_ms"] = row["raw_per_call_ms"] - row["encoded_per_call_ms"]
+    row["vision_share"] = row["vision_ms"] / row["uncached_per_call_ms"]
+    row["saved_per_call_ms"] = row["uncached_per_call_ms"] - row["encoded_per_call_ms"]
     return row
+
+
+COLUMNS = {  # key: header
+    "decode_ms": "decode",
+    "key_ms": "key",
+    "preprocess_ms": "preproc",
+    "vision_ms": "vision",
+    "uncached_per_call_ms": "uncached/call",
+    "raw_per_call_ms": "cached/call",
+    "encoded_per_call_ms": "+encoded/call",
+    "hit_call_ms": "hit call",
+    "vision_share": "vision share",
+}
+
+
+def table(rows: dict[str, dict], calls: int) -> str:
+    lines = [
+        f"{calls} calls per image; ms (vision share: vision / uncached per call; hits/misses: last cached run)",
+        f"{'input':22}" + "".join(f"{h:>15}" for h in COLUMNS.values()) + f"{'hits/misses':>13}",
+    ]
+    for name, row in rows.items():
+        cells = "".join(f"{row[k]:15.2f}" if row[k] is not None else f"{'-':>15}" for k in COLUMNS)
+        lines.append(f"{name:22}{cells}{row['cache_hits']:>8}/{row['cache_misses']}")
+    return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -117,26 +190,43 @@ def main(argv: list[str] | None = None) -> None:
     )
     parser.add_argument("--calls", type=int, default=8, help="calls on the same image")
     parser.add_argument("--repeat", type=int, default=5, help="runs per measurement; the median is reported")
+    parser.add_argument(
+        "--cache-bytes",
+        type=int,
+        default=None,
+        help="image-feature cache bound when on (default: the runner's)",
+    )
+    parser.add_argument(
+        "--max-tokens",
+        type=int,
+        default=SETTINGS["max_tokens"],
+        help="answer budget per call (short: prefill-bound)",
+    )
+    parser.add_argument(
+        "--skill",
+        choices=["detect", "query"],
+        default="detect",
+        help="the call made on the image; query answers are cut at --max-tokens (detect needs room to complete)",
+    )
     parser.add_argument("--out", default="out/benchmarks/image_reuse.json")
     parser.add_argument("--quick", action="store_true", help="two inputs, 2 repeats (smoke run)")
     args = parser.parse_args(argv)
     repeat = 2 if args.quick else args.repeat
     path = args.model or default_model()
+    settings = {**SETTINGS, "max_tokens": args.max_tokens, "skill": args.skill}
     rows = {}
     with foveal.load(path, device="cpu", max_batch_size=8) as model:
         for name, data in inputs(args.quick).items():
-            rows[name] = measure(model, data, args.calls, repeat)
-    columns = ["decode_ms", "key_ms", "preprocess_ms", "vision_ms", "raw_per_call_ms", "encoded_per_call_ms"]
-    print(f"{'input':24}" + "".join(f"{c:>22}" for c in columns))
-    for name, row in rows.items():
-        print(f"{name:24}" + "".join(f"{row[c]:22.2f}" for c in columns))
+            rows[name] = measure(model, data, args.calls, repeat, args.cache_bytes, settings)
+    print(f"{settings['skill']}, max_tokens {settings['max_tokens']}: " + table(rows, args.calls))
     meta = {
         "model": str(path),
         "calls": args.calls,
+        "cache_bytes": args.cache_bytes,
         "repeat": repeat,
         "torch_threads": torch.get_num_threads(),
         "machine": platform.platform(),
-        "settings": SETTINGS,
+        "settings": settings,
     }
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)

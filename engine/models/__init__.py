@@ -22,6 +22,10 @@ Design choice: build on transformers' model code, replace only attention.
 Image reuse: the runner keeps an LRU of image features by `extras["image_key"]`, bounded in bytes
 (`image_cache.py`, `load(..., image_cache_bytes=)`), so several calls on one image encode it once.
 
+For tests, notebooks and benchmarks (imported by name, not re-exported here): `tiny`, tiny random
+checkpoints of each supported family, built offline (`tiny.build(family, folder)`); `parity`, a
+greedy driver of a runner and its comparison with transformers' `generate`.
+
 Public names: `load`, `LoadedModel`, `HFRunner`, `ImageFeatureCache`, `PromptInputs`, `ModelLoadError`,
 `supported_architectures`, `pages_for_budget`, `default_budget_bytes`, `smollm2_gguf`, `smollm2_folder`.
 """
