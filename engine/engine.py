@@ -43,6 +43,7 @@ from . import switch
 from .detokenizer import Detokenizer
 from .device import make_device
 from .kv_cache import PagePool, pages_needed
+from .lanes import Lanes
 from .matcher import FillMasks, bitmask_words, fill_masks_each
 from .request import FinishReason, Request, RequestHandle, RequestOutput
 from .runner import ForwardBatch, ModelRunner
@@ -75,6 +76,7 @@ class Step:
     number: int
     slot: DecodeSlot
     rows: list[Sequence]
+    lane: np.ndarray | None = None  # each row's lane
     num_tokens: int = 0
     num_decode: int = 0
     table_width: int = 0
@@ -96,8 +98,10 @@ class Engine:
         self.device = make_device(runner.device, self.trace)
         self.pool = PagePool(cfg.num_pages, cfg.page_size)
         runner.allocate_kv(cfg.num_pages, cfg.page_size)
-        self.scheduler = Scheduler(self.pool, cfg.max_batch, cfg.max_step_tokens)
         max_pages = pages_needed(cfg.max_model_len, cfg.page_size)
+        self.lanes = Lanes(2 * cfg.max_batch, max_pages)
+        self.scheduler = Scheduler(self.pool, self.lanes, cfg.max_batch, cfg.max_step_tokens)
+        self._arange = np.arange(cfg.max_batch + 1)  # row numbers, for steps of one query token per row
         words = bitmask_words(runner.vocab_size)
         self.slots = [
             DecodeSlot(i, self.device, cfg.max_batch, cfg.max_step_tokens, max_pages, words) for i in range(2)
@@ -286,50 +290,56 @@ class Engine:
         return step
 
     def _stage_inputs(self, step: Step) -> None:
-        """Write the step's inputs into the slot's host tensors (few tensor constructions: host time)."""
-        ps, h = self.config.page_size, step.slot.host
-        ids: list[int] = []
-        positions: list[int] = []
-        slots: list[int] = []
-        starts, ctx, dst, src, tables, extras = [0], [], [], [], [], []
-        for row, seq in enumerate(step.rows):
-            k, pages = seq.num_scheduled, seq.pages
-            if k == 0:  # prefill
-                ids += seq.request.prompt_ids
-                span = range(seq.prompt_len)
-                extras.append(seq.request.extras)
-                self._stats.prefill_rows += 1
-            else:  # decode: the input is the token this sequence's previous step sampled
-                assert seq.last_step == step.number - 1, "a running sequence skipped a step"
-                dst.append(len(ids))
-                src.append(seq.last_row)
-                ids.append(0)
-                span = (seq.prompt_len + k - 1,)
-                extras.append(None)
-                self._stats.decode_rows += 1
-            positions += span
-            slots += [pages[p // ps] * ps + p % ps for p in span]
-            starts.append(len(ids))
-            ctx.append(positions[-1] + 1)
-            if seq.table_row is None:
-                seq.table_row = np.full(h.block_tables.shape[1], -1, dtype=np.int32)
-                seq.table_row[: len(pages)] = pages
-            tables.append(seq.table_row)
+        """Write the step's inputs into the slot's host buffers: numpy gathers from the rows' lanes.
+
+        A row's query is its prompt (prefill, output index k = 0) or the token its previous step
+        sampled (decode, k > 0), which the forward gathers on the device from `gather_src`.
+        """
+        rows, lanes, ps, hn = step.rows, self.lanes, self.config.page_size, step.slot.np
+        n = len(rows)
+        ks = [seq.num_scheduled for seq in rows]
+        lane = np.array([seq.lane for seq in rows], dtype=np.int64)
+        for seq in rows:
             seq.num_scheduled += 1
             seq.inflight_refs += 1
-            seq.last_step, seq.last_row = step.number, row
-        n, t, d = len(step.rows), len(ids), len(dst)
-        width = max(len(seq.pages) for seq in step.rows)
-        hn = step.slot.np
-        hn.input_ids[:t], hn.positions[:t], hn.slot_mapping[:t] = ids, positions, slots
-        hn.block_tables[:n, :width] = np.stack(tables)[:, :width]
-        hn.query_start[: n + 1] = starts
-        hn.context_lens[:n] = ctx
-        hn.gather_dst[:d], hn.gather_src[:d] = dst, src
-        step.num_tokens, step.num_decode, step.table_width = t, d, width
-        step.max_query_len = max(b - a for a, b in zip(starts, starts[1:], strict=False))
-        step.max_context_len = max(ctx)
-        step.extras = extras if any(e is not None for e in extras) else []
+        k = np.array(ks, dtype=np.int64)
+        context = lanes.prompt_len[lane] + k  # a prefill's context is its prompt (k = 0)
+        prefill = [row for row, kk in enumerate(ks) if kk == 0]
+        if prefill:
+            query_len = np.where(k > 0, 1, context)
+            starts = np.zeros(n + 1, dtype=np.int64)
+            np.cumsum(query_len, out=starts[1:])
+            token_row = np.repeat(np.arange(n), query_len)
+            positions = np.arange(starts[n]) - starts[token_row] + (context - query_len)[token_row]
+            token_lane = lane[token_row]
+        else:  # one query token per row
+            starts, positions, token_lane = self._arange[: n + 1], context - 1, lane
+        t = len(positions)
+        pages = lanes.block_table[token_lane, positions // ps]
+        hn.positions[:t], hn.slot_mapping[:t] = positions, pages * ps + positions % ps
+        hn.query_start[: n + 1], hn.context_lens[:n], hn.counters[:n] = starts, context, k
+        width = int(lanes.num_pages[lane].max())
+        hn.block_tables[:n, :width] = lanes.block_table[lane, :width]
+        decode_rows = np.flatnonzero(k) if prefill else self._arange[:n]
+        decode_lanes = lane[decode_rows]
+        if not (lanes.last_step[decode_lanes] == step.number - 1).all():
+            raise AssertionError("a running sequence skipped a step")
+        d = len(decode_rows)
+        hn.gather_dst[:d], hn.gather_src[:d] = starts[decode_rows], lanes.last_row[decode_lanes]
+        lanes.last_step[lane], lanes.last_row[lane] = step.number, self._arange[:n]
+        extras: list[Any] = []
+        for row in prefill:  # their prompt tokens go up as they are
+            seq = rows[row]
+            hn.input_ids[starts[row] : starts[row + 1]] = seq.request.prompt_ids
+            if seq.request.extras is not None:
+                extras = extras or [None] * n
+                extras[row] = seq.request.extras
+        self._stats.prefill_rows += n - d
+        self._stats.decode_rows += d
+        step.lane, step.num_tokens, step.num_decode, step.table_width = lane, t, d, width
+        step.max_query_len = int(query_len.max()) if prefill else 1
+        step.max_context_len = int(context.max())
+        step.extras = extras
 
     @torch.inference_mode()
     def _forward(self, step: Step, prev: DecodeSlot) -> None:
@@ -370,24 +380,24 @@ class Engine:
         t0 = time.perf_counter()
         self._hook("finalize")
         slot, h, n = step.slot, step.slot.host, len(step.rows)
-        live = [(row, seq) for row, seq in enumerate(step.rows) if not seq.finalized]
-        constrained = [(row, seq.matcher) for row, seq in live if seq.matcher is not None]
+        constrained = [
+            (row, seq.matcher)
+            for row, seq in enumerate(step.rows)
+            if seq.matcher is not None and not seq.finalized
+        ]
         c = len(constrained)
         hn = slot.np
         if c:
             hn.bitmask[:c] = 0
             self.config.fill_masks([m for _, m in constrained], h.bitmask[:c])
             hn.mask_rows[:c] = [row for row, _ in constrained]
-        params = [seq.request.sampling for seq in step.rows]
-        hn.temperature[:n] = [p.temperature for p in params]
-        hn.top_p[:n] = [p.top_p for p in params]
-        hn.top_k[:n] = [p.top_k for p in params]
-        hn.seeds[:n] = [seq.seed for seq in step.rows]
-        hn.counters[:n] = [seq.num_scheduled - 1 for seq in step.rows]
-        random_rows = [row for row, p in enumerate(params) if p.temperature > 0]
+        lane = step.lane  # sampling parameters were written into the lanes at admission
+        hn.temperature[:n], hn.top_p[:n] = self.lanes.temperature[lane], self.lanes.top_p[lane]
+        hn.top_k[:n], hn.seeds[:n] = self.lanes.top_k[lane], self.lanes.seed[lane]
+        random_rows = np.flatnonzero(hn.temperature[:n] > 0)
         r = len(random_rows)
         hn.random_rows[:r] = random_rows
-        filter_rows = any(params[i].top_k > 0 or params[i].top_p < 1 for i in random_rows)
+        filter_rows = bool(((hn.top_k[random_rows] > 0) | (hn.top_p[random_rows] < 1)).any())
         self.device.run("sample", lambda: self._sample(slot, n, r, c, filter_rows))
         debug = self.config.debug and self.device.device.type == "cpu"
         slot.event = self.device.copy_to_host("copy", lambda: self._copy(slot, n, debug))

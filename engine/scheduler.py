@@ -10,7 +10,8 @@ SOLUTION
     produce), `inflight_refs` (steps in flight that include it) and `finalized` (finished; its
     further tokens are dropped). `schedule()` takes running sequences with num_scheduled <
     max_tokens, then admits waiting ones in FIFO order while they fit; a request that does not fit
-    the free pages waits (head of line, so a big one is not starved).
+    the free pages waits (head of line, so a big one is not starved). Admission also gives the
+    sequence a lane (lanes.py): its fixed per-step inputs, written once into host arrays.
 INVARIANTS
     - A scheduled row's output index is `num_scheduled` before the launch; it never reaches max_tokens.
     - Pages are reserved at admission for every position the sequence can reach, so a running
@@ -22,10 +23,9 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
-import numpy as np
-
 from .detokenizer import Detokenizer
 from .kv_cache import PagePool, pages_needed
+from .lanes import Lanes
 from .matcher import Matcher
 from .request import FinishReason, Request, RequestHandle
 
@@ -38,7 +38,12 @@ class Sequence:
     seed: int
     stop_ids: frozenset[int]
     detok: Detokenizer
+    # copies of request fields the hot paths read every step (attributes, not property calls)
+    prompt_len: int = field(init=False, default=0)
+    max_tokens: int = field(init=False, default=0)
+    matcher: Matcher | None = field(init=False, default=None)
     pages: list[int] | None = None
+    lane: int = -1  # its row in the Lanes arrays, from admission to release
     token_ids: list[int] = field(default_factory=list)
     num_committed: int = 0  # output tokens committed (including a final EOS / stop token)
     num_scheduled: int = 0
@@ -46,21 +51,11 @@ class Sequence:
     finalized: bool = False
     released: bool = False
     finish_reason: FinishReason | None = None
-    last_step: int = -1  # the latest step that carries this sequence ...
-    last_row: int = -1  # ... and its row there (where its next input id is sampled)
-    table_row: np.ndarray | None = None  # its pages as a block-table row (built once, at first launch)
 
-    @property
-    def prompt_len(self) -> int:
-        return len(self.request.prompt_ids)
-
-    @property
-    def max_tokens(self) -> int:
-        return self.request.sampling.max_tokens
-
-    @property
-    def matcher(self) -> Matcher | None:
-        return self.request.matcher
+    def __post_init__(self) -> None:
+        self.prompt_len = len(self.request.prompt_ids)
+        self.max_tokens = self.request.sampling.max_tokens
+        self.matcher = self.request.matcher
 
     def pages_to_reserve(self, page_size: int) -> int:
         # the last output token is never fed back, so it needs no KV position
@@ -68,8 +63,11 @@ class Sequence:
 
 
 class Scheduler:
-    def __init__(self, pool: PagePool, max_batch: int, max_step_tokens: int) -> None:
+    def __init__(self, pool: PagePool, lanes: Lanes, max_batch: int, max_step_tokens: int) -> None:
+        if lanes.count < 2 * max_batch:
+            raise ValueError(f"need 2 * max_batch = {2 * max_batch} lanes, got {lanes.count}")
         self.pool = pool
+        self.lanes = lanes
         self.max_batch = max_batch
         self.max_step_tokens = max_step_tokens
         self.waiting: deque[Sequence] = deque()
@@ -86,8 +84,10 @@ class Scheduler:
             need = seq.pages_to_reserve(self.pool.page_size)
             if tokens + seq.prompt_len > self.max_step_tokens or not self.pool.can_allocate(need):
                 break
-            self.waiting.popleft()
-            seq.pages = self.pool.allocate(need)
+            pages = self.pool.allocate(need)
+            lane = self.lanes.take(seq.prompt_len, pages, seq.request.sampling, seq.seed)
+            self.waiting.popleft()  # only now: if take() raised, shutdown finds seq where remove() looks
+            seq.pages, seq.lane = pages, lane
             self.running.append(seq)
             rows.append(seq)
             tokens += seq.prompt_len
@@ -106,3 +106,4 @@ class Scheduler:
         seq.released = True
         if seq.pages is not None:
             self.pool.free(seq.pages)
+            self.lanes.give_back(seq.lane)

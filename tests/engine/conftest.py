@@ -115,6 +115,7 @@ def run_both(
             results.append(eng.generate(requests, timeout=60))
             assert eng.wait_idle(10)
             assert eng.free_pages() == eng.config.num_pages
+            assert eng.lanes.num_free == eng.lanes.count
     return results[0], results[1]
 
 

@@ -18,6 +18,7 @@ from foveal.engine.slot import SlotState
 def _assert_idle_and_full(eng):
     assert eng.wait_idle(10)
     assert eng.free_pages() == eng.config.num_pages
+    assert eng.lanes.num_free == eng.lanes.count
     assert all(s.state is SlotState.FREE for s in eng.slots)
     assert not eng._seqs
 

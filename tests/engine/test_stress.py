@@ -63,6 +63,7 @@ def _run(h, tokenizer, automata, n: int, pipelined: bool) -> dict[int, tuple]:
         for t in threads:
             t.join()
         assert eng.wait_idle(10) and eng.free_pages() == eng.config.num_pages
+        assert eng.lanes.num_free == eng.lanes.count
     return results
 
 
