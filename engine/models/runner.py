@@ -21,7 +21,8 @@ INVARIANTS
     - `forward` before `allocate_kv` raises (tested).
     - Logits are float32, [num_seqs, vocab_size], whatever the compute dtype.
     - Images are encoded only in launches whose `extras` carry them (prefill), never in decode,
-      and an image whose key is cached is not encoded again; a hit gives the same logits as a miss.
+      and an image whose key is cached, or already in the launch, is not encoded again; a hit gives
+      the same logits as a miss (tests/models/test_image_cache.py).
     - Cached features must fill exactly the request's image tokens, else the launch raises (a key
       reused for another image can never be scattered silently).
     - On CPU, decode launches replay a traced graph per bucket (traced.py) with the same logits.
@@ -110,22 +111,35 @@ class HFRunner:
         return out.logits[0].float()
 
     def _image_inputs(self, extras: list[dict[str, Any]]) -> dict[str, Any]:
-        """`mm_encoder_outputs` for the launch's images in sequence order: cached features, misses encoded at once."""
+        """`mm_encoder_outputs` for the launch's images in sequence order: cached features, misses encoded at once.
+
+        A key seen twice in one launch (the same image in concurrent calls) is encoded once.
+        """
         with_images = [e for e in extras if self.family.image_keys and self.family.image_keys[0] in e]
         if not with_images:
             return {}
-        features: list[torch.Tensor | None] = [
-            self.image_cache.get(e["image_key"]) if "image_key" in e else None for e in with_images
-        ]
-        misses = [i for i, f in enumerate(features) if f is None]
-        if misses:
-            encoded = self.encode_images([with_images[i] for i in misses])
-            for i, feats in zip(misses, encoded, strict=True):
-                features[i] = feats
-                if "image_key" in with_images[i]:
-                    self.image_cache.put(
-                        with_images[i]["image_key"], feats.clone()
-                    )  # not a view of the batch
+        slots: list[torch.Tensor | int] = []  # per image: its cached features, or its index in to_encode
+        to_encode: list[dict[str, Any]] = []
+        first: dict[str, int] = {}  # key -> index in to_encode, for keys missed earlier in this launch
+        for e in with_images:
+            key = e.get("image_key")
+            cached = None if key is None or key in first else self.image_cache.get(key)
+            if cached is not None:
+                slots.append(cached)
+            elif key in first:
+                slots.append(first[key])
+            else:
+                if key is not None:
+                    first[key] = len(to_encode)
+                slots.append(len(to_encode))
+                to_encode.append(e)
+        encoded = self.encode_images(to_encode) if to_encode else []
+        for e, feats in zip(to_encode, encoded, strict=True):
+            if "image_key" in e:
+                self.image_cache.put(
+                    e["image_key"], feats.clone()
+                )  # a copy: a view would pin the whole batch
+        features = [encoded[s] if isinstance(s, int) else s for s in slots]
         for e, feats in zip(with_images, features, strict=True):
             if feats.shape[0] != e["image_tokens"]:
                 raise ValueError(

@@ -120,6 +120,22 @@ def test_hits_and_misses_mixed_in_one_launch_match_a_runner_without_cache(checkp
         assert all(torch.allclose(x, y, atol=1e-5) for x, y in zip(a, b, strict=True))
 
 
+def test_one_image_twice_in_one_launch_is_encoded_once(checkpoints):
+    """Concurrent calls on one image meet in one prefill launch: the image is encoded once for all."""
+    loaded = load(checkpoints["paligemma"], device="cpu")
+    calls = count_encoder_calls(loaded, "paligemma")
+    image = tiny.images(1)[0]
+    prompts = [loaded.processor(text, image) for text in tiny.PROMPTS[1:4]]
+    same = [PromptInputs(p.token_ids, {**p.extras, "image_key": "same"}) for p in prompts]
+    shared = parity.greedy(loaded.runner, same, 4)
+    assert calls == [1]
+    unkeyed = parity.greedy(loaded.runner, prompts, 4)  # no keys: each encoded, as before the cache
+    assert calls == [1, 3]
+    assert shared.tokens == unkeyed.tokens
+    for a, b in zip(shared.logits, unkeyed.logits, strict=True):
+        assert all(torch.allclose(x, y, atol=1e-5) for x, y in zip(a, b, strict=True))
+
+
 def test_the_runner_cache_stays_within_its_bound_and_evicts_the_least_recently_used(checkpoints):
     loaded = load(checkpoints["paligemma"], device="cpu")
     calls = count_encoder_calls(loaded, "paligemma")
