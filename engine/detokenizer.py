@@ -3,25 +3,50 @@
 PROBLEM
     Tokens are byte sequences: a character can be split across tokens, and decoding a token alone
     can lose a leading space (SentencePiece) or yield U+FFFD for half a character. Decoding the
-    whole output at every token is quadratic.
+    whole output at every token is quadratic. And this runs for every row at every commit, on the
+    scheduler thread: its cost per token is host time the pipeline must hide.
 SOLUTION
     Decode a short window: the tokens since the last stable point (`prefix`) with and without the
     new ones; the new text is the difference, released only when it does not end in U+FFFD.
+    When the tokenizer is a `tokenizers.Tokenizer`, or is backed by one that decodes to the same text
+    (a transformers fast tokenizer without space clean-up), that window step is tokenizers' own
+    `DecodeStream`: the same algorithm in one native call per token (about 1.3 us against 2.5 us
+    for two `decode` calls from Python, and 6 us through a transformers tokenizer). Otherwise it
+    runs here. Either way `_prefix` and `_read` follow the window, for `flush`.
     Stop strings are searched in the new text plus the tail that could hold a stop's start; text
     that could still be the beginning of a stop string is held back from the stream.
 INVARIANTS
     - The concatenation of released deltas equals the final text.
     - No released text contains U+FFFD from a split character, nor any part of a matched stop.
+    - The native and the Python window steps release the same text for the same tokens.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+import tokenizers
+from tokenizers.decoders import DecodeStream
+
+
+def native_decoder(tokenizer: Any) -> tokenizers.Tokenizer | None:
+    """The `tokenizers.Tokenizer` whose `decode` gives exactly `tokenizer.decode`'s text, if any."""
+    if isinstance(tokenizer, tokenizers.Tokenizer):
+        return tokenizer
+    backend = getattr(tokenizer, "backend_tokenizer", None)  # transformers' fast tokenizers
+    if isinstance(backend, tokenizers.Tokenizer) and not getattr(
+        tokenizer, "clean_up_tokenization_spaces", True
+    ):
+        return backend
+    return None
+
 
 class Detokenizer:
-    def __init__(self, tokenizer: Any, stop: tuple[str, ...] = ()) -> None:
+    def __init__(self, tokenizer: Any, stop: tuple[str, ...] = (), native: bool = True) -> None:
+        """`native=False` runs the window step in Python even when tokenizers could (for tests)."""
         self._tokenizer = tokenizer
+        self._native = native_decoder(tokenizer) if native else None
+        self._stream = DecodeStream(skip_special_tokens=True) if self._native is not None else None
         self._ids: list[int] = []
         self._prefix = 0  # start of the decode window
         self._read = 0  # tokens before this are already in `text`
@@ -37,16 +62,27 @@ class Detokenizer:
     def add(self, token_id: int) -> None:
         """Append one token; sets `stopped` if the text now contains a stop string."""
         self._ids.append(token_id)
-        if self._tokenizer is None:
+        if self._stream is not None:
+            new = self._stream.step(self._native, token_id)
+        elif self._tokenizer is not None:
+            new = self._window_step()
+        else:
             return
+        if not new:
+            return
+        start = max(0, len(self.text) - self._hold)
+        self.text += new
+        self._prefix, self._read = self._read, len(self._ids)
+        if self._stop:
+            self._find_stop(start)
+
+    def _window_step(self) -> str | None:
+        """The text the newest token completes, or None while it ends inside a character."""
         before = self._decode(self._ids[self._prefix : self._read])
         after = self._decode(self._ids[self._prefix :])
         if len(after) <= len(before) or after.endswith("\ufffd"):
-            return
-        start = max(0, len(self.text) - self._hold)
-        self.text += after[len(before) :]
-        self._prefix, self._read = self._read, len(self._ids)
-        self._find_stop(start)
+            return None
+        return after[len(before) :]
 
     def _find_stop(self, start: int) -> None:
         hits = [i for i in (self.text.find(s, start) for s in self._stop) if i >= 0]

@@ -5,9 +5,13 @@ from __future__ import annotations
 import asyncio
 import random
 import threading
+from pathlib import Path
+
+import pytest
+from tokenizers import Tokenizer
 
 from foveal.engine import AsyncEngine, FakeRunner, FinishReason, Request, SamplingParams
-from foveal.engine.detokenizer import Detokenizer
+from foveal.engine.detokenizer import Detokenizer, native_decoder
 
 
 def _byte_tokens(tokenizer, text: str) -> list[int]:
@@ -46,13 +50,30 @@ def test_deltas_never_split_a_character(h, tokenizer):
     assert len(deltas) > 3  # it streamed, not one blob at the end
 
 
-def test_detokenizer_releases_exactly_the_decoded_text(tokenizer):
+def _detokenizers(tokenizer):
+    """The three window steps: tokenizers' DecodeStream, the Python one, and through transformers."""
+    import transformers
+
+    wrapped = transformers.PreTrainedTokenizerFast(
+        tokenizer_object=tokenizer, clean_up_tokenization_spaces=False
+    )
+    assert native_decoder(wrapped) is wrapped.backend_tokenizer
+    return {
+        "native": lambda stop=(): Detokenizer(tokenizer, stop),
+        "python": lambda stop=(): Detokenizer(tokenizer, stop, native=False),
+        "transformers": lambda stop=(): Detokenizer(wrapped, stop),
+    }
+
+
+@pytest.mark.parametrize("kind", ["native", "python", "transformers"])
+def test_detokenizer_releases_exactly_the_decoded_text(tokenizer, kind):
+    make = _detokenizers(tokenizer)[kind]
     rng = random.Random(0)
     for _ in range(50):
         ids = tokenizer.encode(
             rng.choice(["héllo wörld", "日本語のテキスト", "emoji 🚀 🙂 x", '{"x": 0.25}'])
         ).ids
-        d = Detokenizer(tokenizer)
+        d = make()
         pieces = []
         for t in ids:
             d.add(t)
@@ -62,9 +83,41 @@ def test_detokenizer_releases_exactly_the_decoded_text(tokenizer):
         assert "".join(pieces) == tokenizer.decode(ids)
 
 
-def test_stop_string_is_held_back_from_the_stream(tokenizer):
+def test_native_and_python_window_steps_release_the_same_text(tokenizer):
+    """Random ids (split characters, special tokens, ids past the vocabulary) on the test tokenizer
+    and on SmolLM2's 49,152-token one: the same delta after every token, the same flushed tail."""
+    smollm2 = Path(__file__).parents[2] / "../shared/tokenizers/smollm2/tokenizer.json"
+    rng = random.Random(1)
+    for tok in (tokenizer, Tokenizer.from_file(str(smollm2))):
+        vocab = tok.get_vocab_size()
+        for _ in range(300):
+            ids = [rng.randrange(vocab + 8) for _ in range(rng.randint(1, 12))]
+            native, python = Detokenizer(tok), Detokenizer(tok, native=False)
+            for t in ids:
+                native.add(t)
+                python.add(t)
+                assert native.release(final=False) == python.release(final=False)
+            native.flush()
+            python.flush()
+            assert native.release(final=True) == python.release(final=True)
+            assert native.text == python.text == tok.decode(ids, skip_special_tokens=True)
+
+
+def test_native_decoder_only_where_the_text_is_the_same(tokenizer):
+    import transformers
+
+    assert native_decoder(tokenizer) is tokenizer
+    cleaned = transformers.PreTrainedTokenizerFast(
+        tokenizer_object=tokenizer, clean_up_tokenization_spaces=True
+    )
+    assert native_decoder(cleaned) is None  # transformers would post-process the backend's text
+    assert native_decoder(object()) is None and native_decoder(None) is None
+
+
+@pytest.mark.parametrize("kind", ["native", "python", "transformers"])
+def test_stop_string_is_held_back_from_the_stream(tokenizer, kind):
     ids = tokenizer.encode("the quick brown fox jumps").ids
-    d = Detokenizer(tokenizer, stop=("fox",))
+    d = _detokenizers(tokenizer)[kind](("fox",))
     streamed = ""
     for t in ids:
         d.add(t)
