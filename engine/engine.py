@@ -455,9 +455,10 @@ class Engine:
     def _append(self, seq: Sequence, token: int) -> None:
         seq.num_committed += 1
         self._stats.tokens += 1
-        if seq.matcher is not None:
+        matcher, detok = seq.matcher, seq.detok
+        if matcher is not None:
             try:
-                seq.matcher.commit(token)
+                matcher.commit(token)
             except Exception as e:  # the request fails, the engine carries on
                 self._finish(seq, FinishReason.ERROR, f"matcher refused token {token}: {e}")
                 return
@@ -465,12 +466,12 @@ class Engine:
             self._finish(seq, FinishReason.STOP)
             return
         seq.token_ids.append(token)
-        seq.detok.add(token)
-        if seq.detok.stopped or (seq.matcher is not None and seq.matcher.is_terminated()):
+        detok.add(token)
+        if detok.stopped or (matcher is not None and matcher.is_terminated()):
             self._finish(seq, FinishReason.STOP)
         elif seq.num_committed >= seq.max_tokens:
             self._finish(seq, FinishReason.LENGTH)
-        elif delta := seq.detok.release(final=False):
+        elif delta := detok.release(final=False):
             seq.handle._push(delta)
 
     def _finish(self, seq: Sequence, reason: FinishReason, error: str | None = None) -> None:

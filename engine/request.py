@@ -3,7 +3,9 @@
 A `RequestHandle` is shared by two threads: the engine thread pushes text deltas and the final
 `RequestOutput`; the caller iterates deltas, waits for `result()`, or calls `cancel()`. All state
 changes happen under one condition variable, so a delta is never lost or seen twice, and a handle
-always ends (finished, cancelled, failed or shut down): nobody waits forever on it.
+always ends (finished, cancelled, failed or shut down): nobody waits forever on it. A delta wakes
+only callers iterating deltas (a caller blocked in `result()` would wake every step for nothing,
+taking the GIL from the engine's threads); the finish wakes everyone.
 """
 
 from __future__ import annotations
@@ -82,14 +84,17 @@ class RequestHandle:
         self._deltas: list[str] = []
         self._output: RequestOutput | None = None
         self._listeners: list[Callable[[str | None], None]] = []
+        self._iterating = 0  # callers blocked in __iter__, waiting for a delta
 
     # engine side -------------------------------------------------------------------------------
     def _push(self, delta: str) -> None:
         with self._cond:
             self._deltas.append(delta)
-            listeners = list(self._listeners)
-            self._cond.notify_all()
-        self._notify(listeners, delta)
+            if self._iterating:
+                self._cond.notify_all()
+            listeners = list(self._listeners) if self._listeners else None
+        if listeners:
+            self._notify(listeners, delta)
 
     def _finish(self, output: RequestOutput) -> None:
         with self._cond:
@@ -129,7 +134,13 @@ class RequestHandle:
         seen = 0
         while True:
             with self._cond:
-                self._cond.wait_for(lambda seen=seen: len(self._deltas) > seen or self._output is not None)
+                self._iterating += 1
+                try:
+                    self._cond.wait_for(
+                        lambda seen=seen: len(self._deltas) > seen or self._output is not None
+                    )
+                finally:
+                    self._iterating -= 1
                 new = self._deltas[seen:]
                 finished = self._output is not None  # every delta is pushed before the finish
             seen += len(new)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import random
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -172,3 +173,42 @@ def test_asyncio_wrapper(h, tokenizer):
         sync = eng.generate([Request([3], SamplingParams(max_tokens=8, ignore_eos=True))])[0]
     assert all(len(o.token_ids) == 8 and o.finish_reason is FinishReason.LENGTH for o in outs)
     assert "".join(deltas) == sync.text
+
+
+class CountingCondition(threading.Condition):
+    def __init__(self) -> None:
+        super().__init__()
+        self.notifies = 0
+
+    def notify_all(self) -> None:
+        self.notifies += 1
+        super().notify_all()
+
+
+def test_deltas_wake_only_callers_that_iterate():
+    """A caller blocked in result() is not woken by each delta (it would take the GIL from the
+    engine every step); one iterating the handle is, and the finish wakes both."""
+    from foveal.engine import RequestHandle, RequestOutput
+
+    handle = RequestHandle(0, lambda rid: None)
+    handle._cond = cond = CountingCondition()
+    waiter = threading.Thread(target=handle.result)
+    waiter.start()
+    while not cond._waiters:  # the waiter is blocked in result()
+        time.sleep(0.001)
+    for _ in range(20):
+        handle._push("x")
+    assert cond.notifies == 0
+
+    seen = []
+    reader = threading.Thread(target=lambda: seen.extend(handle))
+    reader.start()
+    while len(cond._waiters) < 2:  # the reader has taken the 20 deltas and waits for more
+        time.sleep(0.001)
+    handle._push("y")
+    assert cond.notifies == 1
+    handle._finish(RequestOutput([], "x" * 20 + "y", FinishReason.STOP, 1))
+    waiter.join(5)
+    reader.join(5)
+    assert not waiter.is_alive() and not reader.is_alive()
+    assert "".join(seen) == "x" * 20 + "y"
