@@ -56,7 +56,7 @@ PERSON_SCHEMA = {
     "additionalProperties": False,
 }
 PHRASES = ["car", "red circle", "person", "dog", "blue square", "tree", "cat", "bicycle"]
-MAX_OBJECTS = 3
+MAX_OBJECTS = 2  # with 3 decimals a box is ~38 SmolLM2 tokens: 2 boxes fit the 128-token budget
 BOX_KEYS = ("x_min", "y_min", "x_max", "y_max")
 
 
@@ -93,7 +93,7 @@ def json_workload(n: int, max_tokens: int = 64) -> Workload:
     return Workload("json", asks, max_tokens, PERSON_SCHEMA)
 
 
-def detect_workload(model: Model, n: int, max_tokens: int = 96) -> Workload:
+def detect_workload(model: Model, n: int, max_tokens: int = 128) -> Workload:
     phrases = [PHRASES[i % len(PHRASES)] for i in range(n)]
     asks = [detect_ask(p) for p in phrases]
     for phrase, ask in zip(phrases[:1], asks, strict=False):
@@ -444,8 +444,8 @@ def run_loaded(
     max_tokens: int | None = None,
 ) -> dict:
     """Both workloads on an already loaded checkpoint (no other engine may be running on its runner).
-    `max_tokens`: the answer budget of both workloads (default: 64 for json, 96 for detect)."""
-    json_tokens, detect_tokens = (max_tokens, max_tokens) if max_tokens else (64, 96)
+    `max_tokens`: the answer budget of both workloads (default: 64 for json, 128 for detect)."""
+    json_tokens, detect_tokens = (max_tokens, max_tokens) if max_tokens else (64, 128)
     with sdk_model(loaded, max_batch=requests) as model:
         rows = run_workload(model, hf, json_workload(requests, json_tokens), warm)
         rows += run_workload(model, hf, detect_workload(model, requests, detect_tokens), warm)
