@@ -4,12 +4,15 @@ PROBLEM
     The engine's invariants (pipelined == blocking, zombies, page reuse) must be tested without a
     model, and its pipeline measured against a known forward time.
 SOLUTION
-    `FakeRunner` keeps a real paged "KV cache" that stores token ids: each forward writes its
-    query tokens at `slot_mapping` and reads every sequence's context back through
-    `block_tables`. The logits are a row of a fixed random table chosen by a hash of that context,
-    so they depend on the sequence's whole history and nothing else: a wrong page, position or
-    gathered input id changes the output. `reference_logits(tokens)` computes the same without any
-    cache, for checking the engine against a plain loop. The forward then sleeps until
+    `FakeRunner` keeps a real paged "KV cache": each forward writes its query tokens' entries at
+    `slot_mapping` and reads every sequence's context back through `block_tables`. The logits are a
+    row of a fixed random table chosen by a hash of that context, a position-weighted sum of the
+    tokens, so they depend on the sequence's whole history and nothing else: a wrong page, position
+    or gathered input id changes the output. The cache holds each position's term of that sum
+    (token and position in, a 31-bit number out), so a forward's work on the whole context is one
+    gather and one sum: the fake's own compute is host CPU time a real accelerator would not take
+    from the scheduler thread, and it is kept small. `reference_logits(tokens)` computes the same
+    without any cache, for checking the engine against a plain loop. The forward then sleeps until
     `delay_s` (+ seeded `jitter_s`) has passed since it began: the sleep stands in for
     accelerator time and releases the GIL, like a real native forward would. On a CUDA device the
     tensors live on the GPU and the delay is a queued GPU spin (`torch.cuda._sleep`), so the host
@@ -31,12 +34,15 @@ from .runner import ForwardBatch
 _M31 = (1 << 31) - 1
 
 
-def _context_hash(tokens: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
-    """[B] hash of each row's valid tokens: a position-weighted sum, then mixed (int64 arithmetic)."""
-    weights = (
-        torch.arange(tokens.shape[1], dtype=torch.int64, device=tokens.device) * 0x5BD1E995 + 0x27D4EB2F
-    ) & _M31
-    h = (((tokens + 1) * weights) * valid).sum(dim=1) & _M31
+def _term(tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """Each token's term of its context hash: (token + 1) * weight(position), mod 2**31 (int64)."""
+    weights = (positions * 0x5BD1E995 + 0x27D4EB2F) & _M31
+    return ((tokens + 1) * weights) & _M31
+
+
+def _mix(terms_sum: torch.Tensor) -> torch.Tensor:
+    """The hash of a context from the sum of its terms: reduced mod 2**31, then mixed."""
+    h = terms_sum & _M31
     h = (h ^ (h >> 15)) * 0x2C1B3C6D & _M31
     return h ^ (h >> 13)
 
@@ -75,15 +81,14 @@ class FakeRunner:
         self.page_size = page_size
 
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
-        start = time.perf_counter()
-        self.kv[batch.slot_mapping] = batch.input_ids
-        width = batch.block_tables.shape[1] * self.page_size
-        offsets = torch.arange(width, device=self.device)
-        pages = batch.block_tables.long()[:, offsets // self.page_size]
+        start, ps = time.perf_counter(), self.page_size
+        self.kv.index_copy_(0, batch.slot_mapping, _term(batch.input_ids, batch.positions))
+        offsets = torch.arange(batch.block_tables.shape[1] * ps, device=self.device)
         valid = offsets[None, :] < batch.context_lens.long()[:, None]
-        slots = torch.where(valid, pages * self.page_size + offsets % self.page_size, 0)
-        tokens = torch.where(valid, self.kv[slots], 0)
-        logits = self.table[_context_hash(tokens, valid.long()) % self.table.shape[0]]
+        slots = batch.block_tables.long().repeat_interleave(ps, dim=1) * ps + offsets % ps
+        terms = self.kv.index_select(0, torch.where(valid, slots, 0).view(-1)).view(slots.shape)
+        rows = _mix(torch.where(valid, terms, 0).sum(dim=1)) % self.table.shape[0]
+        logits = self.table.index_select(0, rows)
         self.forwards += 1
         delay = self.delay_s + (self._jitter.uniform(0, self.jitter_s) if self.jitter_s else 0.0)
         if self.device.type == "cuda":  # keep the GPU busy, not the host: a queued spin kernel
@@ -95,8 +100,9 @@ class FakeRunner:
 
     def reference_logits(self, tokens: list[int]) -> torch.Tensor:
         """The logits `forward` gives after a sequence of `tokens`, computed without any cache."""
-        t = torch.tensor([tokens], device=self.device)
-        return self.table[_context_hash(t, torch.ones_like(t)) % self.table.shape[0]][0]
+        t = torch.tensor(tokens, device=self.device)
+        terms = _term(t, torch.arange(len(tokens), device=self.device))
+        return self.table[_mix(terms.sum()) % self.table.shape[0]]
 
 
 def _gpu_cycles_per_s(device: torch.device) -> float:
