@@ -99,6 +99,7 @@ def load(
     max_batch_size: int = 32,
     max_model_len: int | None = None,
     kv_cache_bytes: int | None = None,
+    image_cache_bytes: int = engine_models.DEFAULT_IMAGE_CACHE_BYTES,
 ) -> Model:
     """Load a model and start its engine.
 
@@ -109,10 +110,12 @@ def load(
     `max_model_len`: prompt + answer tokens per call (default: the model's limit, at most 4096).
     `kv_cache_bytes`: memory for the KV cache (default: a quarter of free device memory, capped
     at what `max_batch_size` sequences of `max_model_len` need).
+    `image_cache_bytes`: bound of the cache of image encodings, so that several calls on one image
+    encode it once (0 turns the cache off).
     """
     _check_load_args(pipelined, max_batch_size, max_model_len, kv_cache_bytes)
     source = _model_source(path)
-    loaded = engine_models.load(source, device=device, dtype=dtype)
+    loaded = engine_models.load(source, device=device, dtype=dtype, image_cache_bytes=image_cache_bytes)
     folder = Path(source) if Path(source).is_dir() else None
     family = loaded.runner.family
     skills = skills_for(

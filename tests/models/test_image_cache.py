@@ -187,3 +187,14 @@ def test_sdk_calls_on_one_image_encode_it_once(checkpoints):
         assert len(calls) == 1 and again == first
         model.query(b, "red circle", settings={"max_tokens": 4})
         assert len(calls) == 2 and len(model.loaded.runner.image_cache) == 2
+
+
+def test_sdk_load_can_turn_the_cache_off(checkpoints):
+    (a,) = tiny.images(1)
+    with foveal.load(
+        checkpoints["paligemma"], device="cpu", max_batch_size=4, max_model_len=128, image_cache_bytes=0
+    ) as model:
+        calls = count_encoder_calls(model.loaded, "paligemma")
+        first = model.query(a, "red circle", settings={"max_tokens": 4})
+        again = model.query(a, "red circle", settings={"max_tokens": 4})
+        assert len(calls) == 2 and again == first  # encoded each time, same answer
