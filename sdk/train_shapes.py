@@ -461,6 +461,9 @@ class Trainer:
         model = build_model(self.cfg, len(self.tok), self.model.config.image_token_id, self.tok.pad_token_id)
         model.load_state_dict(self.model.state_dict())
         model.to(dtype).save_pretrained(folder)
+        (folder / "model.safetensors").chmod(
+            0o644
+        )  # saved 0600; a shipped package file must be readable by all
         image_processor = SiglipImageProcessor(
             size={"height": self.cfg.image_size, "width": self.cfg.image_size},
             image_mean=[0.5, 0.5, 0.5],
