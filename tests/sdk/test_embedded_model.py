@@ -18,7 +18,7 @@ EMBEDDED = Path(eval_shapes.__file__).parent / "embedded"
 shipped = pytest.mark.skipif(
     not (EMBEDDED / "model.safetensors").is_file(),
     reason="no weights shipped in sdk/embedded yet (export a checkpoint that meets the bars with "
-    "python -m foveal.train_shapes --run runs/shapes --export sdk/embedded)",
+    "python -m foveal.train_shapes --run runs/shapes3 --export sdk/embedded)",
 )
 
 
