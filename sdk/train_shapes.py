@@ -2,7 +2,9 @@
 
 `python -m foveal.train_shapes --run runs/shapes --steps 20000` trains (or resumes from the run
 folder's last.pt) and `--export sdk/embedded` writes the Hugging Face folder that ships in the
-package. `--config '{"init_from": "runs/a/last.pt"}'` starts a new run from another run's weights.
+package. `--config '{"init_from": "runs/a/last.pt"}'` starts a new run from another run's weights
+(a checkpoint, or an exported folder such as checkpoints/shapes/, kept in git so that a later
+session can continue a run this machine did not finish; see checkpoints/shapes/README.md).
 
 PROBLEM: a model that really answers detect / point / caption / query on the shapes world has to
 be trained on this project's own CPU budget (a few CPU-hours), reproducibly, and interrupted runs
@@ -379,6 +381,22 @@ def lr_at(step: int, cfg: TrainConfig) -> float:
 # ---- run ----------------------------------------------------------------------------------------
 
 
+def warm_start_weights(source: str | Path) -> dict[str, torch.Tensor]:
+    """Model weights to start a run from: a run's checkpoint (`.pt`) or an exported folder.
+
+    Exported folders (such as checkpoints/shapes/ in git, which a later session resumes from) hold
+    the model in bf16, in the checkpoint layout of `save_pretrained`, without the auxiliary head;
+    transformers reads them back (key renames, tied head) and they are cast to fp32 for training.
+    """
+    path = Path(source)
+    if path.is_dir():
+        from transformers import PaliGemmaForConditionalGeneration
+
+        model = PaliGemmaForConditionalGeneration.from_pretrained(path, dtype=torch.float32)
+        return model.state_dict()
+    return torch.load(path, weights_only=True)["model"]
+
+
 class Trainer:
     """Owns tokenizer, model, auxiliary head and optimizer; `train_step()` advances one step,
     `save_checkpoint` / `load_checkpoint` make that resumable."""
@@ -394,7 +412,7 @@ class Trainer:
         self.n_image_tokens = (cfg.image_size // cfg.patch_size) ** 2
         self.loc_ids = torch.tensor(self.tok.convert_tokens_to_ids(self.fmt.loc_tokens()))
         if cfg.init_from:
-            self.model.load_state_dict(torch.load(cfg.init_from, weights_only=False)["model"])
+            self.model.load_state_dict(warm_start_weights(cfg.init_from))
         torch.manual_seed(cfg.seed + 1)
         self.aux_head = torch.nn.Linear(cfg.text_width, len(scenes.COLOURS) + len(scenes.SHAPES) + 2 + 4)
         params = list(self.model.parameters()) + (list(self.aux_head.parameters()) if cfg.aux_weight else [])
@@ -444,7 +462,7 @@ class Trainer:
         os.replace(tmp, path)  # never leave a half-written checkpoint behind
 
     def load_checkpoint(self, path: Path) -> None:
-        state = torch.load(path, weights_only=False)
+        state = torch.load(path, weights_only=True)  # tensors and plain containers only: no code runs
         self.model.load_state_dict(state["model"])
         if "aux_head" in state:
             self.aux_head.load_state_dict(state["aux_head"])

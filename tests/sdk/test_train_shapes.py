@@ -204,3 +204,13 @@ def test_patch_targets_label_every_object_with_its_colour_shape_and_box():
             assert shape[k] == 1 + scenes.SHAPES.index(o.shape)
             assert torch.allclose(box[k], torch.tensor(o.box(96, 96)))
         assert ((colour == 0) == (shape == 0)).all() and (box[colour == 0] == 0).all()
+
+
+def test_warm_start_from_an_exported_folder_gives_the_exported_weights(tiny_cfg, tmp_path):
+    trained = ts.Trainer(tiny_cfg)
+    trained.train_step()
+    trained.export(tmp_path / "hf")  # bf16, no auxiliary head: what checkpoints/ in git holds
+    warm = ts.Trainer(ts.TrainConfig(**{**TINY, "init_from": str(tmp_path / "hf")}))
+    expected = {k: v.to(torch.bfloat16).float() for k, v in trained.model.state_dict().items()}
+    for name, value in warm.model.state_dict().items():
+        assert torch.equal(value, expected[name]), name
