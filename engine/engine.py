@@ -9,10 +9,15 @@ SOLUTION
       1. launch step t+1 into the free DecodeSlot: its decode rows' input ids are gathered on the
          device from where step t's sampler wrote them;
       2. commit step t (oldest first): wait for its host copy, read it, free its slot, append
-         tokens, advance matchers, detect stops, stream text;
+         tokens, advance matchers, detect the stops that need no text (EOS and stop ids, grammar
+         end, max_tokens);
       3. finalize step t+1: fill the masks from the just-advanced matchers, queue the sampler and
-         the host copy.
-    The device runs forward t+1 while the host commits t. Blocking mode (`pipelined=False`) is the
+         the host copy;
+      4. text of step t: detokenize, find stop strings, stream deltas.
+    The device runs forward t+1 while the host commits t. Sample t+1 waits for commit t and
+    finalize t+1, so those two must fit inside forward t+1; launch and text need only fit in the
+    whole step, which is why text comes last (a sequence a stop string ends at t has had a mask
+    filled for t+1; it rides in t+1 as a zombie either way). Blocking mode (`pipelined=False`) is the
     same tick with waits: for the forward before finalize, and for the step's ids right after it
     (commit), so nothing overlaps: the baseline of comparisons. A sequence that finishes at commit t may
     ride in step t+1 as a zombie: its token there is dropped, its pages wait for inflight_refs 0.
@@ -238,14 +243,17 @@ class Engine:
         self._take_inbox()
         step = self._launch()
         keep = 1 if step is not None else 0
+        texts: list[tuple[Sequence, int]] = []
         while len(self._inflight) > keep:
-            self._commit_oldest()
+            self._stream(texts)  # each commit's text is streamed before the next commit
+            texts = self._commit_oldest()
         if step is not None:
             if not self.config.pipelined:  # the baseline overlaps nothing: mask after the forward
                 self._wait_device()
             self._finalize(step)
-            if not self.config.pipelined:
-                self._commit_oldest()
+        self._stream(texts)  # after finalize: text is not on the path from commit t to sample t+1
+        if step is not None and not self.config.pipelined:
+            self._stream(self._commit_oldest())
 
     def _wait_device(self) -> None:
         t0 = time.perf_counter()
@@ -432,7 +440,8 @@ class Engine:
         slot.sampled_host[:n].copy_(slot.sampled[:n], non_blocking=True)
 
     # ---- commit -------------------------------------------------------------------------------
-    def _commit_oldest(self) -> None:
+    def _commit_oldest(self) -> list[tuple[Sequence, int]]:
+        """Commit the oldest step's tokens; returns the (sequence, token) pairs still to detokenize."""
         step = self._inflight[0]  # stays in flight until read, so a device failure can still drain it
         slot = step.slot
         t0 = time.perf_counter()
@@ -444,35 +453,53 @@ class Engine:
         self._hook("commit")
         ids = slot.read_sampled(len(step.rows), self.config.debug)
         slot.state, slot.step, slot.event = SlotState.FREE, None, None
+        texts = []
         for seq, token in zip(step.rows, ids, strict=True):
             seq.inflight_refs -= 1
             if not seq.finalized:
-                self._append(seq, token)
+                if self._append(seq, token):
+                    texts.append((seq, token))
             elif seq.inflight_refs == 0:  # a zombie's last step: its token is dropped
                 self.scheduler.release(seq)
         self._span("commit", t1)
+        return texts
 
-    def _append(self, seq: Sequence, token: int) -> None:
+    def _append(self, seq: Sequence, token: int) -> bool:
+        """Append a token and finish the sequence if a stop needs no text; True: its text is due."""
         seq.num_committed += 1
         self._stats.tokens += 1
-        matcher, detok = seq.matcher, seq.detok
+        matcher = seq.matcher
         if matcher is not None:
             try:
                 matcher.commit(token)
             except Exception as e:  # the request fails, the engine carries on
                 self._finish(seq, FinishReason.ERROR, f"matcher refused token {token}: {e}")
-                return
+                return False
         if token in seq.stop_ids:
             self._finish(seq, FinishReason.STOP)
-            return
+            return False
         seq.token_ids.append(token)
-        detok.add(token)
-        if detok.stopped or (matcher is not None and matcher.is_terminated()):
-            self._finish(seq, FinishReason.STOP)
-        elif seq.num_committed >= seq.max_tokens:
-            self._finish(seq, FinishReason.LENGTH)
-        elif delta := detok.release(final=False):
-            seq.handle._push(delta)
+        terminated = matcher is not None and matcher.is_terminated()
+        if terminated or seq.num_committed >= seq.max_tokens:
+            seq.detok.add(token)  # its final text; a stop string in it makes the reason STOP
+            stop = terminated or seq.detok.stopped
+            self._finish(seq, FinishReason.STOP if stop else FinishReason.LENGTH)
+            return False
+        return True
+
+    def _stream(self, texts: list[tuple[Sequence, int]]) -> None:
+        """Detokenize committed tokens, end sequences on stop strings, push text deltas."""
+        if not texts:
+            return
+        t0 = time.perf_counter()
+        for seq, token in texts:
+            detok = seq.detok
+            detok.add(token)
+            if detok.stopped:
+                self._finish(seq, FinishReason.STOP)
+            elif delta := detok.release(final=False):
+                seq.handle._push(delta)
+        self._span("text", t0)
 
     def _finish(self, seq: Sequence, reason: FinishReason, error: str | None = None) -> None:
         seq.finalized = True

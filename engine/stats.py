@@ -1,6 +1,7 @@
 """Per-step timing of the scheduler and the device, summarized by `Engine.stats()`.
 
-Scheduler phases (launch, commit, finalize) are host time on the scheduler thread; `wait` is time
+Scheduler phases (launch, commit, finalize, text) are host time on the scheduler thread (`text`:
+detokenizing committed tokens, stop strings and stream deltas, done after finalize); `wait` is time
 blocked on a step's host copy and is not counted in commit. `active_s` is wall time while the
 engine had work. Device time comes from the device (`CpuDevice` measures each job); its idle share
 of `active_s` is the pipeline's bubble.
@@ -19,7 +20,7 @@ class Stats:
     tokens: int = 0  # committed output tokens
     active_s: float = 0.0
     phase_s: dict[str, float] = field(
-        default_factory=lambda: dict.fromkeys(("launch", "commit", "finalize", "wait"), 0.0)
+        default_factory=lambda: dict.fromkeys(("launch", "commit", "finalize", "text", "wait"), 0.0)
     )
 
     def summary(self, busy_s: float, job_s: dict[str, float], job_n: dict[str, int]) -> dict:
@@ -29,7 +30,7 @@ class Stats:
         def per_job(name: str) -> float:
             return job_s.get(name, 0.0) / max(job_n.get(name, 0), 1)
 
-        host_s = self.phase_s["launch"] + self.phase_s["commit"] + self.phase_s["finalize"]
+        host_s = sum(v for k, v in self.phase_s.items() if k != "wait")
         return {
             "steps": self.steps,
             "prefill_rows": self.prefill_rows,

@@ -1,7 +1,7 @@
 """An optional timeline of the engine in Chrome trace format (open it in chrome://tracing or Perfetto).
 
 Spans are (name, lane, start, end) in perf_counter seconds; lanes are "scheduler" (launch, commit,
-finalize, wait) and "device" (forward, sample, copy). Disabled traces record nothing; an enabled
+finalize, text, wait) and "device" (forward, sample, copy). Disabled traces record nothing; an enabled
 trace keeps at most `limit` spans so a long run cannot grow memory without bound.
 """
 

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from foveal.engine import FakeRunner, Request, SamplingParams
 
 
@@ -17,7 +19,13 @@ def test_stats_count_what_ran(h):
     assert s["prefill_rows"] == 4 and s["steps"] >= 10
     assert s["forward_ms"] >= 2.0  # the fake forward sleeps 2 ms
     assert 0 < s["device_busy_fraction"] <= 1 and s["bubble_s"] >= 0
-    assert s["tokens_per_s"] > 0 and set(s["phase_ms_per_step"]) == {"launch", "commit", "finalize", "wait"}
+    assert s["tokens_per_s"] > 0 and set(s["phase_ms_per_step"]) == {
+        "launch",
+        "commit",
+        "finalize",
+        "text",
+        "wait",
+    }
 
 
 def test_reset_stats(h):
@@ -43,3 +51,20 @@ def test_trace_off_records_nothing(h):
     with h.engine() as eng:
         eng.generate([Request([1], SamplingParams(max_tokens=3, ignore_eos=True))])
         assert [e for e in eng.trace.to_chrome()["traceEvents"] if e["ph"] == "X"] == []
+
+
+@pytest.mark.parametrize("pipelined", [True, False])
+def test_text_runs_after_the_next_finalize(h, tokenizer, pipelined):
+    """Pipelined: commit t, finalize t+1, then the text of t (detokenizing is not on the path from
+    commit t to sample t+1). Blocking: finalize t, then commit t and its text."""
+    runner = FakeRunner(vocab_size=h.VOCAB, seed=1, delay_s=0.001)
+    with h.engine(pipelined, runner, tokenizer, trace=True) as eng:
+        eng.generate([Request([i + 1], SamplingParams(max_tokens=12, ignore_eos=True)) for i in range(3)])
+        names = [s[0] for s in sorted(eng.trace._spans, key=lambda s: s[2]) if s[1] == "scheduler"]
+    names = [n for n in names if n != "wait"]
+    triples = {tuple(names[i : i + 3]) for i in range(len(names) - 2)}
+    if pipelined:
+        assert names.count("text") >= 10 and ("commit", "finalize", "text") in triples
+        assert ("commit", "text", "finalize") not in triples
+    else:
+        assert ("finalize", "commit", "text") in triples and ("commit", "text", "finalize") not in triples
