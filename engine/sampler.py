@@ -20,7 +20,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-from llguidance.torch import apply_token_bitmask_inplace
 
 _M32 = 0xFFFFFFFF
 UNIFORM_BITS = 23  # see uniform_from_bits
@@ -68,19 +67,30 @@ def uniform_from_bits(bits: torch.Tensor) -> torch.Tensor:
     return (bits.float() + 0.5) / float(1 << UNIFORM_BITS)
 
 
+def _byte_penalties(device: torch.device) -> torch.Tensor:
+    """[256, 8] float32: row b holds 0 where bit i of byte b is set (allowed) and -inf where it is clear."""
+    bits = (torch.arange(256)[:, None] >> torch.arange(8)[None, :]) & 1
+    table = torch.zeros(256, 8).masked_fill_(bits == 0, float("-inf"))
+    return table.to(device)
+
+
+_PENALTIES: dict[torch.device, torch.Tensor] = {}
+
+
 def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: torch.Tensor) -> None:
-    """Set logits[rows[i], v] to -inf where bit v of bitmask[i] is clear."""
-    if logits.device.type == "cpu":
-        # llguidance's native kernel: 1.9 ms for 32 x 49,152 where unpacking bits with torch ops
-        # below took 40 ms (benchmarks/run.py, the cost of structure on CPU).
-        picked = logits[rows]
-        apply_token_bitmask_inplace(picked, bitmask)
-        logits[rows] = picked
-        return
+    """Add -inf to logits[rows[i], v] where bit v of bitmask[i] is clear (allowed logits stay unchanged).
+
+    The bitmask's bytes index a 256-entry table of penalties (little-endian bit order, as llguidance
+    writes it), so the whole step is one gather and one indexed add, on any device and with no
+    compilation: 1 ms for 32 x 49,152 on one CPU thread, where unpacking the bits with shifts took
+    40 ms and a boolean masked_fill 6 ms.
+    """
+    table = _PENALTIES.get(logits.device)
+    if table is None:
+        table = _PENALTIES.setdefault(logits.device, _byte_penalties(logits.device))
     n, vocab = bitmask.shape[0], logits.shape[1]
-    shifts = torch.arange(32, device=bitmask.device, dtype=torch.int32)
-    allowed = ((bitmask[:, :, None] >> shifts) & 1).view(n, -1)[:, :vocab].bool()
-    logits[rows] = logits[rows].masked_fill(~allowed, float("-inf"))
+    penalty = torch.nn.functional.embedding(bitmask.view(torch.uint8).long(), table).view(n, -1)
+    logits.index_add_(0, rows, penalty[:, :vocab])
 
 
 def filter_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:

@@ -131,3 +131,20 @@ def test_masked_tokens_never_win_over_many_seeded_draws():
         out = torch.empty(n, dtype=torch.int64)
         sample(logits.clone(), batch, out)
         assert set(out.tolist()) <= {1, 3}
+
+
+def test_bitmask_penalties_equal_an_independent_bit_unpacking():
+    import numpy as np
+
+    gen = torch.Generator().manual_seed(0)
+    vocab = 1000  # not a multiple of 32: the last word's high bits name no token
+    bitmask = torch.randint(-(2**31), 2**31 - 1, (3, (vocab + 31) // 32), dtype=torch.int32, generator=gen)
+    logits = torch.randn(5, vocab, generator=gen)
+    rows = torch.tensor([4, 0, 2])
+    got = logits.clone()
+    apply_bitmask(got, bitmask, rows)
+    bits = np.unpackbits(bitmask.numpy().view(np.uint8), axis=1, bitorder="little")[:, :vocab]
+    expected = logits.clone()
+    for i, row in enumerate(rows.tolist()):
+        expected[row][torch.from_numpy(bits[i] == 0)] = float("-inf")
+    assert torch.equal(got, expected)
