@@ -11,7 +11,7 @@ Accepted keys and ranges:
     temperature  float, finite, >= 0 (0 means greedy: always the most likely allowed token)
     top_p        float, 0 < top_p <= 1 (1 disables nucleus sampling)
     max_tokens   int, 1 <= max_tokens <= MAX_TOKENS_CEILING (8192)
-    max_objects  int, 1 <= max_objects <= MAX_OBJECTS_CEILING (1000); detect, point and generate only
+    max_objects  int, 1 <= max_objects <= MAX_OBJECTS_CEILING (1000); detect and point only
     seed         int, 0 <= seed < 2**64, or None (no seed)
 """
 
@@ -28,7 +28,7 @@ from typing import Any
 MAX_TOKENS_CEILING = 8192
 MAX_OBJECTS_CEILING = 1000
 SEED_LIMIT = 2**64
-OBJECT_SKILLS = ("detect", "point", "generate")
+OBJECT_SKILLS = ("detect", "point")  # generate's output_type states its own limits (e.g. maxItems)
 
 
 @dataclass(frozen=True, slots=True)

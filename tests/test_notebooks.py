@@ -15,13 +15,9 @@ from nbclient import NotebookClient
 
 NOTEBOOKS = Path(__file__).resolve().parents[1] / "notebooks"
 NAMES = ["01_quickstart", "02_structured_output", "03_engine"]
-# A notebook takes 10-15 s here (a kernel importing torch and transformers): the quickstart runs by
-# default, the other two with -m slow.
-RUNS = [
-    "01_quickstart",
-    pytest.param("02_structured_output", marks=pytest.mark.slow),
-    pytest.param("03_engine", marks=pytest.mark.slow),
-]
+# A notebook takes 10-15 s here (a kernel importing torch and transformers); all three run by default,
+# so that CI executes every notebook the README links to.
+RUNS = NAMES
 
 
 @pytest.fixture(scope="module")

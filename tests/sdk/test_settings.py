@@ -134,9 +134,9 @@ def test_unknown_keys_are_named_with_a_suggestion():
         validate_settings({3: 1})
 
 
-@pytest.mark.parametrize("skill", ["caption", "query"])
+@pytest.mark.parametrize("skill", ["caption", "query", "generate"])
 def test_max_objects_is_refused_for_skills_without_objects(skill):
-    with pytest.raises(ValueError, match=rf"'max_objects' applies to detect, point, generate, not {skill}"):
+    with pytest.raises(ValueError, match=rf"'max_objects' applies to detect, point, not {skill}"):
         validate_settings({"max_objects": 5}, skill)
 
 
