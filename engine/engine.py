@@ -303,16 +303,22 @@ class Engine:
         A row's query is its prompt (prefill, output index k = 0) or the token its previous step
         sampled (decode, k > 0), which the forward gathers on the device from `gather_src`.
         """
-        rows, lanes, ps, hn = step.rows, self.lanes, self.config.page_size, step.slot.np
-        n = len(rows)
+        rows = step.rows
         ks = [seq.num_scheduled for seq in rows]
-        lane = np.array([seq.lane for seq in rows], dtype=np.int64)
+        step.lane = np.array([seq.lane for seq in rows], dtype=np.int64)
         for seq in rows:
             seq.num_scheduled += 1
             seq.inflight_refs += 1
-        k = np.array(ks, dtype=np.int64)
+        prefill = [row for row, k in enumerate(ks) if k == 0]
+        starts = self._stage_positions(step, np.array(ks, dtype=np.int64), prefill)
+        self._stage_sources(step, starts, prefill)
+        self._stats.prefill_rows += len(prefill)
+        self._stats.decode_rows += len(rows) - len(prefill)
+
+    def _stage_positions(self, step: Step, k: np.ndarray, prefill: list[int]) -> np.ndarray:
+        """Positions, KV slots, query starts, context lengths, block tables; returns query starts."""
+        lanes, lane, ps, hn, n = self.lanes, step.lane, self.config.page_size, step.slot.np, len(step.rows)
         context = lanes.prompt_len[lane] + k  # a prefill's context is its prompt (k = 0)
-        prefill = [row for row, kk in enumerate(ks) if kk == 0]
         if prefill:
             query_len = np.where(k > 0, 1, context)
             starts = np.zeros(n + 1, dtype=np.int64)
@@ -328,7 +334,15 @@ class Engine:
         hn.query_start[: n + 1], hn.context_lens[:n], hn.counters[:n] = starts, context, k
         width = int(lanes.num_pages[lane].max())
         hn.block_tables[:n, :width] = lanes.block_table[lane, :width]
-        decode_rows = np.flatnonzero(k) if prefill else self._arange[:n]
+        step.num_tokens, step.table_width = t, width
+        step.max_query_len = int(query_len.max()) if prefill else 1
+        step.max_context_len = int(context.max())
+        return starts
+
+    def _stage_sources(self, step: Step, starts: np.ndarray, prefill: list[int]) -> None:
+        """Where input ids come from: decode rows' previous samples (gathered on the device), prompts."""
+        lanes, lane, hn, rows, n = self.lanes, step.lane, step.slot.np, step.rows, len(step.rows)
+        decode_rows = np.setdiff1d(self._arange[:n], prefill) if prefill else self._arange[:n]
         decode_lanes = lane[decode_rows]
         if not (lanes.last_step[decode_lanes] == step.number - 1).all():
             raise AssertionError("a running sequence skipped a step")
@@ -337,17 +351,12 @@ class Engine:
         lanes.last_step[lane], lanes.last_row[lane] = step.number, self._arange[:n]
         extras: list[Any] = []
         for row in prefill:  # their prompt tokens go up as they are
-            seq = rows[row]
-            hn.input_ids[starts[row] : starts[row + 1]] = seq.request.prompt_ids
-            if seq.request.extras is not None:
+            request = rows[row].request
+            hn.input_ids[starts[row] : starts[row + 1]] = request.prompt_ids
+            if request.extras is not None:
                 extras = extras or [None] * n
-                extras[row] = seq.request.extras
-        self._stats.prefill_rows += n - d
-        self._stats.decode_rows += d
-        step.lane, step.num_tokens, step.num_decode, step.table_width = lane, t, d, width
-        step.max_query_len = int(query_len.max()) if prefill else 1
-        step.max_context_len = int(context.max())
-        step.extras = extras
+                extras[row] = request.extras
+        step.num_decode, step.extras = d, extras
 
     @torch.inference_mode()
     def _forward(self, step: Step, prev: DecodeSlot) -> None:
