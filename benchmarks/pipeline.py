@@ -13,7 +13,8 @@ mode and reports:
 The workload uses a 512-token byte-level BPE tokenizer trained here (text is detokenized and stop
 checks run, as in real use). Numbers depend on the machine and on its load; the JSON keeps them all,
 with the load average at the start and the end. Each run is warmed up with requests of its own kind
-(constrained or not), so one-time costs (a compiled mask kernel: ~4 s) are not timed.
+(constrained or not), so one-time costs (llguidance's lazily built lexer, a mask kernel compiled on
+first use, which cost ~4 s while the sampler had one) are not timed.
 
 Reading the numbers on a CPU machine:
   - B is scheduler-thread time per step in blocking mode (the engine's phase timers). It includes
@@ -101,8 +102,8 @@ def run(
 
 
 def warm_up(engine: Engine, automaton, streams: int) -> None:
-    """A short run of the same kind of requests (constrained or not) before timing: one-time costs
-    (the sampler's compiled mask kernel, ~4 s here; llguidance's lazily built lexer) stay out."""
+    """A short run of the same kind of requests (constrained or not) before timing, so that
+    one-time costs of that path stay out of the measurement."""
     matcher = (lambda: automaton.matcher()) if automaton is not None else (lambda: None)
     engine.generate(
         [Request([1, 2, 3], SamplingParams(max_tokens=4, ignore_eos=True), matcher()) for _ in range(streams)]
