@@ -1,6 +1,6 @@
 """Pipelined vs blocking decode throughput of foveal.engine, with the gain the pipeline should reach.
 
-    python -m benchmarks.pipeline [--out benchmarks/results/pipeline.json] [--quick]
+    python -m benchmarks.pipeline [--out out/benchmarks/pipeline.json] [--quick] [--cpus 0]
 
 For each forward time F (the fake runner sleeps ~1 ms or ~5 ms, standing in for accelerator time),
 each number of concurrent streams (1, 8, 32, 64) and unconstrained / constrained (a real
@@ -222,7 +222,15 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=128, help="tokens decoded per stream")
     parser.add_argument("--repeat", type=int, default=5, help="runs per mode; the median is reported")
     parser.add_argument("--quick", action="store_true", help="one forward time, 8 streams (smoke run)")
+    parser.add_argument(
+        "--cpus",
+        type=lambda text: {int(c) for c in text.split(",")},
+        help="pin to these CPUs, e.g. 0: scheduler, device stand-in and mask threads share one core "
+        "(the host-time headroom test; more repeatable than whatever load others put on the machine)",
+    )
     args = parser.parse_args()
+    if args.cpus:
+        os.sched_setaffinity(0, args.cpus)
     torch.set_num_threads(1)  # the engine's device thread and the scheduler share a small CPU
     load_start = os.getloadavg()[0]
     tokenizer = make_tokenizer()
@@ -280,6 +288,7 @@ def main() -> None:
         "cpus": os.cpu_count(),
         "torch_threads": torch.get_num_threads(),
         "load_avg_1m": {"start": load_start, "end": os.getloadavg()[0]},  # others' work on the machine
+        "pinned_cpus": sorted(args.cpus) if args.cpus else None,
         "tokens_per_stream": args.tokens,
         "repeat": args.repeat,
     }
