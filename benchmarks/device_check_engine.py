@@ -29,7 +29,7 @@ import torch
 from foveal import grammars
 from foveal.engine import Engine, EngineConfig, FakeRunner, Request, SamplingParams
 
-from .pipeline import EOS, PATTERN, VOCAB, make_tokenizer
+from .pipeline import EOS, PATTERN, VOCAB, make_tokenizer, save_tiny_llama
 
 RESULTS: dict = {"checks": {}, "perf": []}
 
@@ -122,28 +122,13 @@ def check_llama(device: str) -> None:
     from foveal.engine import models
 
     tokenizer = make_tokenizer()
-    hf_tok = tf.PreTrainedTokenizerFast(tokenizer_object=tokenizer, eos_token="<eos>", pad_token="<eos>")
-    torch.manual_seed(0)
-    cfg = tf.LlamaConfig(
-        vocab_size=VOCAB,
-        hidden_size=256,
-        intermediate_size=512,
-        num_hidden_layers=4,
-        num_attention_heads=8,
-        num_key_value_heads=2,
-        max_position_embeddings=512,
-        eos_token_id=EOS,
-        pad_token_id=EOS,
-        bos_token_id=None,
-        architectures=["LlamaForCausalLM"],
-    )
     with tempfile.TemporaryDirectory() as folder:
-        tf.LlamaForCausalLM(cfg).save_pretrained(folder)
-        hf_tok.save_pretrained(folder)
+        save_tiny_llama(tokenizer, folder)
         loaded = models.load(folder, device=device, dtype=torch.float32)
         reference = tf.LlamaForCausalLM.from_pretrained(folder).to(device).eval()
     prompts = [
-        hf_tok.encode(p, add_special_tokens=False) for p in ["the quick brown", "a red circle left of", "a"]
+        tokenizer.encode(p, add_special_tokens=False).ids
+        for p in ["the quick brown", "a red circle left of", "a"]
     ]
     expected = []
     for ids in prompts:

@@ -112,11 +112,9 @@ def warm_up(engine: Engine, automaton, streams: int) -> None:
     engine.reset_stats()
 
 
-def tiny_llama(tokenizer, folder: str):
-    """A random Llama (4 layers, width 256) built from a config, through foveal.engine.models.load."""
+def save_tiny_llama(tokenizer, folder: str) -> None:
+    """Write a random Llama (4 layers, width 256, seed 0) built from a config, with `tokenizer`, to `folder`."""
     import transformers as tf
-
-    from foveal.engine import models
 
     hf_tok = tf.PreTrainedTokenizerFast(tokenizer_object=tokenizer, eos_token="<eos>", pad_token="<eos>")
     torch.manual_seed(0)
@@ -135,6 +133,13 @@ def tiny_llama(tokenizer, folder: str):
     )
     tf.LlamaForCausalLM(config).save_pretrained(folder)
     hf_tok.save_pretrained(folder)
+
+
+def tiny_llama(tokenizer, folder: str):
+    """The random Llama of `save_tiny_llama`, loaded through foveal.engine.models."""
+    from foveal.engine import models
+
+    save_tiny_llama(tokenizer, folder)
     return models.load(folder, device="cpu")
 
 
