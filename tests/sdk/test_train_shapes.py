@@ -192,10 +192,15 @@ def test_detect_and_point_targets_are_accepted_by_the_spatial_grammar():
                 assert matcher.is_terminated(), text
 
 
-def test_patch_targets_label_every_object_with_its_colour_shape_and_box():
+def test_patch_targets_label_every_object_with_its_colour_shape_box_and_one_centre():
     for seed in range(50):
         scene = scenes.generate_scene(seed, 96)
-        colour, shape, box = ts.patch_targets(scene, 8)
+        colour, shape, box, centre = ts.patch_targets(scene, 8)
+        cells = {
+            min(int(o.centre(96, 96)[1] * 8), 7) * 8 + min(int(o.centre(96, 96)[0] * 8), 7)
+            for o in scene.objects
+        }
+        assert centre.sum() == len(cells)  # one flag per object (two small neighbours may share a cell)
         assert set(colour.tolist()) <= {0} | {1 + list(scenes.COLOURS).index(o.colour) for o in scene.objects}
         for o in scene.objects:
             cx, cy = o.centre(96, 96)
@@ -203,6 +208,7 @@ def test_patch_targets_label_every_object_with_its_colour_shape_and_box():
             assert colour[k] == 1 + list(scenes.COLOURS).index(o.colour)
             assert shape[k] == 1 + scenes.SHAPES.index(o.shape)
             assert torch.allclose(box[k], torch.tensor(o.box(96, 96)))
+            assert centre[k] == 1.0
         assert ((colour == 0) == (shape == 0)).all() and (box[colour == 0] == 0).all()
 
 
