@@ -332,7 +332,9 @@ class Engine:
         pages = lanes.block_table[token_lane, positions // ps]
         hn.positions[:t], hn.slot_mapping[:t] = positions, pages * ps + positions % ps
         hn.query_start[: n + 1], hn.context_lens[:n], hn.counters[:n] = starts, context, k
-        width = int(lanes.num_pages[lane].max())
+        # Pages that hold this step's context, not every page reserved at admission: attention
+        # gathers (and traced decode pads) the table's width, so reserved-but-empty pages cost.
+        width = pages_needed(int(context.max()), ps)
         hn.block_tables[:n, :width] = lanes.block_table[lane, :width]
         step.num_tokens, step.table_width = t, width
         step.max_query_len = int(query_len.max()) if prefill else 1

@@ -8,8 +8,8 @@ PROBLEM
 
 SOLUTION
     The CPU twin of CUDA-graph replay: the eager decode forward is traced with `torch.jit.trace`
-    once per bucket (num_seqs padded up to a power of two, block-table width padded up to a
-    power of two pages) and replayed; the TorchScript interpreter runs the whole step without the
+    once per bucket (num_seqs and block-table width, in pages, each padded up to the next 2^k or
+    3 * 2^k: `bucket`) and replayed; the TorchScript interpreter runs the whole step without the
     GIL. Shapes are the only thing a trace fixes, so a batch is padded into its bucket: padding
     rows decode token 0 at position 0 into the runner's scratch page (never one of the engine's),
     and their logits are dropped. Prefill (variable query lengths, images) stays eager.
@@ -33,7 +33,10 @@ from foveal.engine.runner import ForwardBatch
 
 
 def bucket(n: int) -> int:
-    return 1 << max(0, n - 1).bit_length()
+    """The smallest 2^k or 3 * 2^k that holds n: 1, 2, 3, 4, 6, 8, 12, 16, 24, 32, ... A bucket
+    is less than 1.5 n (powers of two alone: up to 2 n), for twice the traces."""
+    power = 1 << max(0, n - 1).bit_length()
+    return power * 3 // 4 if power >= 4 and n <= power * 3 // 4 else power
 
 
 class _Step(torch.nn.Module):

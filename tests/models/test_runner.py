@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from foveal.engine.models import load, parity, tiny
+from foveal.engine.models.traced import bucket
 
 
 def test_forward_before_allocate_kv_raises(checkpoints):
@@ -75,7 +76,7 @@ def test_images_are_encoded_once_in_prefill_and_never_in_decode(family, checkpoi
 @pytest.mark.parametrize("family", ["llama", "idefics3"])
 def test_traced_decode_replays_match_eager_decode(family, checkpoints):
     loaded = load(checkpoints[family], device="cpu")
-    prompts = tiny.family_prompts(loaded)[:3]  # 3 sequences: padded into the 4-row bucket
+    prompts = tiny.family_prompts(loaded)[:5]  # 5 sequences: padded into the 6-row bucket
     traced = parity.greedy(loaded.runner, prompts, 6)
     assert loaded.runner.decode_graphs.graphs, "decode launches did not go through a traced graph"
     loaded.runner.decode_graphs = None
@@ -85,14 +86,20 @@ def test_traced_decode_replays_match_eager_decode(family, checkpoints):
         assert all(torch.allclose(x, y, atol=1e-5) for x, y in zip(a, b, strict=True))
 
 
+def test_bucket_is_the_next_power_of_two_or_three_times_one():
+    assert [bucket(n) for n in range(1, 18)] == [1, 2, 3, 4, 6, 6, 8, 8, 12, 12, 12, 12, 16, 16, 16, 16, 24]
+    assert all(n <= bucket(n) < 1.5 * n or bucket(n) == n for n in range(1, 2000))
+
+
 def test_traced_padding_rows_write_only_the_scratch_page(checkpoints):
     runner = load(checkpoints["llama"], device="cpu").runner
     runner.allocate_kv(16, 4)
     for t in runner.kv.k:
         t.fill_(7.0)
-    batch = parity.make_batch([([5], 2, [3], None), ([6], 5, [8, 1], None), ([9], 0, [12], None)], 4, "cpu")
-    runner.forward(batch)  # 3 rows -> bucket of 4: one padding row
-    assert set(runner.decode_graphs.graphs) == {(4, 2)}
+    items = [([5], 2, [3], None), ([6], 5, [8, 1], None), ([9], 0, [12], None), ([4], 1, [13], None)]
+    batch = parity.make_batch(items + [([2], 6, [14, 15], None)], 4, "cpu")
+    runner.forward(batch)  # 5 rows -> bucket of 6: one padding row
+    assert set(runner.decode_graphs.graphs) == {(6, 2)}
     changed = (runner.kv.k[0] != 7.0).any(dim=(1, 2)).nonzero().flatten().tolist()
     scratch = list(range(16 * 4, 17 * 4))
     assert set(changed) - set(scratch) == set(batch.slot_mapping.tolist())
