@@ -124,8 +124,12 @@ def paged_attention_forward(
     k_cache.index_copy_(0, ctx.slot_mapping, key[0].transpose(0, 1).to(k_cache.dtype))
     v_cache.index_copy_(0, ctx.slot_mapping, value[0].transpose(0, 1).to(v_cache.dtype))
 
-    keys = k_cache[ctx.gather_slots].transpose(1, 2)  # [B, Hkv, L, D]
-    values = v_cache[ctx.gather_slots].transpose(1, 2)
+    # index_select over the flat slots, not k_cache[gather_slots]: same rows, ~5x faster on CPU
+    # (advanced indexing takes a generic path; 32 x 128 keys: 49 vs 243 us per tensor).
+    gathered = (ctx.num_seqs, ctx.gather_slots.shape[1], *k_cache.shape[1:])
+    slots = ctx.gather_slots.flatten()
+    keys = k_cache.index_select(0, slots).view(gathered).transpose(1, 2)  # [B, Hkv, L, D]
+    values = v_cache.index_select(0, slots).view(gathered).transpose(1, 2)
     heads, dim = query.shape[1], query.shape[3]
     padded = query.new_zeros(ctx.num_seqs, ctx.max_query_len, heads, dim)
     padded[ctx.query_seq, ctx.query_row] = query[0].transpose(0, 1)
