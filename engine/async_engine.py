@@ -23,7 +23,7 @@ class AsyncEngine:
     async def generate(self, request: Request) -> RequestOutput:
         handle = self.engine.submit(request)
         try:
-            async for _ in self._deltas(handle):
+            async for _ in self.deltas(handle):
                 pass
         except asyncio.CancelledError:
             handle.cancel()
@@ -34,13 +34,14 @@ class AsyncEngine:
         """Text deltas of a new request; closing the iterator early cancels the request."""
         handle = self.engine.submit(request)
         try:
-            async for delta in self._deltas(handle):
+            async for delta in self.deltas(handle):
                 yield delta
         finally:
             handle.cancel()
 
     @staticmethod
-    async def _deltas(handle: RequestHandle) -> AsyncIterator[str]:
+    async def deltas(handle: RequestHandle) -> AsyncIterator[str]:
+        """Text deltas of a submitted request until it finishes (then `handle.result()` is ready)."""
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue[str | None] = asyncio.Queue()
         for delta in handle._subscribe(lambda d: loop.call_soon_threadsafe(queue.put_nowait, d)):

@@ -471,21 +471,26 @@ class Model:
             calls = [self._adispatch(task, settings, explicit, one, False) for one in image]
             return list(await asyncio.gather(*calls, return_exceptions=True))
         job = await asyncio.to_thread(self._prepare, task, image, settings, explicit)
-        engine = AsyncEngine(self.engine)
         if stream:
-            return _make(task.skill, "", _astream(engine, job.request), job.image)
-        return self._result(job, await engine.generate(job.request))
+            return _make(task.skill, "", self._astream(job), job.image)
+        return self._result(job, await AsyncEngine(self.engine).generate(job.request))
+
+    async def _astream(self, job: Job) -> AsyncIterator[str]:
+        """The async twin of `_stream`: an engine error, a cancellation or a cut constrained answer
+        raises at the end of the stream, as it does for the sync stream and the whole result."""
+        handle = self.engine.submit(job.request)
+        try:
+            async for delta in AsyncEngine.deltas(handle):
+                yield delta
+            self._check(job, handle.result())
+        finally:
+            handle.cancel()  # the caller stopped early: free the sequence (no-op when finished)
 
 
 def _settings(settings: Mapping | Settings | None, skill: str) -> tuple[Settings, bool]:
     """Validated settings, and whether the caller chose max_tokens (defaults shrink to fit the context)."""
     explicit = isinstance(settings, Settings) or (isinstance(settings, Mapping) and "max_tokens" in settings)
     return validate_settings(settings, skill), explicit
-
-
-async def _astream(engine: AsyncEngine, request: Request) -> AsyncIterator[str]:
-    async for delta in engine.stream(request):
-        yield delta
 
 
 def _make(skill: str, text: str, value: Any, image: Image.Image | None) -> Result:

@@ -3,6 +3,7 @@ every bad input (refused before any request is submitted, the engine serving the
 
 from __future__ import annotations
 
+import asyncio
 import io
 import json
 import re
@@ -366,6 +367,25 @@ def test_an_answer_cut_by_max_tokens_raises_instead_of_a_partial_value(shapes_mo
         shapes_model.generate(image, "spell", foveal.Regex("[a-z]{40}"), {"max_tokens": 3})
     assert re.fullmatch("[a-z]+", info.value.text)
     assert shapes_model.detect(image, "red circle", FEW)["objects"] is not None
+
+
+def test_closing_the_model_mid_stream_raises_generation_error_sync_and_async(shapes_folder, image):
+    long = {"max_tokens": 200, "temperature": 0.0}
+    model = foveal.load(shapes_folder, device="cpu", max_batch_size=2, max_model_len=256)
+    stream = model.caption(image, stream=True, settings=long)["caption"]
+    next(stream)
+    model.close()
+    with pytest.raises(foveal.GenerationError, match="cancelled"):
+        list(stream)
+
+    async def consume():
+        model = foveal.load(shapes_folder, device="cpu", max_batch_size=2, max_model_len=256)
+        result = await model.acaption(image, stream=True, settings=long)
+        async for _ in result["caption"]:
+            model.close()
+
+    with pytest.raises(foveal.GenerationError, match="cancelled"):
+        asyncio.run(consume())
 
 
 def test_a_closed_model_refuses_calls(shapes_folder, image):
