@@ -4,7 +4,7 @@
     foveal point IMAGE OBJECT [--out annotated.png] [--json]
     foveal caption IMAGE [--length short|normal|long] [--json]
     foveal query IMAGE QUESTION [--json]
-    foveal demo [--seed N] [--out foveal-demo.png]
+    foveal demo [IMAGE] [--object PHRASE] [--seed N] [--out foveal-demo.png]
 
 Every command takes `--model PATH` (default: the embedded model) and `--device`. Without `--json`
 the answer is printed for people (captions and answers stream as they are generated); with it, the
@@ -45,7 +45,11 @@ def build_parser() -> argparse.ArgumentParser:
     sub.add_argument("image", metavar="IMAGE", help="image file")
     sub.add_argument("question", metavar="QUESTION")
 
-    sub = _command(commands, "demo", "detect, point and caption on a generated shapes scene")
+    sub = _command(commands, "demo", "detect, point and caption on a generated shapes scene (or IMAGE)")
+    sub.add_argument("image", metavar="IMAGE", nargs="?", default=None, help="image file (default: a scene)")
+    sub.add_argument(
+        "--object", default=None, help="what to find (default: the scene's first object; 'shape' for IMAGE)"
+    )
     sub.add_argument("--seed", type=int, default=0, help="scene seed")
     sub.add_argument("--size", type=int, default=160, help="scene width and height in pixels")
     sub.add_argument(
@@ -136,31 +140,28 @@ def run_text(model: foveal.Model, args: argparse.Namespace) -> int:
 
 
 def run_demo(model: foveal.Model, args: argparse.Namespace) -> int:
-    from foveal.vision import draw, scenes
+    from foveal.vision import draw, load_image, scenes
 
-    scene = scenes.generate_scene(args.seed, args.size)
-    image = scenes.render(scene)
-    phrase = scene.objects[0].phrase()
+    if args.image is None:
+        scene = scenes.generate_scene(args.seed, args.size)
+        image = scenes.render(scene)
+        phrase = args.object or scene.objects[0].phrase()
+    else:
+        scene, image, phrase = None, load_image(args.image), args.object or "shape"
     few = {**_settings(args), "max_objects": scenes.MAX_OBJECTS}  # the shapes world never has more
     detected = model.detect(image, phrase, few)
     pointed = model.point(image, phrase, few)
     caption = model.caption(image, settings=_settings(args))
     draw(image, {"objects": detected["objects"], "points": pointed["points"]}).save(args.out)
-    report = {
-        "scene": {"seed": args.seed, "size": [scene.width, scene.height], "object": phrase},
-        "detect": detected,
-        "point": pointed,
-        "caption": caption["caption"],
-        "truth": {
-            "objects": [
-                _box(b)
-                for b in (o.box(scene.width, scene.height) for o in scenes.objects_matching(scene, phrase))
-            ],
-            "caption": scenes.caption(scene),
-        },
-        "annotated": args.out,
-    }
-    _print_json(report)
+    if scene is None:
+        source = {"image": args.image, "size": list(image.size), "object": phrase}
+    else:
+        source = {"scene": {"seed": args.seed, "size": [scene.width, scene.height], "object": phrase}}
+    report = {**source, "detect": detected, "point": pointed, "caption": caption["caption"]}
+    if scene is not None:
+        truth = [o.box(scene.width, scene.height) for o in scenes.objects_matching(scene, phrase)]
+        report["truth"] = {"objects": [_box(b) for b in truth], "caption": scenes.caption(scene)}
+    _print_json({**report, "annotated": args.out})
     return 0
 
 

@@ -144,9 +144,9 @@ def _model_source(path: str | Path | None) -> str:
         return str(path)
     if not (EMBEDDED / "model.safetensors").is_file():
         raise engine_models.ModelLoadError(
-            f"the embedded model's weights are not shipped yet ({EMBEDDED} has no model.safetensors). "
-            "Train and export them with `python -m foveal.train_shapes --run runs/shapes --export "
-            f"{EMBEDDED}`, or load a checkpoint folder: foveal.load('/path/to/hf_folder')"
+            f"the embedded model's weights are missing ({EMBEDDED} has no model.safetensors): reinstall "
+            "foveal, or train and export them with `python -m foveal.train_shapes --run runs/shapes "
+            f"--export {EMBEDDED}`, or load a checkpoint folder: foveal.load('/path/to/hf_folder')"
         )
     return str(EMBEDDED)
 

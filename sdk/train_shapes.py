@@ -3,8 +3,8 @@
 `python -m foveal.train_shapes --run runs/shapes --steps 20000` trains (or resumes from the run
 folder's last.pt) and `--export sdk/embedded` writes the Hugging Face folder that ships in the
 package. `--config '{"init_from": "runs/a/last.pt"}'` starts a new run from another run's weights
-(a checkpoint, or an exported folder such as checkpoints/shapes/, kept in git so that a later
-session can continue a run this machine did not finish; see checkpoints/shapes/README.md).
+(a checkpoint, or an exported folder such as sdk/embedded/, which is how a later session continues
+the shipped model; the README lists the stages that made it).
 
 PROBLEM: a model that really answers detect / point / caption / query on the shapes world has to
 be trained on this project's own CPU budget (a few CPU-hours), reproducibly, and interrupted runs
@@ -400,7 +400,7 @@ def lr_at(step: int, cfg: TrainConfig) -> float:
 def warm_start_weights(source: str | Path) -> dict[str, torch.Tensor]:
     """Model weights to start a run from: a run's checkpoint (`.pt`) or an exported folder.
 
-    Exported folders (such as checkpoints/shapes/ in git, which a later session resumes from) hold
+    Exported folders (such as sdk/embedded/, which a later session warm-starts from) hold
     the model in bf16, in the checkpoint layout of `save_pretrained`, without the auxiliary head;
     transformers reads them back (key renames, tied head) and they are cast to fp32 for training.
     """

@@ -1,7 +1,6 @@
 """The notebooks in notebooks/ run top to bottom (nbclient) and are stored without outputs.
 
-They run on an untrained tiny shapes model exported once here with foveal.train_shapes (the
-notebooks' own fallback while the embedded weights are not shipped), passed as FOVEAL_MODEL.
+They run on the embedded model, as a reader's `foveal.load()` does (FOVEAL_MODEL unset).
 """
 
 from __future__ import annotations
@@ -20,18 +19,6 @@ NAMES = ["01_quickstart", "02_structured_output", "03_engine"]
 RUNS = NAMES
 
 
-@pytest.fixture(scope="module")
-def tiny_model(tmp_path_factory) -> Path:
-    import torch
-
-    from foveal import train_shapes
-
-    cfg = train_shapes.TrainConfig(
-        image_size=32, patch_size=8, vision_width=64, vision_layers=1, text_width=64, text_layers=1
-    )
-    return train_shapes.Trainer(cfg).export(tmp_path_factory.mktemp("nb_model"), dtype=torch.float32)
-
-
 @pytest.mark.parametrize("name", NAMES)
 def test_notebook_is_stored_without_outputs(name):
     notebook = json.loads((NOTEBOOKS / f"{name}.ipynb").read_text())
@@ -43,8 +30,8 @@ def test_notebook_is_stored_without_outputs(name):
 
 
 @pytest.mark.parametrize("name", RUNS)
-def test_notebook_runs(name, tiny_model, tmp_path, monkeypatch):
-    monkeypatch.setenv("FOVEAL_MODEL", str(tiny_model))
+def test_notebook_runs(name, tmp_path, monkeypatch):
+    monkeypatch.delenv("FOVEAL_MODEL", raising=False)
     notebook = nbformat.read(NOTEBOOKS / f"{name}.ipynb", as_version=4)
     NotebookClient(
         notebook, timeout=300, kernel_name="python3", resources={"metadata": {"path": str(tmp_path)}}

@@ -10,7 +10,6 @@ import pytest
 from PIL import Image
 
 from foveal import cli
-from foveal.model import EMBEDDED
 
 
 @pytest.fixture(scope="module")
@@ -80,6 +79,27 @@ def test_demo_renders_a_scene_and_reports_json(capsys, shapes_folder, tmp_path):
     assert all(0 <= b["x_min"] < b["x_max"] <= 1 for b in report["detect"]["objects"])
 
 
+def test_demo_on_an_image_file_reports_json_without_truth(capsys, shapes_folder, picture, tmp_path):
+    out_png = tmp_path / "demo.png"
+    status, out, _ = run(
+        capsys,
+        "demo",
+        picture,
+        "--object",
+        "circle",
+        "--model",
+        shapes_folder,
+        "--out",
+        out_png,
+        "--max-tokens",
+        40,
+    )
+    assert status == 0
+    report = json.loads(out)
+    assert report["image"] == str(picture) and report["object"] == "circle" and "truth" not in report
+    assert Image.open(out_png).size == Image.open(picture).size
+
+
 @pytest.mark.parametrize(
     "argv, message",
     [
@@ -95,8 +115,10 @@ def test_bad_input_exits_2_with_a_message(capsys, shapes_folder, picture, tmp_pa
     assert err.startswith("foveal: error:") and message in err
 
 
-@pytest.mark.skipif((EMBEDDED / "model.safetensors").is_file(), reason="the embedded model is shipped")
-def test_without_the_embedded_model_the_error_says_how_to_train_it(capsys, picture):
+def test_without_the_embedded_model_the_error_says_how_to_train_it(capsys, picture, monkeypatch, tmp_path):
+    import foveal.model as model_module
+
+    monkeypatch.setattr(model_module, "EMBEDDED", tmp_path)
     status, _, err = run(capsys, "caption", picture)
     assert status == 2 and "train_shapes" in err
 

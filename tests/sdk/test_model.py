@@ -18,7 +18,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 import foveal
 from foveal.grammars import spatial
-from foveal.model import EMBEDDED, EncodedImage
+from foveal.model import EncodedImage
 from foveal.results import CaptionResult, DetectResult, GenerateResult, PointResult, QueryResult
 from foveal.skills import ChatSkills, PaliGemmaSkills, ShapesSkills
 from foveal.vision import ImageError, image_key, load_image
@@ -72,9 +72,11 @@ def test_skills_follow_the_family(shapes_model, paligemma_model, llama_model):
     assert "paligemma" in repr(paligemma_model)
 
 
-@pytest.mark.skipif((EMBEDDED / "model.safetensors").is_file(), reason="the embedded model is shipped")
-def test_load_without_path_says_the_embedded_weights_are_not_shipped():
-    with pytest.raises(foveal.ModelLoadError, match="not shipped yet.*train_shapes"):
+def test_load_without_path_when_the_embedded_weights_are_missing_says_what_to_do(monkeypatch, tmp_path):
+    import foveal.model as model_module
+
+    monkeypatch.setattr(model_module, "EMBEDDED", tmp_path)  # a broken install: an empty folder
+    with pytest.raises(foveal.ModelLoadError, match="missing.*reinstall.*train_shapes"):
         foveal.load()
 
 

@@ -87,6 +87,9 @@ def test_wheel_holds_only_the_foveal_package(tmp_path):
     assert top == {"foveal", f"foveal-{foveal.__version__}.dist-info"}
     for sub in ("engine", "grammars", "vision"):
         assert f"foveal/{sub}/__init__.py" in names
+    shipped = sorted(p.name for p in (Path(foveal.__file__).parent / "embedded").iterdir())
+    assert "model.safetensors" in shipped  # the embedded model's weights travel in the wheel
+    assert sorted(n.split("/")[-1] for n in names if n.startswith("foveal/embedded/")) == shipped
 
 
 def test_cli_version_and_help():
