@@ -417,7 +417,9 @@ class Trainer:
     """Owns tokenizer, model, auxiliary head and optimizer; `train_step()` advances one step,
     `save_checkpoint` / `load_checkpoint` make that resumable."""
 
-    def __init__(self, cfg: TrainConfig, run_dir: str | Path | None = None):
+    def __init__(self, cfg: TrainConfig, run_dir: str | Path | None = None, warm_start: bool = True):
+        """`warm_start=False`: ignore cfg.init_from (a resume loads a checkpoint that already holds
+        the weights, so the warm-start source need not exist any more)."""
         self.cfg = cfg
         self.fmt = ShapesFormat(n_bins=cfg.n_bins)
         self.tok = _run_tokenizer(Path(run_dir), self.fmt) if run_dir else build_tokenizer(self.fmt)
@@ -427,7 +429,7 @@ class Trainer:
         )
         self.n_image_tokens = (cfg.image_size // cfg.patch_size) ** 2
         self.loc_ids = torch.tensor(self.tok.convert_tokens_to_ids(self.fmt.loc_tokens()))
-        if cfg.init_from:
+        if cfg.init_from and warm_start:
             self.model.load_state_dict(warm_start_weights(cfg.init_from))
         torch.manual_seed(cfg.seed + 1)
         self.aux_head = torch.nn.Linear(cfg.text_width, len(scenes.COLOURS) + len(scenes.SHAPES) + 2 + 1 + 4)
@@ -529,8 +531,8 @@ def train(args: argparse.Namespace) -> Trainer:
     run.mkdir(parents=True, exist_ok=True)
     ckpt = run / "last.pt"
     cfg = _config_for(run, args)
-    trainer = Trainer(cfg, run)
     start = run / args.checkpoint
+    trainer = Trainer(cfg, run, warm_start=not start.is_file())
     if start.is_file():
         trainer.load_checkpoint(start)
         print(f"resumed {start} at step {trainer.step}", flush=True)

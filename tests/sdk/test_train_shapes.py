@@ -86,6 +86,16 @@ def test_cli_trains_resumes_and_exports(tmp_path):
     } <= names
 
 
+def test_a_warm_started_run_resumes_after_its_source_is_gone(tmp_path):
+    source = ts.Trainer(ts.TrainConfig(**TINY)).export(tmp_path / "source")
+    run, warm = tmp_path / "run", {**TINY, "init_from": str(source)}
+    ts.main(["--run", str(run), "--steps", "1", "--config", json.dumps(warm)])
+    for p in source.iterdir():
+        p.unlink()  # e.g. an exported folder replaced since; the run's checkpoint holds the weights
+    ts.main(["--run", str(run), "--steps", "2", "--log-every", "1"])
+    assert json.loads((run / "log.jsonl").read_text().splitlines()[-1])["step"] == 2
+
+
 def test_training_ids_equal_the_processor_ids(tiny_cfg, tmp_path):
     from transformers import PaliGemmaProcessor
 
@@ -215,7 +225,7 @@ def test_patch_targets_label_every_object_with_its_colour_shape_box_and_one_cent
 def test_warm_start_from_an_exported_folder_gives_the_exported_weights(tiny_cfg, tmp_path):
     trained = ts.Trainer(tiny_cfg)
     trained.train_step()
-    trained.export(tmp_path / "hf")  # bf16, no auxiliary head: what checkpoints/ in git holds
+    trained.export(tmp_path / "hf")  # bf16, no auxiliary head: what sdk/embedded holds
     warm = ts.Trainer(ts.TrainConfig(**{**TINY, "init_from": str(tmp_path / "hf")}))
     expected = {k: v.to(torch.bfloat16).float() for k, v in trained.model.state_dict().items()}
     for name, value in warm.model.state_dict().items():
