@@ -112,7 +112,7 @@ def embedded_folder(tmp: str) -> tuple[Path, str]:
     folder = train_shapes.Trainer(train_shapes.TrainConfig()).export(
         Path(tmp) / "embedded", dtype=torch.float32
     )
-    return folder, "embedded architecture, untrained (weights not shipped yet)"
+    return folder, "embedded architecture, untrained (no weights in sdk/embedded)"
 
 
 def pipelining(
