@@ -9,7 +9,7 @@ parity test.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -47,6 +47,16 @@ class Family:
         }
 
 
+IDEFICS3 = Family(
+    "idefics3",
+    ("Idefics3ForConditionalGeneration",),
+    processor_class="Idefics3Processor",
+    image_token="<image>",
+    image_keys=("pixel_values", "pixel_attention_mask"),
+    image_cat_dim=1,
+    features_as_list=True,
+)
+
 FAMILIES: tuple[Family, ...] = (
     Family("llama", ("LlamaForCausalLM",)),
     Family("gemma", ("GemmaForCausalLM",)),
@@ -59,26 +69,10 @@ FAMILIES: tuple[Family, ...] = (
         prefix_attention=True,
         image_keys=("pixel_values",),
     ),
-    Family(
-        "idefics3",
-        ("Idefics3ForConditionalGeneration",),
-        processor_class="Idefics3Processor",
-        image_token="<image>",
-        image_keys=("pixel_values", "pixel_attention_mask"),
-        image_cat_dim=1,
-        features_as_list=True,
-    ),
+    IDEFICS3,
     # SmolVLM is Idefics3's architecture; its own SmolVLMProcessor cannot be built without torchvision
     # (video), and for images it expands prompts as Idefics3Processor does, which we use instead.
-    Family(
-        "smolvlm",
-        ("SmolVLMForConditionalGeneration",),
-        processor_class="Idefics3Processor",
-        image_token="<image>",
-        image_keys=("pixel_values", "pixel_attention_mask"),
-        image_cat_dim=1,
-        features_as_list=True,
-    ),
+    replace(IDEFICS3, name="smolvlm", architectures=("SmolVLMForConditionalGeneration",)),
     Family(
         "llava",
         ("LlavaForConditionalGeneration",),

@@ -146,43 +146,46 @@ def build_paligemma(folder: Path) -> Path:
 
 
 def build_idefics3(folder: Path) -> Path:
-    tok = train_tokenizer()
-    image_processor = Idefics3ImageProcessorPil(
-        size={"longest_edge": 56}, max_image_size={"longest_edge": 28}, do_image_splitting=True
+    return _build_idefics3_like(
+        folder,
+        Idefics3ImageProcessorPil,
+        tf.Idefics3Config,
+        tf.Idefics3VisionConfig,
+        tf.Idefics3ForConditionalGeneration,
     )
-    processor = tf.Idefics3Processor(image_processor=image_processor, tokenizer=tok, image_seq_len=1)
-    torch.manual_seed(0)
-    config = tf.Idefics3Config(
-        vision_config=tf.Idefics3VisionConfig(**VISION).to_dict(),
-        text_config=tf.LlamaConfig(vocab_size=len(tok), **TEXT).to_dict(),
-        image_token_id=tok.convert_tokens_to_ids("<image>"),
-        scale_factor=2,  # pixel shuffle: 2x2 patches -> one token
-        architectures=["Idefics3ForConditionalGeneration"],
-        **_special_ids(tok),
-    )
-    return save(tf.Idefics3ForConditionalGeneration(config), folder, processor=processor)
 
 
 def build_smolvlm(folder: Path) -> Path:
     """SmolVLM's architecture and image processor; the folder names SmolVLMProcessor, as real ones do."""
+    _build_idefics3_like(
+        folder,
+        tf.SmolVLMImageProcessorPil,
+        tf.SmolVLMConfig,
+        tf.SmolVLMVisionConfig,
+        tf.SmolVLMForConditionalGeneration,
+    )
+    names = folder / "processor_config.json"
+    names.write_text(names.read_text().replace('"Idefics3Processor"', '"SmolVLMProcessor"'))
+    return folder
+
+
+def _build_idefics3_like(folder: Path, image_processor_cls, config_cls, vision_cls, model_cls) -> Path:
+    """Idefics3 and SmolVLM are one architecture under two sets of class names."""
     tok = train_tokenizer()
-    image_processor = tf.SmolVLMImageProcessorPil(
+    image_processor = image_processor_cls(
         size={"longest_edge": 56}, max_image_size={"longest_edge": 28}, do_image_splitting=True
     )
     processor = tf.Idefics3Processor(image_processor=image_processor, tokenizer=tok, image_seq_len=1)
     torch.manual_seed(0)
-    config = tf.SmolVLMConfig(
-        vision_config=tf.SmolVLMVisionConfig(**VISION).to_dict(),
+    config = config_cls(
+        vision_config=vision_cls(**VISION).to_dict(),
         text_config=tf.LlamaConfig(vocab_size=len(tok), **TEXT).to_dict(),
         image_token_id=tok.convert_tokens_to_ids("<image>"),
-        scale_factor=2,
-        architectures=["SmolVLMForConditionalGeneration"],
+        scale_factor=2,  # pixel shuffle: 2x2 patches -> one token
+        architectures=[model_cls.__name__],
         **_special_ids(tok),
     )
-    save(tf.SmolVLMForConditionalGeneration(config), folder, processor=processor)
-    names = folder / "processor_config.json"
-    names.write_text(names.read_text().replace('"Idefics3Processor"', '"SmolVLMProcessor"'))
-    return folder
+    return save(model_cls(config), folder, processor=processor)
 
 
 def build_llava(folder: Path) -> Path:
