@@ -19,13 +19,12 @@ Sized to finish in about 2 minutes on one GPU.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
-from pathlib import Path
 
 import torch
 
+from benchmarks import write_json
 from foveal import grammars
 from foveal.engine import Engine, EngineConfig, FakeRunner, Request, SamplingParams
 
@@ -205,9 +204,7 @@ def main() -> int:
     if not args.skip_perf:
         perf(device, tokenizer, automaton)
     RESULTS["seconds"] = time.perf_counter() - t0
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(RESULTS, indent=1))
+    out = write_json(args.out, RESULTS)
     failed = [k for k, v in RESULTS["checks"].items() if not v["ok"]]
     print(
         f"{len(RESULTS['checks']) - len(failed)}/{len(RESULTS['checks'])} checks passed in {RESULTS['seconds']:.0f} s; wrote {out}"

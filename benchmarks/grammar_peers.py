@@ -23,11 +23,11 @@ import argparse
 import json
 import time
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+from benchmarks import write_json
 from foveal import grammars
 from foveal.grammars.compiler import AUTOMATA
 from foveal.grammars.conformance.bench import files
@@ -261,10 +261,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     report = run(args.per_subset or (2 if args.quick else 10))
     print_table(report)
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(report, indent=1))
-    print(f"wrote {out}")
+    print(f"wrote {write_json(args.out, report)}")
 
 
 if __name__ == "__main__":

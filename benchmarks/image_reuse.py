@@ -26,7 +26,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import io
-import json
 import platform
 import statistics
 import tempfile
@@ -38,6 +37,7 @@ import torch
 from PIL import Image
 
 import foveal
+from benchmarks import write_json
 from foveal.vision import image_key, load_image, scenes
 
 SETTINGS = {"max_objects": 4, "max_tokens": 32}
@@ -265,10 +265,7 @@ def main(argv: list[str] | None = None) -> None:
         "machine": platform.platform(),
         "settings": settings,
     }
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
-    print(f"wrote {out}")
+    print(f"wrote {write_json(args.out, {'meta': meta, 'rows': rows})}")
 
 
 if __name__ == "__main__":

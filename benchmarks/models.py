@@ -17,7 +17,6 @@
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import tempfile
 import time
@@ -26,6 +25,7 @@ from pathlib import Path
 import torch
 import transformers
 
+from benchmarks import write_json
 from foveal.engine import Engine, EngineConfig, Request, SamplingParams
 from foveal.engine.models import load, parity, smollm2_folder, smollm2_gguf, tiny
 
@@ -217,9 +217,7 @@ def main() -> None:
         for r in s["throughput"]:
             print(f"{r['batch']:>5} {r['runner']:<34} {r['tok_s_median']:>12.1f} {r['tok_s_best']:>10.1f}")
     report["load_average_at_end"] = os.getloadavg()
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(report, indent=2))
-    print(f"\nwrote {args.out}")
+    print(f"\nwrote {write_json(args.out, report)}")
 
 
 if __name__ == "__main__":

@@ -40,6 +40,7 @@ import torch
 import transformers
 
 import foveal
+from benchmarks import write_json
 from foveal.engine import models as engine_models
 from foveal.model import Model, engine_config
 from foveal.skills import skills_for
@@ -501,10 +502,7 @@ def main(argv: list[str] | None = None) -> None:
         source = tiny_llama_folder(tmp) if args.quick else engine_models.smollm2_gguf()
         report = run(source, requests)
     print_table(report)
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(report, indent=1))
-    print(f"wrote {out}")
+    print(f"wrote {write_json(args.out, report)}")
 
 
 if __name__ == "__main__":

@@ -34,15 +34,14 @@ Reading the numbers on a CPU machine:
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import time
-from pathlib import Path
 
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
+from benchmarks import write_json
 from foveal import grammars
 from foveal.engine import Engine, EngineConfig, FakeRunner, Request, SamplingParams
 
@@ -286,8 +285,6 @@ def main() -> None:
         if r["constrained"]:
             free = by_key[(r["forward_target_ms"], r["streams"], False)]
             r["constrained_gain_over_unconstrained"] = r["gain"] / free["gain"]
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
     meta = {
         "machine": platform.platform(),
         "cpus": os.cpu_count(),
@@ -297,7 +294,7 @@ def main() -> None:
         "tokens_per_stream": args.tokens,
         "repeat": args.repeat,
     }
-    out.write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
+    out = write_json(args.out, {"meta": meta, "rows": rows})
     print(
         "\nconstrained gain / unconstrained gain: "
         + ", ".join(

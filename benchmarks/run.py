@@ -36,7 +36,7 @@ from typing import Any
 
 import torch
 
-from benchmarks import grammar_layer, grammar_peers, image_reuse, peers, pipeline
+from benchmarks import grammar_layer, grammar_peers, image_reuse, peers, pipeline, write_json
 from foveal import grammars
 from foveal.engine import models as engine_models
 
@@ -414,9 +414,7 @@ def main(argv: list[str] | None = None) -> dict:
     report = run(args.quick, args.device)
     report["seconds"] = time.perf_counter() - started
     print_summary(report)
-    out = Path(args.json)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(report, indent=1, default=str))
+    out = write_json(args.json, report)
     print(f"\nwrote {out} ({report['seconds']:.0f} s)")
     return report
 
