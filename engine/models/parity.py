@@ -27,6 +27,14 @@ class GreedyResult:
     tokens: list[list[int]]
     logits: list[list[torch.Tensor]] = field(default_factory=list)  # per sequence, per step: [vocab]
 
+    def logits_close(self, other: GreedyResult, atol: float = 1e-5) -> bool:
+        """Every step's logits of every sequence within `atol` of `other`'s (same shapes required)."""
+        return all(
+            torch.allclose(x, y, atol=atol)
+            for mine, theirs in zip(self.logits, other.logits, strict=True)
+            for x, y in zip(mine, theirs, strict=True)
+        )
+
 
 def make_batch(
     items: list[tuple[list[int], int, list[int], dict | None]], page_size: int, device: Any
