@@ -6,14 +6,15 @@
     grammars.set_mask_threads(n)            # its thread pool (or $FOVEAL_MASK_THREADS)
 
 Specs: pydantic models, JSON-schema dicts, Regex, CFG (Lark), typing.Literal, Enum, lists of
-choices, outlines output types, and the spatial shapes of `grammars.spatial`. Built on llguidance.
+choices, outlines output types, and the spatial shapes of `grammars.spatial` (their location-token format:
+`grammars.locations`). Built on llguidance.
 """
 
 from foveal._guard import require_foveal_name
 
 require_foveal_name(__name__, "foveal.grammars")
 
-from . import spatial  # noqa: E402
+from . import locations, spatial  # noqa: E402
 from .automaton import Automaton  # noqa: E402
 from .batch import fill_masks  # noqa: E402
 from .bitmask import allocate_bitmask, mask_threads, set_mask_threads  # noqa: E402
@@ -33,6 +34,7 @@ __all__ = [
     "allocate_bitmask",
     "compile",
     "fill_masks",
+    "locations",
     "mask_threads",
     "set_mask_threads",
     "spatial",

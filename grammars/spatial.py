@@ -3,10 +3,11 @@
 (a) JSON: `{"points": [{"x": .., "y": ..}]}` and
     `{"objects": [{"x_min": .., "y_min": .., "x_max": .., "y_max": ..}]}`, keys in that order,
     compact whitespace, numbers in [0, 1] with at most 3 decimals (`0`, `0.5`, `0.125`, `1`, `1.0`).
-(b) Location tokens (PaliGemma's convention): special tokens `<loc0000>`..`<loc{N-1:04d}>`; a value v
-    encodes as bin k = round(v * (N - 1)) and decodes as k / (N - 1). A box item is
+(b) Location tokens (PaliGemma's convention), as `grammars.locations.LocationFormat` defines them
+    (bins, item layout, separator: that module is their one owner): a box item is
     `<locYMIN><locXMIN><locYMAX><locXMAX> LABEL`, a point item `<locY><locX> LABEL` (LABEL: the literal
-    object phrase given at compile time), items separated by ` ; `, zero items allowed, then EOS.
+    object phrase given at compile time), items joined by the format's separator (` ; ` by default),
+    zero items allowed, then EOS.
 Both allow at most `max_objects` items.
 
 Geometric validity (x_min < x_max, y_min < y_max) is enforced inside the automaton; why and how is
@@ -18,12 +19,12 @@ reaches a state with no allowed token.
 from __future__ import annotations
 
 import json
-import re
 from dataclasses import dataclass
 
 from .automaton import Automaton, compile_template
 from .bounded import JsonBoxMatcher, JsonBoxTables, LocBoxMatcher, LocBoxTables
 from .errors import SchemaError
+from .locations import DEFAULT_SEPARATOR, LocationFormat
 from .specs import GrammarSource
 from .tokenizer import TokenizerHandle
 
@@ -41,6 +42,7 @@ class SpatialSpec:
     max_objects: int = 32
     label: str = ""
     bins: int = 1024
+    separator: str = DEFAULT_SEPARATOR  # between loc items
 
     def __post_init__(self) -> None:
         if self.kind not in ("points", "boxes"):
@@ -49,13 +51,24 @@ class SpatialSpec:
             raise SchemaError(f"spatial encoding {self.encoding!r} is unknown; use 'json' or 'loc'")
         if self.max_objects < 1:
             raise SchemaError(f"max_objects={self.max_objects}; it must be at least 1")
-        if not 2 <= self.bins <= 10000:
-            raise SchemaError(f"bins={self.bins}; location tokens need 2 <= bins <= 10000")
         if self.encoding == "json" and self.label:
             raise SchemaError("label is part of the loc encoding only; the JSON shape carries no label")
+        try:
+            self.locations.check_label(self.label)
+        except ValueError as error:
+            raise SchemaError(str(error)) from None
+
+    @property
+    def locations(self) -> LocationFormat:
+        """The location-token format of this spec (bins and separator): how its text is written and read."""
+        try:
+            return LocationFormat(self.bins, self.separator)
+        except ValueError as error:
+            raise SchemaError(str(error)) from None
 
     def cache_key(self) -> str:
-        return f"spatial:{self.kind}:{self.encoding}:{self.max_objects}:{self.bins}:{json.dumps(self.label)}"
+        label, separator = json.dumps(self.label), json.dumps(self.separator)
+        return f"spatial:{self.kind}:{self.encoding}:{self.max_objects}:{self.bins}:{label}:{separator}"
 
     def build(self, handle: TokenizerHandle, key: str) -> Automaton:
         if self.encoding == "json":
@@ -65,7 +78,7 @@ class SpatialSpec:
             )
         else:
             ids = loc_token_ids(handle, self.bins)
-            lark = loc_lark(self.kind, self.max_objects, self.label, ids)
+            lark = loc_lark(self.kind, self.max_objects, self.label, ids, self.separator)
             matcher_class, extra = (
                 (LocBoxMatcher, LocBoxTables(handle, ids)) if self.kind == "boxes" else (None, None)
             )
@@ -82,14 +95,26 @@ class SpatialSpec:
         return automaton
 
 
-def points(encoding: str = "json", max_objects: int = 32, label: str = "", bins: int = 1024) -> SpatialSpec:
+def points(
+    encoding: str = "json",
+    max_objects: int = 32,
+    label: str = "",
+    bins: int = 1024,
+    separator: str = DEFAULT_SEPARATOR,
+) -> SpatialSpec:
     """Spec of the point skill's output (see the module docstring for both encodings)."""
-    return SpatialSpec("points", encoding, max_objects, label, bins)
+    return SpatialSpec("points", encoding, max_objects, label, bins, separator)
 
 
-def boxes(encoding: str = "json", max_objects: int = 32, label: str = "", bins: int = 1024) -> SpatialSpec:
+def boxes(
+    encoding: str = "json",
+    max_objects: int = 32,
+    label: str = "",
+    bins: int = 1024,
+    separator: str = DEFAULT_SEPARATOR,
+) -> SpatialSpec:
     """Spec of the detect skill's output; x_min < x_max and y_min < y_max hold for every box."""
-    return SpatialSpec("boxes", encoding, max_objects, label, bins)
+    return SpatialSpec("boxes", encoding, max_objects, label, bins, separator)
 
 
 def _lark_source(lark: str, key: str) -> GrammarSource:
@@ -122,17 +147,16 @@ def json_lark(kind: str, max_objects: int) -> str:
     )
 
 
-def loc_token(k: int) -> str:
-    return f"<loc{k:04d}>"
+loc_token = LocationFormat.token
 
 
 def loc_token_ids(handle: TokenizerHandle, bins: int) -> list[int]:
     ids = []
-    for k in range(bins):
-        token_id = handle.token_to_id(loc_token(k))
+    for token in LocationFormat(bins).tokens():
+        token_id = handle.token_to_id(token)
         if token_id is None:
             raise SchemaError(
-                f"the tokenizer has no {loc_token(k)} token; add the {bins} location tokens "
+                f"the tokenizer has no {token} token; add the {bins} location tokens "
                 f"{loc_token(0)}..{loc_token(bins - 1)} as special tokens, or use encoding='json'"
             )
         ids.append(token_id)
@@ -154,7 +178,9 @@ def _token_set(ids: list[int]) -> str:
     return "<[" + ",".join(runs) + "]>"
 
 
-def loc_lark(kind: str, max_objects: int, label: str, ids: list[int]) -> str:
+def loc_lark(
+    kind: str, max_objects: int, label: str, ids: list[int], separator: str = DEFAULT_SEPARATOR
+) -> str:
     tail = f" {json.dumps(' ' + label, ensure_ascii=False)}" if label else ""
     if kind == "points":
         rules = [f"item: loc loc{tail}", f"loc: {_token_set(ids)}"]
@@ -164,33 +190,16 @@ def loc_lark(kind: str, max_objects: int, label: str, ids: list[int]) -> str:
             f"low: {_token_set(ids[:-1])}",
             f"high: {_token_set(ids[1:])}",
         ]
-    return "\n".join([f"start: {_repeat('item', ' ; ', max_objects)}", *rules])
-
-
-def encode_loc(value: float, bins: int = 1024) -> int:
-    """The bin of a normalized coordinate."""
-    return round(value * (bins - 1))
-
-
-def decode_loc(k: int, bins: int = 1024) -> float:
-    return k / (bins - 1)
-
-
-_LOC = re.compile(r"<loc(\d{4})>")
+    return "\n".join([f"start: {_repeat('item', separator, max_objects)}", *rules])
 
 
 def parse(spec: SpatialSpec, text: str) -> dict:
-    """The skill's result dict from an output text of this spec (loc tokens decoded to floats)."""
+    """The skill's result dict from an output text of this spec (loc tokens decoded to floats).
+
+    Raises ValueError (json.JSONDecodeError, locations.LocationParseError) on a text the spec's
+    grammar cannot produce: the parse never guesses.
+    """
+    key = "points" if spec.kind == "points" else "objects"
     if spec.encoding == "json":
         return json.loads(text)
-    items = [item for item in text.split(" ; ") if item.strip()] if text.strip() else []
-    out = []
-    for item in items:
-        values = [decode_loc(int(k), spec.bins) for k in _LOC.findall(item)]
-        if spec.kind == "points":
-            y, x = values[:2]
-            out.append({"x": x, "y": y})
-        else:
-            y_min, x_min, y_max, x_max = values[:4]
-            out.append({"x_min": x_min, "y_min": y_min, "x_max": x_max, "y_max": y_max})
-    return {"points": out} if spec.kind == "points" else {"objects": out}
+    return {key: spec.locations.parse(spec.kind, text, spec.label)}

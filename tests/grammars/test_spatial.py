@@ -10,6 +10,7 @@ import pytest
 from foveal import grammars
 from foveal.grammars import spatial
 from foveal.grammars.bounded import greater_than
+from foveal.grammars.locations import LocationFormat, LocationParseError
 from foveal.grammars.walk import random_walk
 
 EOS = 2
@@ -190,8 +191,10 @@ def test_greater_than_accepts_exactly_the_larger_numbers():
 
 
 def test_loc_encoding_round_trips_and_needs_the_tokens(tok):
-    assert spatial.encode_loc(0.5, 1024) == 512 and spatial.decode_loc(1023, 1024) == 1.0
-    assert all(spatial.encode_loc(spatial.decode_loc(k, 32), 32) == k for k in range(32))
+    fmt = LocationFormat(1024)
+    assert fmt.encode(0.5) == 512 and fmt.decode(1023) == 1.0 and fmt.encode(1.7) == 1023
+    small = LocationFormat(32)
+    assert all(small.encode(small.decode(k)) == k for k in range(32))
     with pytest.raises(grammars.SchemaError, match="no <loc0000> token"):
         grammars.compile(spatial.boxes("loc", label="car"), tok, eos_token_id=EOS)
 
@@ -212,3 +215,57 @@ def test_bad_spatial_specs_are_refused():
         spatial.boxes(max_objects=0)
     with pytest.raises(grammars.SchemaError, match="label"):
         spatial.points("json", label="car")
+
+
+# ---- the location format: one owner (grammars.locations), read back exactly ----------------------------------
+
+
+def test_the_grammar_writes_items_with_the_formats_separator(loc_tok):
+    """A separator other than " ; " (a foveal.json may set one) is what the automaton emits and parses."""
+    spec = spatial.boxes("loc", max_objects=3, label="red circle", separator=" | ")
+    automaton = grammars.compile(spec, loc_tok, eos_token_id=EOS, vocab_size=V_LOC)
+    texts = []
+    for seed in range(20):
+        walk = random_walk(automaton, np.random.default_rng(seed), max_tokens=400)
+        texts.append(loc_tok.decode(walk.tokens, skip_special_tokens=False))
+    several = [t for t in texts if t.count("<loc") > 4]
+    assert several and all(" | " in t and ";" not in t for t in several)
+    for text in texts:
+        boxes = spatial.parse(spec, text)["objects"]
+        assert len(boxes) == text.count("<loc") // 4
+        assert text == spec.locations.join([spec.locations.box_item(_box(b), "red circle") for b in boxes])
+
+
+def _box(b: dict) -> tuple[float, float, float, float]:
+    return b["x_min"], b["y_min"], b["x_max"], b["y_max"]
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        "<loc0001><loc0002><loc0003> red circle",  # a coordinate short
+        "<loc0001><loc0002><loc0003><loc0004> red",  # label cut
+        "<loc0001><loc0002><loc0003><loc0004> red circle ; ",  # separator without an item
+        "<loc0001><loc0002><loc0003><loc0004> red circle;<loc0001><loc0002><loc0003><loc0004> red circle",
+        "<loc0001><loc0002><loc0003><loc1024> red circle",  # no such bin
+    ],
+)
+def test_parse_refuses_what_the_grammar_cannot_make(text):
+    with pytest.raises(LocationParseError, match="expected"):
+        spatial.parse(spatial.boxes("loc", label="red circle"), text)
+
+
+@pytest.mark.parametrize(
+    "label, message",
+    [("circle ; square", "separator"), ("<loc0005> circle", "location-token"), ("a <loc", "location-token")],
+)
+def test_labels_that_would_make_parsing_ambiguous_are_refused(label, message):
+    with pytest.raises(grammars.SchemaError, match=message):
+        spatial.boxes("loc", label=label)
+    assert spatial.boxes("loc", label="circle | square").label == "circle | square"  # not this separator
+
+
+@pytest.mark.parametrize("separator", ["", "  ", "<loc0001>", "a\nb"])
+def test_unusable_separators_are_refused(separator):
+    with pytest.raises(grammars.SchemaError, match="separator"):
+        spatial.points("loc", label="dog", separator=separator)
