@@ -8,18 +8,25 @@
 
 Every command takes `--model PATH` (default: the embedded model) and `--device`. Without `--json`
 the answer is printed for people (captions and answers stream as they are generated); with it, the
-result dict is printed as JSON. Bad input exits with status 2 and a message on stderr saying what
-to fix; a failure while generating exits with status 1.
+result dict is printed as JSON. Bad input exits with status 2 and one line on stderr saying what
+to fix, before any work: arguments that can be checked without the model (`--out`, `--size`,
+`--device`) are checked before it loads. A failure while generating exits with status 1.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
+import re
 import sys
+from pathlib import Path
 from typing import Any
 
 import foveal
+
+DEMO_SIZES = (32, 2048)  # scene side in pixels: the shapes world's smallest, and a sane largest
+DEVICES = re.compile(r"auto|cpu|cuda(:\d+)?")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -51,7 +58,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--object", default=None, help="what to find (default: the scene's first object; 'shape' for IMAGE)"
     )
     sub.add_argument("--seed", type=int, default=0, help="scene seed")
-    sub.add_argument("--size", type=int, default=160, help="scene width and height in pixels")
+    sub.add_argument(
+        "--size",
+        type=int,
+        default=160,
+        help="scene width and height in pixels, 32 to 2048 (default: %(default)s)",
+    )
     sub.add_argument(
         "--out", metavar="PNG", default="foveal-demo.png", help="annotated image (default: %(default)s)"
     )
@@ -75,10 +87,14 @@ def main(argv: list[str] | None = None) -> int:
     if args.command is None:
         parser.print_help(sys.stdout)
         return 0
+    try:
+        check_args(args)
+    except ValueError as error:
+        return _fail(error, 2)
     _quiet_loading()
     try:
         model = foveal.load(args.model, device=args.device)
-    except (ValueError, TypeError, OSError) as error:
+    except (ValueError, TypeError, OSError) as error:  # ModelLoadError is a ValueError
         return _fail(error, 2)
     try:
         return COMMANDS[args.command](model, args)
@@ -88,6 +104,33 @@ def main(argv: list[str] | None = None) -> int:
         return _fail(error, 1)
     finally:
         model.close()
+
+
+def check_args(args: argparse.Namespace) -> None:
+    """What can be refused before the model loads: the device name, the demo's scene size, --out."""
+    if not DEVICES.fullmatch(args.device):
+        raise ValueError(f"--device {args.device!r} is not accepted; use auto, cpu, cuda or cuda:N")
+    low, high = DEMO_SIZES
+    if args.command == "demo" and not low <= args.size <= high:
+        raise ValueError(f"--size {args.size} is not accepted; use {low} to {high} pixels")
+    if getattr(args, "out", None):
+        check_out(args.out)
+
+
+def check_out(out: str) -> None:
+    """--out must name a new or existing image file (by its extension) in a writable folder."""
+    from PIL import Image
+
+    path = Path(out)
+    if path.is_dir():
+        raise ValueError(f"--out {out} is a folder; name an image file in it, e.g. {path / 'annotated.png'}")
+    if path.suffix.lower() not in Image.registered_extensions():
+        raise ValueError(f"--out {out} has no image extension PIL can write; use e.g. .png or .jpg")
+    folder = path.parent
+    if not folder.is_dir():
+        raise ValueError(f"--out {out}: the folder {folder} does not exist; create it first")
+    if not os.access(folder, os.W_OK) or (path.exists() and not os.access(path, os.W_OK)):
+        raise ValueError(f"--out {out} cannot be written (permission denied); choose another path")
 
 
 def _quiet_loading() -> None:

@@ -130,3 +130,31 @@ def test_console_script_help_and_version():
     assert done.returncode == 0 and "--out" in done.stdout and "--json" in done.stdout
     done = subprocess.run([sys.executable, "-m", "foveal", "--version"], capture_output=True, text=True)
     assert done.returncode == 0 and done.stdout.startswith("foveal ")
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["detect", "{picture}", "car", "--out", "/nonexistent/x.png"], "does not exist"),
+        (["point", "{picture}", "car", "--out", "{folder}"], "is a folder"),
+        (["detect", "{picture}", "car", "--out", "{folder}/boxes.txt2"], "image extension"),
+        (["caption", "{picture}", "--device", "tpu"], "--device 'tpu'"),
+        (["demo", "--size", "100000"], "--size 100000"),
+        (["demo", "--size", "8"], "--size 8"),
+    ],
+)
+def test_arguments_are_refused_in_one_line_before_the_model_loads(
+    capsys, monkeypatch, picture, tmp_path, argv, message
+):
+    def no_load(*args, **kwargs):
+        raise AssertionError("the model was loaded before the arguments were checked")
+
+    monkeypatch.setattr(cli.foveal, "load", no_load)
+    status, out, err = run(capsys, *[a.format(picture=picture, folder=tmp_path) for a in argv])
+    assert status == 2 and out == ""
+    assert err.startswith("foveal: error:") and message in err and err.count("\n") == 1
+
+
+def test_a_model_load_error_is_one_line(capsys, picture, tmp_path):
+    status, out, err = run(capsys, "caption", picture, "--model", tmp_path / "no-model-here")
+    assert status == 2 and out == "" and err.startswith("foveal: error:") and err.count("\n") == 1
