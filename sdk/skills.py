@@ -18,17 +18,34 @@ Families (chosen by `skills_for`):
   `foveal.grammars.spatial` (coordinates in [0, 1]).
 
 Every spatial answer is constrained, so it parses by construction: boxes have x_min < x_max and
-y_min < y_max, coordinates lie in [0, 1], and there are at most `max_objects` items.
+y_min < y_max, coordinates lie in [0, 1], and there are at most `max_objects` items. A parser that
+fails anyway (the grammar let through what the parser refuses: a bug) raises GenerationError naming
+the skill, never a bare parser exception.
+
+User text (object phrases, questions, prompts) is plain text: text that the tokenizer would read as
+one of its special or added tokens (`<image>`, `<eos>`, `<loc0005>`) is refused before any work, so
+that a phrase can never smuggle control tokens into the prompt or the answer's grammar. An object
+phrase that would make a location-token answer ambiguous (holding the item separator) is refused
+too (`foveal.grammars.locations`).
+
+No family uses the shared tokenizer per call: what a family needs from it (the chat template's
+layout, whether tokenizing adds BOS, the special-token texts) is computed once at construction.
+The model serializes the tokenizer's own uses under its lock; skills run on the callers' threads.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import dataclass
+import copy
+import re
+import threading
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
+from foveal.errors import GenerationError
 from foveal.grammars import spatial
+from foveal.grammars.locations import LocationFormat
 from foveal.shapes_format import FORMAT_FILE, ShapesFormat
 
 CAPTION_LENGTHS = ("short", "normal", "long")
@@ -42,8 +59,15 @@ class Task:
     skill: str  # "caption" | "query" | "detect" | "point" | "generate"
     prompt: str
     spec: Any = None  # an output spec for grammars.compile; None: free text
-    parse: Callable[[str], Any] = str  # the model's text -> the result's value
+    parse: Callable[[str], Any] = str  # the model's text -> the result's value (GenerationError if it cannot)
     keep_special: bool = False  # parse the text with special tokens kept (location tokens may be special)
+    prompt_without_image: str | None = None  # the prompt when the call has no image (None: `prompt`)
+
+    def prompt_for(self, has_image: bool) -> str:
+        """The prompt text for a call with or without an image (vision chat prompts hold a placeholder)."""
+        if has_image or self.prompt_without_image is None:
+            return self.prompt
+        return self.prompt_without_image
 
 
 # ---- argument checks (shared by every family; raise before any work) ----------------------------------------
@@ -80,9 +104,17 @@ def check_object(value: Any) -> str:
 
 
 class Skills:
-    """The interface every family implements (see the module docstring)."""
+    """The interface every family implements (see the module docstring).
+
+    `special_tokens`: texts the tokenizer reads as one token of its own (special and added tokens);
+    user text holding one is refused (`plain`).
+    """
 
     name = "base"
+
+    def __init__(self, special_tokens: Iterable[str] = ()) -> None:
+        texts = sorted({t for t in special_tokens if t}, key=len, reverse=True)
+        self._special = re.compile("|".join(map(re.escape, texts))) if texts else None
 
     def caption(self, length: str) -> Task:
         raise NotImplementedError
@@ -97,7 +129,23 @@ class Skills:
         raise NotImplementedError
 
     def generate(self, prompt: str, output_type: Any, parse: Callable[[str], Any]) -> Task:
-        return Task("generate", prompt, output_type, parse, _is_loc(output_type))
+        return Task(
+            "generate",
+            self.plain("prompt", prompt),
+            output_type,
+            _guarded("generate", parse),
+            _is_loc(output_type),
+        )
+
+    def plain(self, name: str, text: str) -> str:
+        """`text` if it is plain text for this model's tokenizer; ValueError naming the token otherwise."""
+        found = self._special.search(text) if self._special else None
+        if found:
+            raise ValueError(
+                f"{name} {text!r} holds {found[0]!r}, a special token of this model's tokenizer; "
+                "user text must be plain text: remove it or spell it differently"
+            )
+        return text
 
 
 class ShapesSkills(Skills):
@@ -105,22 +153,26 @@ class ShapesSkills(Skills):
 
     name = "shapes"
 
-    def __init__(self, fmt: ShapesFormat) -> None:
+    def __init__(self, fmt: ShapesFormat, special_tokens: Iterable[str] = ()) -> None:
+        super().__init__(special_tokens)
         self.fmt = fmt
 
     def caption(self, length: str) -> Task:
         return Task("caption", self.fmt.prompt("caption", length=length))
 
     def query(self, question: str) -> Task:
-        return Task("query", self.fmt.prompt("query", question=question))
+        return Task("query", self.fmt.prompt("query", question=self.plain("question", question)))
 
     def detect(self, phrase: str, max_objects: int) -> Task:
-        spec = spatial.boxes("loc", max_objects=max_objects, label=phrase, bins=self.fmt.n_bins)
+        spec = spatial.boxes("loc", max_objects, self._label(phrase), self.fmt.n_bins, self.fmt.separator)
         return _spatial_task("detect", self.fmt.prompt("detect", object=phrase), spec)
 
     def point(self, phrase: str, max_objects: int) -> Task:
-        spec = spatial.points("loc", max_objects=max_objects, label=phrase, bins=self.fmt.n_bins)
+        spec = spatial.points("loc", max_objects, self._label(phrase), self.fmt.n_bins, self.fmt.separator)
         return _spatial_task("point", self.fmt.prompt("point", object=phrase), spec)
+
+    def _label(self, phrase: str) -> str:
+        return self.fmt.locations.check_label(self.plain("object", phrase))
 
 
 class PaliGemmaSkills(Skills):
@@ -134,18 +186,20 @@ class PaliGemmaSkills(Skills):
         return Task("caption", self.CAPTION[length])
 
     def query(self, question: str) -> Task:
-        return Task("query", f"answer en {question}")
+        return Task("query", f"answer en {self.plain('question', question)}")
 
     def detect(self, phrase: str, max_objects: int) -> Task:
-        spec = spatial.boxes("loc", max_objects=max_objects, label=phrase, bins=self.BINS)
+        spec = spatial.boxes("loc", max_objects=max_objects, label=self._label(phrase), bins=self.BINS)
         return _spatial_task("detect", f"detect {phrase}", spec)
 
     def point(self, phrase: str, max_objects: int) -> Task:
         # PaliGemma has no pointing task: point at the centres of the boxes "detect" finds.
-        spec = spatial.boxes("loc", max_objects=max_objects, label=phrase, bins=self.BINS)
-        return Task(
-            "point", f"detect {phrase}", spec, lambda text: _box_centres(spatial.parse(spec, text)), True
-        )
+        spec = spatial.boxes("loc", max_objects=max_objects, label=self._label(phrase), bins=self.BINS)
+        parse = _guarded("point", lambda text: _box_centres(spatial.parse(spec, text)))
+        return Task("point", f"detect {phrase}", spec, parse, True)
+
+    def _label(self, phrase: str) -> str:
+        return LocationFormat(self.BINS).check_label(self.plain("object", phrase))
 
 
 class ChatSkills(Skills):
@@ -159,53 +213,111 @@ class ChatSkills(Skills):
     }
 
     def __init__(self, tokenizer: Any, image_token: str | None) -> None:
-        self.tokenizer = tokenizer
+        super().__init__(special_texts(tokenizer))
         self.image_token = image_token
         self.has_template = bool(getattr(tokenizer, "chat_template", None))
+        # Everything the prompts need from the tokenizer, read now: calls run on the callers' threads,
+        # and a fast tokenizer must not be used by two threads mid-call.
+        self._layout = _turn_layout(tokenizer) if self.has_template else None
+        self._renderer = _LockedRenderer(tokenizer) if self.has_template and self._layout is None else None
 
     def caption(self, length: str) -> Task:
-        return Task("caption", self.turn(self.CAPTION[length]))
+        return self._task("caption", self.CAPTION[length])
 
     def query(self, question: str) -> Task:
-        return Task("query", self.turn(question))
+        return self._task("query", self.plain("question", question))
 
     def detect(self, phrase: str, max_objects: int) -> Task:
         ask = (
-            f"Find every {phrase} in the image. Answer with JSON "
+            f"Find every {self.plain('object', phrase)} in the image. Answer with JSON "
             '{"objects": [{"x_min": .., "y_min": .., "x_max": .., "y_max": ..}]}, '
             "coordinates normalized to [0, 1] from the top-left corner."
         )
-        return _spatial_task("detect", self.turn(ask), spatial.boxes("json", max_objects=max_objects))
+        return self._task("detect", ask, spatial.boxes("json", max_objects=max_objects))
 
     def point(self, phrase: str, max_objects: int) -> Task:
         ask = (
-            f"Point at every {phrase} in the image. Answer with JSON "
+            f"Point at every {self.plain('object', phrase)} in the image. Answer with JSON "
             '{"points": [{"x": .., "y": ..}]}, coordinates normalized to [0, 1] from the top-left corner.'
         )
-        return _spatial_task("point", self.turn(ask), spatial.points("json", max_objects=max_objects))
+        return self._task("point", ask, spatial.points("json", max_objects=max_objects))
 
     def generate(self, prompt: str, output_type: Any, parse: Callable[[str], Any]) -> Task:
-        return Task("generate", self.turn(prompt), output_type, parse, _is_loc(output_type))
+        return self._task("generate", self.plain("prompt", prompt), output_type, parse)
 
-    def turn(self, text: str) -> str:
-        """The prompt text of one user turn asking `text` (image placeholder first for vision families)."""
-        if self.image_token:
+    def _task(
+        self, skill: str, text: str, spec: Any = None, parse: Callable[[str], Any] | None = None
+    ) -> Task:
+        """A task whose prompt has the image placeholder, and a second prompt for a call without image."""
+        if isinstance(spec, spatial.SpatialSpec):
+            task = _spatial_task(skill, self.turn(text, image=True), spec)
+        else:
+            task = Task(
+                skill, self.turn(text, image=True), spec, _guarded(skill, parse or str), _is_loc(spec)
+            )
+        if not self.image_token:
+            return task
+        return replace(task, prompt_without_image=self.turn(text, image=False))
+
+    def turn(self, text: str, image: bool = True) -> str:
+        """The prompt text of one user turn asking `text` (image placeholder first when there is an image)."""
+        if image and self.image_token:
             text = f"{self.image_token}\n{text}"
         if not self.has_template:
             return f"Question: {text}\nAnswer:"
-        messages = [{"role": "user", "content": text}]
-        prompt = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-        return self._without_bos(prompt)
+        if self._layout is None:
+            return self._renderer(text)
+        prefix, suffix = self._layout
+        return prefix + text + suffix
 
-    def _without_bos(self, prompt: str) -> str:
-        # The processor tokenizes with special tokens; a template that writes BOS would give two.
-        bos = getattr(self.tokenizer, "bos_token", None)
-        adds_bos = bos is not None and self.tokenizer("").get("input_ids", [])[:1] == [
-            self.tokenizer.bos_token_id
-        ]
-        if adds_bos and prompt.startswith(bos):
-            return prompt[len(bos) :]
-        return prompt
+
+def special_texts(tokenizer: Any) -> list[str]:
+    """Texts the tokenizer turns into one special or added token (what user text must not hold)."""
+    if tokenizer is None:
+        return []
+    texts = list(getattr(tokenizer, "all_special_tokens", []) or [])
+    added = getattr(tokenizer, "added_tokens_decoder", None) or {}
+    texts += [str(getattr(token, "content", token)) for token in added.values()]
+    return texts
+
+
+_MARKS = ("\x00first question\x00", "\x00second\nquestion\x00")
+
+
+def _turn_layout(tokenizer: Any) -> tuple[str, str] | None:
+    """(prefix, suffix) such that a user turn asking `text` is prefix + text + suffix (BOS removed);
+    None when the template does not insert the text verbatim (then it is rendered per call)."""
+    layouts = set()
+    for mark in _MARKS:
+        rendered = _render_turn(tokenizer, mark)
+        if rendered.count(mark) != 1:
+            return None
+        layouts.add(tuple(rendered.split(mark)))
+    return layouts.pop() if len(layouts) == 1 else None
+
+
+def _render_turn(tokenizer: Any, text: str) -> str:
+    messages = [{"role": "user", "content": text}]
+    prompt = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    # The processor tokenizes with special tokens; a template that writes BOS would give two.
+    bos = getattr(tokenizer, "bos_token", None)
+    adds_bos = bos is not None and tokenizer("").get("input_ids", [])[:1] == [tokenizer.bos_token_id]
+    if adds_bos and prompt.startswith(bos):
+        return prompt[len(bos) :]
+    return prompt
+
+
+class _LockedRenderer:
+    """Per-call template rendering on a private copy of the tokenizer, one caller at a time (for
+    templates that transform the user's text, so that no fixed layout exists)."""
+
+    def __init__(self, tokenizer: Any) -> None:
+        self._tokenizer = copy.deepcopy(tokenizer)
+        self._lock = threading.Lock()
+
+    def __call__(self, text: str) -> str:
+        with self._lock:
+            return _render_turn(self._tokenizer, text)
 
 
 def skills_for(folder: Path | None, family: str, tokenizer: Any, image_token: str | None) -> Skills:
@@ -215,11 +327,11 @@ def skills_for(folder: Path | None, family: str, tokenizer: Any, image_token: st
         if fmt.family != family:
             raise ValueError(
                 f"{folder / FORMAT_FILE} describes a {fmt.family!r} model but the checkpoint is {family!r}; "
-                "remove foveal.json or export the folder again with python -m foveal.train_shapes --export"
+                "remove foveal.json or export the folder again with python -m foveal.training.train_shapes --export"
             )
-        return ShapesSkills(fmt)
+        return ShapesSkills(fmt, special_texts(tokenizer))
     if family == "paligemma":
-        return PaliGemmaSkills()
+        return PaliGemmaSkills(special_texts(tokenizer))
     return ChatSkills(tokenizer, image_token)
 
 
@@ -228,7 +340,23 @@ def skills_for(folder: Path | None, family: str, tokenizer: Any, image_token: st
 
 def _spatial_task(skill: str, prompt: str, spec: spatial.SpatialSpec) -> Task:
     key = "objects" if spec.kind == "boxes" else "points"
-    return Task(skill, prompt, spec, lambda text: spatial.parse(spec, text)[key], spec.encoding == "loc")
+    parse = _guarded(skill, lambda text: spatial.parse(spec, text)[key])
+    return Task(skill, prompt, spec, parse, spec.encoding == "loc")
+
+
+def _guarded(skill: str, parse: Callable[[str], Any]) -> Callable[[str], Any]:
+    """`parse`, raising GenerationError naming the skill instead of the parser's own exception."""
+
+    def guarded(text: str) -> Any:
+        try:
+            return parse(text)
+        except Exception as error:
+            raise GenerationError(
+                f"{skill}: the constrained answer {text[:200]!r} does not parse into the result "
+                f"({type(error).__name__}: {error}); the grammar and the parser disagree, please report it"
+            ) from error
+
+    return guarded
 
 
 def _is_loc(spec: Any) -> bool:

@@ -6,12 +6,15 @@ import dataclasses
 import datetime
 import enum
 import typing
+from pathlib import Path
 
 import pytest
 from outlines.types import JsonSchema
 from pydantic import BaseModel
 
+import foveal
 from foveal import grammars
+from foveal.errors import GenerationError
 from foveal.grammars import spatial
 from foveal.outputs import output_parser
 from foveal.shapes_format import ShapesFormat
@@ -19,6 +22,7 @@ from foveal.skills import (
     ChatSkills,
     PaliGemmaSkills,
     ShapesSkills,
+    Skills,
     check_length,
     check_object,
     check_text,
@@ -72,6 +76,70 @@ def test_empty_answer_parses_to_no_objects():
     assert skills.point("x", 3).parse("") == []
 
 
+def test_a_foveal_json_separator_is_what_the_grammar_and_the_parser_use():
+    fmt = ShapesFormat(separator=" | ")
+    task = ShapesSkills(fmt).detect("circle", 3)
+    assert task.spec.separator == " | "
+    text = fmt.locations.join([fmt.locations.box_item((0, 0, 0.5, 0.5), "circle")] * 2)
+    assert " | " in text and task.parse(text) == fmt.parse_detect(text) and len(task.parse(text)) == 2
+
+
+@pytest.mark.parametrize("separator", ["", "\n", "<loc0001>"])
+def test_a_separator_the_format_cannot_use_is_refused_when_foveal_json_is_read(tmp_path, separator):
+    ShapesFormat().save(tmp_path)
+    path = tmp_path / "foveal.json"
+    path.write_text(path.read_text().replace('" ; "', f'"{separator.encode("unicode_escape").decode()}"'))
+    with pytest.raises(ValueError, match="foveal.json is not a valid foveal format file: separator"):
+        ShapesFormat.load(tmp_path)
+
+
+def test_the_shipped_foveal_json_loads():
+    fmt = ShapesFormat.load(Path(foveal.__file__).parent / "embedded")
+    assert fmt.separator == " ; " and fmt.locations.bins == fmt.n_bins
+
+
+@pytest.mark.parametrize(
+    "phrase, message",
+    [
+        ("circle ; square", "separator between answer items"),
+        ("<loc0005> circle", "location-token text"),
+    ],
+)
+def test_object_phrases_that_break_the_location_format_are_refused(phrase, message):
+    for skills in (ShapesSkills(ShapesFormat()), PaliGemmaSkills()):
+        for call in (skills.detect, skills.point):
+            with pytest.raises(ValueError, match=message):
+                call(phrase, 3)
+
+
+def test_special_token_text_in_user_text_is_refused(tokenizer):
+    """ "<eos>" in an object phrase or question would be read as the token itself, not as text."""
+    for skills in (ChatSkills(tokenizer, "<image>"), skills_for(None, "paligemma", tokenizer, "<image>")):
+        with pytest.raises(ValueError, match="'<image>', a special token"):
+            skills.detect("a <image> car", 3)
+        with pytest.raises(ValueError, match="'<eos>', a special token"):
+            skills.query("why<eos>?")
+        with pytest.raises(ValueError, match="'<bos>', a special token"):
+            skills.generate("say <bos>", None, str)
+    assert ChatSkills(tokenizer, None).detect("a <thing>", 3).prompt  # angle brackets alone are text
+
+
+@pytest.mark.parametrize(
+    "skills, skill, text",
+    [
+        (ShapesSkills(ShapesFormat()), "detect", "<loc0001><loc0002> circle"),
+        (ShapesSkills(ShapesFormat()), "point", "<loc0001><loc0002> circle ; "),
+        (PaliGemmaSkills(), "point", "<loc0001>"),
+        (Skills(), "generate", '{"a": '),
+    ],
+)
+def test_a_parse_failure_is_a_generation_error_naming_the_skill(skills, skill, text):
+    task = skills.generate("x", None, lambda t: __import__("json").loads(t)) if skill == "generate" else None
+    task = task or getattr(skills, skill)("circle", 3)
+    with pytest.raises(GenerationError, match=f"^{skill}: the constrained answer"):
+        task.parse(text)
+
+
 # ---- PaliGemma ---------------------------------------------------------------------------------------------------
 
 
@@ -117,6 +185,65 @@ def test_chat_template_from_the_tokenizer_without_a_second_bos(builders):
     assert prompt == "<|user|><image>\nwhat is it?<|end|><|assistant|>"  # BOS is added by tokenization
     ids = tok(prompt)["input_ids"]
     assert ids.count(tok.bos_token_id) == 1
+
+
+class Guarded:
+    """A tokenizer that fails the test when used after `armed` is set (by calls, not construction)."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+        self.armed = False
+
+    def __getattr__(self, name):
+        if "tokenizer" not in self.__dict__:  # deepcopy looks up attributes before __init__ state exists
+            raise AttributeError(name)
+        if self.armed:
+            raise AssertionError(f"tokenizer.{name} used by a skill call, outside the model lock")
+        return getattr(self.tokenizer, name)
+
+    def __call__(self, *args, **kwargs):
+        if self.armed:
+            raise AssertionError("tokenizer(...) called by a skill call, outside the model lock")
+        return self.tokenizer(*args, **kwargs)
+
+
+@pytest.mark.parametrize("template", [TEMPLATE, TEMPLATE.replace("m['content']", "m['content'] | upper")])
+def test_chat_skills_never_use_the_shared_tokenizer_per_call(builders, template):
+    """Calls run on the callers' threads; the tokenizer is read once, at construction (a template
+    that transforms the text is rendered on a private copy instead)."""
+    tok = builders.train_tokenizer()
+    tok.chat_template = template
+    reference = ChatSkills(tok, image_token="<image>")
+    guarded = Guarded(tok)
+    skills = ChatSkills(guarded, image_token="<image>")
+    guarded.armed = True
+    tasks = [
+        skills.query("what is it?"),
+        skills.caption("long"),
+        skills.detect("car", 2),
+        skills.point("car", 2),
+    ]
+    tasks.append(skills.generate("say hi", None, str))
+    expected = [reference.query("what is it?"), reference.caption("long"), reference.detect("car", 2)]
+    expected += [reference.point("car", 2), reference.generate("say hi", None, str)]
+    assert [t.prompt for t in tasks] == [t.prompt for t in expected]
+    rendered = tok.apply_chat_template(
+        [{"role": "user", "content": "<image>\nwhat is it?"}], tokenize=False, add_generation_prompt=True
+    )
+    assert tasks[0].prompt == rendered.removeprefix("<bos>")
+
+
+def test_chat_prompt_without_an_image_has_no_placeholder(builders):
+    tok = builders.train_tokenizer()
+    tok.chat_template = TEMPLATE
+    for skills in (ChatSkills(tok, image_token="<image>"), ChatSkills(builders.train_tokenizer(), "<image>")):
+        task = skills.query("what is it?")
+        assert "<image>" in task.prompt_for(True) and "<image>" not in task.prompt_for(False)
+        assert task.prompt_for(False).count("what is it?") == 1
+    assert (
+        ChatSkills(tok, image_token=None).query("why?").prompt_for(False)
+        == "<|user|>why?<|end|><|assistant|>"
+    )
 
 
 def test_skills_for_picks_the_family(tmp_path, tokenizer):
