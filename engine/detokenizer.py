@@ -42,11 +42,15 @@ def native_decoder(tokenizer: Any) -> tokenizers.Tokenizer | None:
 
 
 class Detokenizer:
-    def __init__(self, tokenizer: Any, stop: tuple[str, ...] = (), native: bool = True) -> None:
-        """`native=False` runs the window step in Python even when tokenizers could (for tests)."""
+    def __init__(
+        self, tokenizer: Any, stop: tuple[str, ...] = (), skip_special_tokens: bool = True, native: bool = True
+    ) -> None:
+        """`skip_special_tokens=False` keeps special tokens' text (formats that answer in them, such as
+        location tokens); `native=False` runs the window step in Python even when tokenizers could."""
         self._tokenizer = tokenizer
+        self._skip_special = skip_special_tokens
         self._native = native_decoder(tokenizer) if native else None
-        self._stream = DecodeStream(skip_special_tokens=True) if self._native is not None else None
+        self._stream = DecodeStream(skip_special_tokens=skip_special_tokens) if self._native is not None else None
         self._ids: list[int] = []
         self._prefix = 0  # start of the decode window
         self._read = 0  # tokens before this are already in `text`
@@ -57,7 +61,7 @@ class Detokenizer:
         self.stopped = False
 
     def _decode(self, ids: list[int]) -> str:
-        return self._tokenizer.decode(ids, skip_special_tokens=True)
+        return self._tokenizer.decode(ids, skip_special_tokens=self._skip_special)
 
     def add(self, token_id: int) -> None:
         """Append one token; sets `stopped` if the text now contains a stop string."""

@@ -1,4 +1,10 @@
-"""What a caller submits (`Request`, `SamplingParams`) and what it gets back (`RequestHandle`).
+"""What a caller submits (`Request`, `SamplingParams`, `PrefillInputs`) and what it gets back
+(`RequestHandle`, `RequestOutput`).
+
+`PrefillInputs` is the typed contract between a family's processor, the SDK and the runner: what a
+prompt needs beyond its token ids (image tensors, the image's content key, how many placeholder
+tokens the image fills, PaliGemma's bidirectional prefix). The engine carries it to the prefill
+launch untouched.
 
 A `RequestHandle` is shared by two threads: the engine thread pushes text deltas and the final
 `RequestOutput`; the caller iterates deltas, waits for `result()`, or calls `cancel()`. All state
@@ -11,13 +17,17 @@ taking the GIL from the engine's threads); the finish wakes everyone.
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from enum import StrEnum
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
+    import torch
+
     from .matcher import Matcher
+
+SEED_LIMIT = 2**64  # seeds are unsigned 64-bit; the sampler hashes all 64 bits
 
 
 class FinishReason(StrEnum):
@@ -29,7 +39,11 @@ class FinishReason(StrEnum):
 
 @dataclass(slots=True, frozen=True)
 class SamplingParams:
-    """temperature 0 is greedy; top_k 0 and top_p 1 disable those filters; seed None draws one at submit."""
+    """temperature 0 is greedy; top_k 0 and top_p 1 disable those filters; seed None draws one at submit.
+
+    skip_special_tokens=False keeps special tokens in the output text (for formats that answer in
+    them, such as location tokens); stop strings are then matched against that text.
+    """
 
     temperature: float = 0.0
     top_p: float = 1.0
@@ -39,6 +53,7 @@ class SamplingParams:
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
+    skip_special_tokens: bool = True
 
     def __post_init__(self) -> None:
         if self.temperature < 0:
@@ -47,6 +62,8 @@ class SamplingParams:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         if self.top_k < 0:
             raise ValueError(f"top_k must be >= 0 (0 disables it), got {self.top_k}")
+        if self.seed is not None and not 0 <= self.seed < SEED_LIMIT:
+            raise ValueError(f"seed must be in [0, 2**64), got {self.seed}")
         if self.max_tokens < 1:
             raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
         if isinstance(self.stop, str):
@@ -55,14 +72,36 @@ class SamplingParams:
             raise ValueError("stop strings must be non-empty")
 
 
+def seed_as_int64(seed: int) -> int:
+    """An unsigned 64-bit seed as the signed int64 with the same bits (how lanes and the sampler hold it)."""
+    return seed - SEED_LIMIT if seed >= SEED_LIMIT // 2 else seed
+
+
+@dataclass(slots=True, frozen=True)
+class PrefillInputs:
+    """A prompt's inputs beyond its token ids, as the family's processor made them (tensors on the runner's device).
+
+    image_tensors:    the family's image inputs by name (pixel_values, pixel_attention_mask, ...).
+    num_image_tokens: placeholder tokens in the prompt that the image's features fill.
+    image_key:        the image's content key (foveal.vision.image_key), by which the runner reuses
+                      its encoding across requests; None: never cached.
+    prefix_len:       tokens attended bidirectionally (PaliGemma's image + prompt prefix); 0: causal.
+    """
+
+    image_tensors: Mapping[str, torch.Tensor] = field(default_factory=dict)
+    num_image_tokens: int = 0
+    image_key: str | None = None
+    prefix_len: int = 0
+
+
 @dataclass(slots=True)
 class Request:
-    """One generation: prompt token ids, sampling, an optional grammar matcher, model extras (images)."""
+    """One generation: prompt token ids, sampling, an optional grammar matcher, prefill inputs (images)."""
 
     prompt_ids: list[int]
     sampling: SamplingParams = field(default_factory=SamplingParams)
     matcher: Matcher | None = None
-    extras: Any = None
+    prefill: PrefillInputs | None = None
 
 
 @dataclass(slots=True)

@@ -25,9 +25,11 @@ INVARIANTS
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Protocol, runtime_checkable
+from typing import Protocol, runtime_checkable
 
 import torch
+
+from .request import PrefillInputs
 
 
 @dataclass(slots=True)
@@ -42,8 +44,8 @@ class ForwardBatch:
     slot_mapping:  [T] int64, where each query token's K/V is written: page_id * page_size + offset.
     max_query_len: the longest query in the batch (1 for a pure decode step); a host int.
     max_context_len: the longest context in the batch; a host int.
-    extras:        per sequence, the model-specific inputs of a prefill (pixel values, prefix length, ...)
-                   as produced by the family's processor, or None; always None for decode steps.
+    prefill:       per sequence, its `PrefillInputs` (images, prefix length) or None; an empty list
+                   when no sequence has any (always for decode steps).
     """
 
     input_ids: torch.Tensor
@@ -54,7 +56,7 @@ class ForwardBatch:
     slot_mapping: torch.Tensor
     max_query_len: int
     max_context_len: int
-    extras: list[Any] = field(default_factory=list)
+    prefill: list[PrefillInputs | None] = field(default_factory=list)
 
     @property
     def num_seqs(self) -> int:
@@ -71,6 +73,7 @@ class ModelRunner(Protocol):
 
     vocab_size: int  # logits width; may exceed the tokenizer's size (padded embedding rows)
     device: torch.device
+    max_positions: int | None  # the longest sequence the model supports; None: no limit of its own
 
     def kv_bytes_per_token(self) -> int:
         """Bytes of K/V cache one token costs across all layers (for sizing the page pool from a budget)."""

@@ -32,7 +32,7 @@ class SamplingBatch:
     temperature: torch.Tensor  # [n] float32
     top_p: torch.Tensor  # [n] float32
     top_k: torch.Tensor  # [n] int64, 0 = off
-    seeds: torch.Tensor  # [n] int64, 0 <= seed < 2**32
+    seeds: torch.Tensor  # [n] int64: a 64-bit seed's bits (request.seed_as_int64)
     counters: torch.Tensor  # [n] int64, index of the output token being sampled
     random_rows: torch.Tensor | None  # [r] int64 rows with temperature > 0, or None if all greedy
     filter_rows: bool  # some random row uses top-k or top-p
@@ -49,9 +49,19 @@ def _mix32(x: torch.Tensor) -> torch.Tensor:
     return x ^ (x >> 16)
 
 
+def seed_key(seeds: torch.Tensor) -> torch.Tensor:
+    """A 32-bit key from all 64 bits of each seed: mix32(low ^ mix32(high)).
+
+    mix32 is a bijection with mix32(0) = 0, so seeds below 2**32 keep the key they always had, and
+    seeds that differ only in their high half (s and s + 2**32) get different keys.
+    """
+    high = (seeds >> 32) & _M32  # arithmetic shift, masked: the high half of the unsigned seed
+    return _mix32((seeds & _M32) ^ _mix32(high))
+
+
 def gumbel_noise(seeds: torch.Tensor, counters: torch.Tensor, vocab_size: int) -> torch.Tensor:
     """[n, V] standard Gumbel noise, a pure function of (seed, counter, token id)."""
-    key = _mix32(_mix32(seeds & _M32) ^ (counters & _M32))
+    key = _mix32(seed_key(seeds) ^ (counters & _M32))
     tokens = torch.arange(vocab_size, device=seeds.device, dtype=torch.int64)
     bits = _mix32((key[:, None] ^ _mix32(tokens)[None, :]) & _M32) >> (32 - UNIFORM_BITS)
     return -torch.log(-torch.log(uniform_from_bits(bits)))

@@ -23,6 +23,16 @@ class Stats:
         default_factory=lambda: dict.fromkeys(("launch", "commit", "finalize", "text", "wait"), 0.0)
     )
 
+    def reset(self) -> None:
+        fresh = Stats()
+        for name in self.__slots__:
+            setattr(self, name, getattr(fresh, name))
+
+    def count_step(self, prefill_rows: int, decode_rows: int) -> None:
+        self.steps += 1
+        self.prefill_rows += prefill_rows
+        self.decode_rows += decode_rows
+
     def summary(self, busy_s: float, job_s: dict[str, float], job_n: dict[str, int]) -> dict:
         steps = max(self.steps, 1)
         busy = min(busy_s, self.active_s)

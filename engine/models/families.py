@@ -10,9 +10,10 @@ parity test.
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import Any
 
 import torch
+
+from foveal.engine.request import PrefillInputs
 
 
 class ModelLoadError(ValueError):
@@ -37,13 +38,13 @@ class Family:
     def has_vision(self) -> bool:
         return self.processor_class is not None
 
-    def image_kwargs(self, extras: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
+    def image_kwargs(self, images: list[PrefillInputs]) -> dict[str, torch.Tensor]:
         """Join the image tensors of one launch's sequences, in sequence order (the placeholder order)."""
-        with_images = [e for e in extras if self.image_keys and self.image_keys[0] in e]
-        if not with_images:
+        if not images or not self.image_keys:
             return {}
         return {
-            key: torch.cat([e[key] for e in with_images], dim=self.image_cat_dim) for key in self.image_keys
+            key: torch.cat([image.image_tensors[key] for image in images], dim=self.image_cat_dim)
+            for key in self.image_keys
         }
 
 

@@ -7,7 +7,7 @@ PROBLEM
     prompts; the image features (what the model scatters over its image placeholder tokens) can.
 
 SOLUTION
-    The runner looks each prefill image up by `extras["image_key"]` (the SDK's content hash of the
+    The runner looks each prefill image up by `PrefillInputs.image_key` (the SDK's content hash of the
     decoded image) and encodes only the misses. Entries are the family's features for one image,
     [image tokens, hidden], on the model's device, in its dtype. Least recently used entries are
     evicted once the stored bytes would exceed `max_bytes`; `max_bytes=0` turns the cache off.

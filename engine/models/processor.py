@@ -1,11 +1,12 @@
-"""`InputProcessor`: text + optional image -> prompt token ids + the prefill `extras` of one request.
+"""`InputProcessor`: text + optional image -> prompt token ids + the `PrefillInputs` of one request.
 
 It wraps the family's own transformers processor (tokenizer, image processor, placeholder
 expansion), so a prompt is tokenized exactly as the reference model expects. Image tensors are
 moved to the runner's device and dtype here, before the request reaches the engine, so a launch
 never copies from the host. PaliGemma's bidirectional prefix is the processor's token_type_ids == 0.
-`extras["image_tokens"]` counts the prompt's image placeholder tokens (the model's `image_token_id`):
-the number of feature rows the image fills, by which the runner splits a batch of encoded images.
+`PrefillInputs.num_image_tokens` counts the prompt's image placeholder tokens (the model's
+`image_token_id`): the number of feature rows the image fills, by which the runner splits a batch of
+encoded images. The caller's `image_key` (the image's content key) is carried for the runner's cache.
 """
 
 from __future__ import annotations
@@ -20,12 +21,13 @@ import torch
 from PIL import Image
 
 from foveal.engine.models.families import Family
+from foveal.engine.request import PrefillInputs
 
 
 @dataclass(slots=True)
 class PromptInputs:
     token_ids: list[int]
-    extras: dict[str, Any] | None  # None for a text-only prompt
+    prefill: PrefillInputs | None  # None for a text-only prompt
 
 
 def to_pil(image: Any) -> Image.Image:
@@ -64,7 +66,7 @@ class InputProcessor:
         self.device = device
         self.dtype = dtype
 
-    def __call__(self, text: str, image: Any = None) -> PromptInputs:
+    def __call__(self, text: str, image: Any = None, image_key: str | None = None) -> PromptInputs:
         if image is None:
             return self._text_only(text)
         if not self.family.has_vision:
@@ -72,16 +74,15 @@ class InputProcessor:
         if self.family.image_token and self.family.image_token not in text:
             text = self.family.image_token + text
         out = self.hf_processor(images=[to_pil(image)], text=[text], return_tensors="pt")
-        extras: dict[str, Any] = {}
+        tensors = {}
         for key in self.family.image_keys:
             value = out[key]
             dtype = self.dtype if value.is_floating_point() else value.dtype
-            extras[key] = value.to(self.device, dtype)
+            tensors[key] = value.to(self.device, dtype)
         ids = out["input_ids"][0]
-        extras["image_tokens"] = int((ids == self.image_token_id).sum())
-        if self.family.prefix_attention:
-            extras["prefix_len"] = int((out["token_type_ids"][0] == 0).sum())
-        return PromptInputs(ids.tolist(), extras)
+        prefix_len = int((out["token_type_ids"][0] == 0).sum()) if self.family.prefix_attention else 0
+        prefill = PrefillInputs(tensors, int((ids == self.image_token_id).sum()), image_key, prefix_len)
+        return PromptInputs(ids.tolist(), prefill)
 
     def _text_only(self, text: str) -> PromptInputs:
         if self.family.name == "paligemma":

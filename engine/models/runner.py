@@ -11,7 +11,7 @@ SOLUTION
     `PagedContext` passed through transformers' kwargs to every decoder attention call
     (`attention.py`), where sequences are separated again. Images of the sequences being prefilled
     are encoded in that launch by the family's own `get_image_features` (misses only: features of
-    an `extras["image_key"]` seen before come from the runner's `ImageFeatureCache`, image_cache.py),
+    a `PrefillInputs.image_key` seen before come from the runner's `ImageFeatureCache`, image_cache.py),
     and handed to the forward as `mm_encoder_outputs`, transformers' hook for precomputed encoder
     outputs, so transformers' own code scatters them over the image placeholder tokens in order.
     The last-token rows are selected before the LM head (`logits_to_keep`), so the head runs on B
@@ -20,7 +20,7 @@ SOLUTION
 INVARIANTS
     - `forward` before `allocate_kv` raises (tested).
     - Logits are float32, [num_seqs, vocab_size], whatever the compute dtype.
-    - Images are encoded only in launches whose `extras` carry them (prefill), never in decode,
+    - Images are encoded only in launches whose `prefill` inputs carry them (prefill), never in decode,
       and an image whose key is cached, or already in the launch, is not encoded again; a hit gives
       the same logits as a miss (tests/models/test_image_cache.py).
     - Cached features must fill exactly the request's image tokens, else the launch raises (a key
@@ -39,6 +39,7 @@ from foveal.engine.models.attention import PagedKV, build_context
 from foveal.engine.models.families import Family
 from foveal.engine.models.image_cache import DEFAULT_IMAGE_CACHE_BYTES, ImageFeatureCache
 from foveal.engine.models.traced import DecodeGraphs
+from foveal.engine.request import PrefillInputs
 from foveal.engine.runner import ForwardBatch
 
 
@@ -58,6 +59,7 @@ class HFRunner:
         self.image_cache = ImageFeatureCache(image_cache_bytes)
         text = model.config.get_text_config()
         self.vocab_size: int = text.vocab_size
+        self.max_positions: int | None = getattr(text, "max_position_embeddings", None)
         self.device: torch.device = next(model.parameters()).device
         self.dtype: torch.dtype = next(model.parameters()).dtype
         self.num_layers: int = text.num_hidden_layers
@@ -91,7 +93,7 @@ class HFRunner:
         kv = self.kv
         if kv is None:
             raise RuntimeError("allocate_kv(num_pages, page_size) must be called before forward()")
-        if batch.is_decode and self.decode_graphs is not None and all(e is None for e in batch.extras):
+        if batch.is_decode and self.decode_graphs is not None and not batch.prefill:
             return self.decode_graphs(batch, kv.k, kv.v, kv.page_size, kv.scratch_page)
         return self._eager(batch, kv.k, kv.v)
 
@@ -99,7 +101,7 @@ class HFRunner:
         kv = PagedKV(ks, vs, self.kv.page_size, self.kv.scratch_page)
         prefix_lens = self._prefix_lens(batch) if self.family.prefix_attention else None
         context = build_context(batch, kv, prefix_lens)
-        image_kwargs = self._image_inputs([e for e in batch.extras if e is not None])
+        image_kwargs = self._image_inputs([p for p in batch.prefill if p is not None and p.num_image_tokens])
         out = self.model(
             input_ids=batch.input_ids[None],
             position_ids=(batch.positions + self.family.position_offset)[None],
@@ -110,19 +112,18 @@ class HFRunner:
         )
         return out.logits[0].float()
 
-    def _image_inputs(self, extras: list[dict[str, Any]]) -> dict[str, Any]:
+    def _image_inputs(self, images: list[PrefillInputs]) -> dict[str, Any]:
         """`mm_encoder_outputs` for the launch's images in sequence order: cached features, misses encoded at once.
 
         A key seen twice in one launch (the same image in concurrent calls) is encoded once.
         """
-        with_images = [e for e in extras if self.family.image_keys and self.family.image_keys[0] in e]
-        if not with_images:
+        if not images:
             return {}
         slots: list[torch.Tensor | int] = []  # per image: its cached features, or its index in to_encode
-        to_encode: list[dict[str, Any]] = []
+        to_encode: list[PrefillInputs] = []
         first: dict[str, int] = {}  # key -> index in to_encode, for keys missed earlier in this launch
-        for e in with_images:
-            key = e.get("image_key")
+        for image in images:
+            key = image.image_key
             cached = None if key is None or key in first else self.image_cache.get(key)
             if cached is not None:
                 slots.append(cached)
@@ -132,36 +133,34 @@ class HFRunner:
                 if key is not None:
                     first[key] = len(to_encode)
                 slots.append(len(to_encode))
-                to_encode.append(e)
+                to_encode.append(image)
         encoded = self.encode_images(to_encode) if to_encode else []
-        for e, feats in zip(to_encode, encoded, strict=True):
-            if "image_key" in e:
-                self.image_cache.put(
-                    e["image_key"], feats.clone()
-                )  # a copy: a view would pin the whole batch
+        for image, feats in zip(to_encode, encoded, strict=True):
+            if image.image_key is not None:
+                self.image_cache.put(image.image_key, feats.clone())  # a copy: a view would pin the whole batch
         features = [encoded[s] if isinstance(s, int) else s for s in slots]
-        for e, feats in zip(with_images, features, strict=True):
-            if feats.shape[0] != e["image_tokens"]:
+        for image, feats in zip(images, features, strict=True):
+            if feats.shape[0] != image.num_image_tokens:
                 raise ValueError(
-                    f"image features of key {e.get('image_key')!r} have {feats.shape[0]} rows but the prompt has "
-                    f"{e['image_tokens']} image tokens; an image_key must identify one image's pixels"
+                    f"image features of key {image.image_key!r} have {feats.shape[0]} rows but the prompt has "
+                    f"{image.num_image_tokens} image tokens; an image_key must identify one image's pixels"
                 )
         joined = torch.cat(features)
         pooled = [joined] if self.family.features_as_list else joined
         return {"mm_encoder_outputs": {"image": BaseModelOutputWithPooling(pooler_output=pooled)}}
 
-    def encode_images(self, extras: list[dict[str, Any]]) -> list[torch.Tensor]:
+    def encode_images(self, images: list[PrefillInputs]) -> list[torch.Tensor]:
         """The family's image features of each request's image, [image tokens, hidden], in one encoder call."""
-        pooled = self.model.get_image_features(**self.family.image_kwargs(extras)).pooler_output
+        pooled = self.model.get_image_features(**self.family.image_kwargs(images)).pooler_output
         if isinstance(pooled, (list, tuple)):
             flat = torch.cat([p.reshape(-1, p.shape[-1]) for p in pooled])
         else:
             flat = pooled.reshape(-1, pooled.shape[-1])
-        return list(flat.split([e["image_tokens"] for e in extras]))
+        return list(flat.split([image.num_image_tokens for image in images]))
 
     def _prefix_lens(self, batch: ForwardBatch) -> torch.Tensor | None:
         """Per sequence, the bidirectional prefix length (0 for sequences in decode: their prefix is cached)."""
-        if batch.is_decode or not batch.extras:
+        if batch.is_decode or not batch.prefill:
             return None
-        lens = [0 if e is None else e.get("prefix_len", 0) for e in batch.extras]
+        lens = [0 if p is None else p.prefix_len for p in batch.prefill]
         return torch.tensor(lens, dtype=torch.int64).to(self.device, non_blocking=True)

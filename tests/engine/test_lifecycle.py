@@ -8,7 +8,8 @@ import time
 
 import pytest
 
-from foveal.engine import FakeRunner, FinishReason, Request, SamplingParams
+from foveal.engine import FinishReason, Request, SamplingParams
+from foveal.testing import FakeRunner
 
 
 def test_shutdown_with_steps_in_flight_does_not_hang(h):
@@ -17,9 +18,9 @@ def test_shutdown_with_steps_in_flight_does_not_hang(h):
         handles = [
             eng.submit(Request([i + 1], SamplingParams(max_tokens=200, ignore_eos=True))) for i in range(8)
         ]
-        while eng._stats.steps < 3:
+        while eng.pipeline.stats.steps < 3:
             time.sleep(0.005)
-        assert eng._inflight, "a step should be in flight"
+        assert eng.pipeline.inflight, "a step should be in flight"
         t0 = time.perf_counter()
         closer = threading.Thread(target=eng.close)
         closer.start()

@@ -12,8 +12,9 @@ import time
 
 import pytest
 
-from foveal.engine import FakeRunner, FinishReason, Request, SamplingParams
+from foveal.engine import FinishReason, Request, SamplingParams
 from foveal.engine.slot import POISON, DecodeSlot
+from foveal.testing import FakeRunner
 
 
 def _workload(n: int = 40) -> list[Request]:
@@ -68,7 +69,7 @@ def test_a_slot_is_not_reused_while_its_step_is_in_flight(h):
     def hook(phase):
         if phase == "launch" and holder:
             eng = holder[0]
-            states.append(eng.slots[eng._step_no % 2].state.value)
+            states.append(eng.slots[eng.pipeline.step_number % 2].state.value)
 
     holder = []
     with h.engine(debug_hook=hook) as eng:

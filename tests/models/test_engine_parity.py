@@ -3,7 +3,8 @@
 import pytest
 
 from foveal.engine import Engine, EngineConfig, Request, SamplingParams
-from foveal.engine.models import load, parity, tiny
+from foveal.engine.models import load
+from foveal.testing import parity, tiny
 
 MAX_NEW = 8
 
@@ -24,7 +25,7 @@ def test_engine_greedy_tokens_match_transformers(family, pipelined, checkpoints)
     )
     with Engine(loaded.runner, loaded.tokenizer, config) as engine:
         requests = [
-            Request(p.token_ids, SamplingParams(max_tokens=MAX_NEW), extras=p.extras) for p in prompts
+            Request(p.token_ids, SamplingParams(max_tokens=MAX_NEW), prefill=p.prefill) for p in prompts
         ]
         outputs = engine.generate(requests, timeout=60)
     assert [o.token_ids for o in outputs] == expected

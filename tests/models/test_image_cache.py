@@ -5,11 +5,14 @@ Through the runner: a cached image is not encoded again, a hit gives the same lo
 features never cross from one image to another.
 """
 
+from dataclasses import replace
+
 import pytest
 import torch
 
 import foveal
-from foveal.engine.models import ImageFeatureCache, PromptInputs, load, parity, tiny
+from foveal.engine.models import ImageFeatureCache, PromptInputs, load
+from foveal.testing import parity, tiny
 
 
 def feats(rows: int, value: float = 0.0) -> torch.Tensor:
@@ -70,10 +73,10 @@ VISION_MODULE = {"paligemma": "vision_tower", "llava": "vision_tower", "idefics3
 
 
 def keyed(loaded, n: int, keys: list[str]) -> list[PromptInputs]:
-    """n prompts over different images, each with extras["image_key"] as the SDK sets it."""
+    """n prompts over different images, each with its image_key as the SDK sets it."""
     prompts = tiny.family_prompts(loaded)[:n]
     return [
-        PromptInputs(p.token_ids, {**p.extras, "image_key": k}) for p, k in zip(prompts, keys, strict=True)
+        PromptInputs(p.token_ids, replace(p.prefill, image_key=k)) for p, k in zip(prompts, keys, strict=True)
     ]
 
 
@@ -125,7 +128,7 @@ def test_one_image_twice_in_one_launch_is_encoded_once(checkpoints):
     calls = count_encoder_calls(loaded, "paligemma")
     image = tiny.images(1)[0]
     prompts = [loaded.processor(text, image) for text in tiny.PROMPTS[1:4]]
-    same = [PromptInputs(p.token_ids, {**p.extras, "image_key": "same"}) for p in prompts]
+    same = [PromptInputs(p.token_ids, replace(p.prefill, image_key="same")) for p in prompts]
     shared = parity.greedy(loaded.runner, same, 4)
     assert calls == [1]
     unkeyed = parity.greedy(loaded.runner, prompts, 4)  # no keys: each encoded, as before the cache
@@ -160,7 +163,7 @@ def test_different_images_never_share_an_entry(checkpoints):
     assert len(cache) == 2
     assert not torch.equal(cache.get("k0"), cache.get("k1"))
     for key, prompt in zip(["k0", "k1"], prompts, strict=True):
-        alone = loaded.runner.encode_images([prompt.extras])[0]  # encoded alone: equal up to batch rounding
+        alone = loaded.runner.encode_images([prompt.prefill])[0]  # encoded alone: equal up to batch rounding
         assert torch.allclose(cache.get(key), alone, atol=1e-5)  # each entry holds its own image's features
 
 
@@ -168,11 +171,11 @@ def test_a_key_reused_for_an_image_of_another_token_count_raises(checkpoints):
     """Idefics3 splits images into a number of crops that depends on the size: 'k' cannot fit both."""
     loaded = load(checkpoints["idefics3"], device="cpu")
     prompts = tiny.family_prompts(loaded)[:3]
-    first, other = sorted(prompts, key=lambda p: p.extras["image_tokens"])[::2]
-    assert first.extras["image_tokens"] != other.extras["image_tokens"]
-    parity.greedy(loaded.runner, [PromptInputs(first.token_ids, {**first.extras, "image_key": "k"})], 1)
+    first, other = sorted(prompts, key=lambda p: p.prefill.num_image_tokens)[::2]
+    assert first.prefill.num_image_tokens != other.prefill.num_image_tokens
+    parity.greedy(loaded.runner, [PromptInputs(first.token_ids, replace(first.prefill, image_key="k"))], 1)
     with pytest.raises(ValueError, match="image_key must identify one image"):
-        parity.greedy(loaded.runner, [PromptInputs(other.token_ids, {**other.extras, "image_key": "k"})], 1)
+        parity.greedy(loaded.runner, [PromptInputs(other.token_ids, replace(other.prefill, image_key="k"))], 1)
 
 
 def test_sdk_calls_on_one_image_encode_it_once(checkpoints):

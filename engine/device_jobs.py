@@ -1,0 +1,93 @@
+"""The device work of one step: forward, sample, copy of the sampled ids to the host.
+
+Each function is the body of one job queued on the device (device.py): it runs on the device
+worker thread (CPU) or is issued on the compute / copy stream (CUDA), never on the scheduler's
+critical path. Inputs come from the step's DecodeSlot, already staged by step.stage.
+
+    forward(runner, step, previous_slot)   upload inputs, gather decode ids from the previous
+                                           step's samples, run the model; logits stay in the slot
+    sample(slot, shape)                    grammar masks, greedy / seeded sampling into slot.sampled
+    copy_to_host(slot, num_rows, debug)    slot.sampled -> slot.sampled_host (what commit reads)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from . import sampler
+from .runner import ForwardBatch, ModelRunner
+from .sampler import SamplingBatch
+from .slot import DecodeSlot
+from .step import Step
+
+FORWARD_INPUTS = (
+    "input_ids",
+    "positions",
+    "slot_mapping",
+    "query_start",
+    "context_lens",
+    "block_tables",
+    "gather_dst",
+    "gather_src",
+)
+SAMPLE_INPUTS = ("temperature", "top_p", "top_k", "seeds", "counters", "random_rows", "mask_rows", "bitmask")
+
+
+@dataclass(slots=True, frozen=True)
+class SampleShape:
+    """How many rows of a step's sampling buffers are live."""
+
+    num_rows: int
+    num_random: int  # rows with temperature > 0
+    num_masked: int  # rows with a grammar mask
+    filter_rows: bool  # some random row uses top-k or top-p
+
+
+@torch.inference_mode()
+def forward(runner: ModelRunner, step: Step, previous_slot: DecodeSlot) -> None:
+    slot, rows, tokens, decode = step.slot, step.num_rows, step.num_tokens, step.num_decode
+    slot.upload(FORWARD_INPUTS, (tokens, tokens, tokens, rows + 1, rows, rows, decode, decode))
+    dev = slot.dev
+    if decode:  # decode rows' inputs: the ids the previous step sampled, never visiting the host
+        sampled = previous_slot.sampled.index_select(0, dev.gather_src[:decode])
+        dev.input_ids.index_copy_(0, dev.gather_dst[:decode], sampled)
+    batch = ForwardBatch(
+        input_ids=dev.input_ids[:tokens],
+        positions=dev.positions[:tokens],
+        query_start=dev.query_start[: rows + 1],
+        context_lens=dev.context_lens[:rows],
+        block_tables=dev.block_tables[:rows, : step.table_width],
+        slot_mapping=dev.slot_mapping[:tokens],
+        max_query_len=step.max_query_len,
+        max_context_len=step.max_context_len,
+        prefill=step.prefill_inputs,
+    )
+    slot.logits = runner.forward(batch)
+
+
+@torch.inference_mode()  # runners return inference tensors; the sampler masks them in place
+def sample(slot: DecodeSlot, shape: SampleShape) -> None:
+    rows, random, masked = shape.num_rows, shape.num_random, shape.num_masked
+    slot.upload(SAMPLE_INPUTS, (rows, rows, rows, rows, rows, random, masked, masked))
+    dev = slot.dev
+    batch = SamplingBatch(
+        temperature=dev.temperature[:rows],
+        top_p=dev.top_p[:rows],
+        top_k=dev.top_k[:rows],
+        seeds=dev.seeds[:rows],
+        counters=dev.counters[:rows],
+        random_rows=dev.random_rows[:random] if random else None,
+        filter_rows=shape.filter_rows,
+        bitmask=dev.bitmask[:masked] if masked else None,
+        mask_rows=dev.mask_rows[:masked] if masked else None,
+    )
+    sampler.sample(slot.logits, batch, slot.sampled)
+    slot.logits = None
+
+
+def copy_to_host(slot: DecodeSlot, num_rows: int, debug: bool) -> None:
+    if debug:
+        slot.check_poisoned(num_rows)
+    slot.sampled_host[:num_rows].copy_(slot.sampled[:num_rows], non_blocking=True)

@@ -1,0 +1,116 @@
+"""The engine's sizes, resolved once from the runner: context length, KV pages, tokens per step.
+
+PROBLEM
+    How long a sequence may be, how many KV pages to allocate and how many query tokens a step may
+    carry depend on the model (its positions, its K/V bytes per token) and on the machine (free
+    memory). Computed in several places they drift apart, and a request is then accepted by one
+    check and refused by another.
+SOLUTION
+    `EngineConfig` leaves these sizes None by default; `resolve(config, runner)` fills them from the
+    runner once, with one set of defaults, and refuses a configuration that cannot run one full
+    sequence. `check_request` is the only place a request's prompt and max_tokens are checked
+    against those limits; the SDK only chooses max_tokens.
+INVARIANTS
+    - A resolved config has every size set: max_model_len <= the runner's positions (when known),
+      max_step_tokens >= max_batch, and num_pages, when derived from a budget, holds at least one
+      sequence of max_model_len tokens (an explicit num_pages is checked per request instead).
+    - A request accepted by `check_request` can always be admitted once the pool is free.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from .kv_cache import pages_needed
+from .runner import ModelRunner
+
+if TYPE_CHECKING:
+    from .engine import EngineConfig
+    from .request import Request
+
+DEFAULT_MAX_MODEL_LEN = 4096  # tokens per sequence unless the model allows fewer or the caller asks
+DEFAULT_KV_FRACTION = 0.25  # of free device memory (CUDA) or available RAM (CPU)
+
+
+def resolve(config: EngineConfig, runner: ModelRunner) -> EngineConfig:
+    """A copy of `config` with every size the caller left None derived from the runner."""
+    for name in ("max_batch", "page_size", "max_model_len", "max_step_tokens", "num_pages", "kv_cache_bytes"):
+        value = getattr(config, name)
+        if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
+            raise ValueError(f"{name} must be a positive int, got {value!r}")
+    limit = getattr(runner, "max_positions", None)
+    if config.max_model_len is not None and limit is not None and config.max_model_len > limit:
+        raise ValueError(f"max_model_len={config.max_model_len} exceeds this model's {limit} positions; lower it")
+    model_len = config.max_model_len or min(limit or DEFAULT_MAX_MODEL_LEN, DEFAULT_MAX_MODEL_LEN)
+    step_tokens = config.max_step_tokens or max(model_len, config.max_batch)
+    if step_tokens < config.max_batch:
+        raise ValueError("max_step_tokens must be >= max_batch (each decode row is one token)")
+    num_pages = config.num_pages or _pages_from_budget(config, runner, model_len)
+    return dataclasses.replace(config, max_model_len=model_len, max_step_tokens=step_tokens, num_pages=num_pages)
+
+
+def _pages_from_budget(config: EngineConfig, runner: ModelRunner, model_len: int) -> int:
+    """Pages for `max_batch` sequences of `model_len` tokens, or what the budget holds if less (at
+    least one whole sequence: a smaller cache could never run a long request)."""
+    budget = config.kv_cache_bytes or default_budget_bytes(runner.device)
+    per_sequence = pages_needed(model_len, config.page_size)
+    pages = min(config.max_batch * per_sequence, pages_for_budget(runner, budget, config.page_size))
+    if pages < per_sequence:
+        raise ValueError(
+            f"a KV cache of {budget} bytes holds {pages} pages of {config.page_size} tokens; one sequence of "
+            f"{model_len} tokens needs {per_sequence}: raise kv_cache_bytes or lower max_model_len"
+        )
+    return pages
+
+
+def pages_for_budget(runner: ModelRunner, budget_bytes: int, page_size: int = 16) -> int:
+    """How many pages of `page_size` tokens fit in `budget_bytes`; raises when not even one does."""
+    page_bytes = runner.kv_bytes_per_token() * page_size
+    pages = budget_bytes // page_bytes
+    if pages < 1:
+        raise ValueError(
+            f"a KV budget of {budget_bytes} bytes holds no page of {page_size} tokens ({page_bytes} bytes); raise it"
+        )
+    return int(pages)
+
+
+def default_budget_bytes(device: torch.device, fraction: float = DEFAULT_KV_FRACTION) -> int:
+    """A default KV budget: `fraction` of the device's free memory (CUDA) or of available RAM (CPU)."""
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        return int(free * fraction)
+    return int(os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") * fraction)
+
+
+def check_request(request: Request, config: EngineConfig, vocab_size: int, tokenizer: Any) -> None:
+    """Raise ValueError, with what to change, for a request this engine can never run."""
+    prompt_len, max_tokens = len(request.prompt_ids), request.sampling.max_tokens
+    context = config.max_model_len
+    if prompt_len == 0:
+        raise ValueError("prompt_ids is empty; give at least one token (e.g. the BOS id)")
+    if prompt_len >= context:
+        raise ValueError(
+            f"the prompt has {prompt_len} tokens, no room in this engine's context of {context} "
+            "(max_model_len); shorten it or load with a larger max_model_len"
+        )
+    if prompt_len > config.max_step_tokens:
+        raise ValueError(
+            f"the prompt has {prompt_len} tokens, more than max_step_tokens={config.max_step_tokens}; raise it"
+        )
+    if prompt_len + max_tokens > context:
+        raise ValueError(
+            f"max_tokens={max_tokens} does not fit: the prompt has {prompt_len} tokens and the context is "
+            f"{context} (max_model_len); use max_tokens <= {context - prompt_len}"
+        )
+    if pages_needed(prompt_len + max_tokens - 1, config.page_size) > config.num_pages:
+        raise ValueError(
+            f"the request needs more KV pages than the pool has ({config.num_pages}); lower max_tokens"
+        )
+    if request.sampling.stop and tokenizer is None:
+        raise ValueError("stop strings need text: create the Engine with a tokenizer, or use stop_token_ids")
+    if any(not 0 <= t < vocab_size for t in request.prompt_ids):
+        raise ValueError(f"prompt_ids must be in [0, {vocab_size})")

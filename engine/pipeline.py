@@ -1,0 +1,253 @@
+"""The two-slot pipeline as a steppable state machine: one `tick()` is launch, commit, finalize, text.
+
+PROBLEM
+    The accelerator must never wait for Python bookkeeping (appending tokens, advancing grammar
+    matchers, detokenizing, stop checks), and constrained decoding must run ahead like
+    unconstrained decoding does. The machinery must also be testable one step at a time, without
+    threads or timing.
+SOLUTION
+    `tick()` (DESIGN.md "The engine"):
+      1. launch step t+1 into the free DecodeSlot; its decode rows' input ids are gathered on the
+         device from where step t's sampler wrote them;
+      2. commit step t: wait for its host copy, read it, free its slot, append tokens, advance
+         matchers, detect the stops that need no text (EOS and stop ids, grammar end, max_tokens);
+      3. finalize step t+1: fill the masks from the just-advanced matchers, queue the sampler and
+         the host copy;
+      4. text of step t: detokenize, find stop strings, stream deltas.
+    The device runs forward t+1 while the host commits t. Sample t+1 waits for commit t and
+    finalize t+1, so those two must fit inside forward t+1; launch and text need only fit in the
+    whole step, which is why text comes last. Blocking mode (`pipelined=False`) is the same tick
+    in which a launch returns only once its forward has run, and the step is committed right after
+    finalize: nothing overlaps, the baseline of comparisons. A sequence that finishes at commit t
+    may ride in step t+1 as a zombie: its token there is dropped, its pages wait for inflight_refs 0.
+    The pipeline owns no thread: `Engine` calls `tick()` from its scheduler thread, and tests call
+    it directly over a device that runs queued jobs only when waited on (foveal.testing).
+INVARIANTS (tests/engine/test_pipeline_steps.py steps ticks one by one and checks each)
+    1. Greedy or seeded outputs are token-identical in pipelined and blocking mode.
+    2. Nothing is emitted after a stop; a zombie's token is dropped.
+    3. Step t+1's mask comes from the matcher after committing t.
+    4. Every page and slot is freed exactly once, after inflight_refs is 0; at idle the pools are full.
+    5. A slot's host buffers are never overwritten before commit has read them: a launch takes a
+       slot only once commit has read it (FREE), and steps commit oldest first.
+    6. After a tick at most one step is in flight (pipelined) or none (blocking).
+    7. A sequence is never launched for an output index >= its max_tokens.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections import deque
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from . import device_jobs
+from .device_jobs import SampleShape
+from .kv_cache import PagePool, pages_needed
+from .lanes import Lanes
+from .matcher import FillMasks, bitmask_words
+from .request import FinishReason
+from .runner import ModelRunner
+from .scheduler import Scheduler, Sequence
+from .sequences import Sequences
+from .slot import POISON, DecodeSlot, SlotState
+from .stats import Stats
+from .step import Step, stage
+from .trace import Trace
+
+Committed = list[tuple[Sequence, int]]  # (sequence, token) pairs whose text is still due
+
+
+class Pipeline:
+    def __init__(
+        self,
+        runner: ModelRunner,
+        device: Any,
+        *,
+        pipelined: bool,
+        max_batch: int,
+        max_step_tokens: int,
+        page_size: int,
+        num_pages: int,
+        max_model_len: int,
+        fill_masks: FillMasks,
+        debug: bool = False,
+        debug_hook: Callable[[str], None] | None = None,
+        trace: Trace | None = None,
+    ) -> None:
+        self.runner = runner
+        self.device = device
+        self.pipelined = pipelined
+        self.page_size = page_size
+        self.fill_masks = fill_masks
+        self.debug = debug
+        self.debug_hook = debug_hook
+        self.trace = trace or Trace(False)
+        self.stats = Stats()
+        self.pool = PagePool(num_pages, page_size)
+        max_pages = pages_needed(max_model_len, page_size)
+        self.lanes = Lanes(2 * max_batch, max_pages)
+        self.scheduler = Scheduler(self.pool, self.lanes, max_batch, max_step_tokens)
+        self.sequences = Sequences(self.scheduler, self.stats)
+        self.slots = [
+            DecodeSlot(i, device, max_batch, max_step_tokens, max_pages, bitmask_words(runner.vocab_size))
+            for i in range(2)
+        ]
+        self.inflight: deque[Step] = deque()
+        self.step_number = 0
+        self._row_numbers = np.arange(max_batch + 1)
+        runner.allocate_kv(num_pages, page_size)
+
+    def has_work(self) -> bool:
+        return bool(self.inflight) or self.scheduler.has_work()
+
+    def tick(self) -> None:
+        """One step of the pipeline (see the module docstring)."""
+        step = self.launch()  # 1. forward t+1
+        committed = self.commit_previous(step)  # 2. commit t
+        if step is not None:
+            self.finalize(step)  # 3. masks from the matchers after commit t; sample t+1
+            if not self.pipelined:
+                committed += self.commit_oldest()  # blocking mode: commit right after finalize
+        self.text(committed)  # 4. text of the committed tokens
+
+    # ---- 1. launch ----------------------------------------------------------------------------
+    def launch(self) -> Step | None:
+        started = time.perf_counter()
+        rows = self.scheduler.schedule()
+        if not rows:
+            return None
+        self._hook("launch")
+        slot = self.slots[self.step_number % 2]
+        if slot.state is not SlotState.FREE:
+            raise AssertionError(f"slot {slot.index} reused before commit read it")
+        step = Step(self.step_number, slot, rows)
+        prefill_rows = stage(step, self.lanes, self.page_size, self._row_numbers)
+        for seq in rows:
+            seq.num_scheduled += 1
+            seq.inflight_refs += 1
+        previous_slot = self.slots[(self.step_number - 1) % 2]
+        self.device.run("forward", lambda: device_jobs.forward(self.runner, step, previous_slot))
+        slot.state, slot.step = SlotState.LAUNCHED, step
+        self.inflight.append(step)
+        self.step_number += 1
+        self.stats.count_step(len(prefill_rows), len(rows) - len(prefill_rows))
+        self._span("launch", started)
+        if not self.pipelined:  # the baseline overlaps nothing: the forward ends before the masks
+            self._wait_device()
+        return step
+
+    # ---- 2. commit ----------------------------------------------------------------------------
+    def commit_previous(self, launched: Step | None) -> Committed:
+        """Commit the step before `launched` (every step in flight when nothing was launched)."""
+        older = len(self.inflight) - (launched is not None)
+        if older > 1:
+            raise AssertionError(f"{older} steps in flight before the launched one; the pipeline is 2 deep")
+        return self.commit_oldest() if older else []
+
+    def commit_oldest(self) -> Committed:
+        """Commit the oldest step's tokens; returns the (sequence, token) pairs whose text is due."""
+        step = self.inflight[0]  # stays in flight until read, so a device failure can still drain it
+        slot = step.slot
+        waited = time.perf_counter()
+        self.device.wait(slot.event)
+        self.inflight.popleft()
+        started = time.perf_counter()
+        self.stats.phase_s["wait"] += started - waited
+        self.trace.span("wait", "scheduler", waited, started)
+        self._hook("commit")
+        tokens = slot.read_sampled(step.num_rows, self.debug)
+        slot.state, slot.step, slot.event = SlotState.FREE, None, None
+        committed = []
+        for seq, token in zip(step.rows, tokens, strict=True):
+            seq.inflight_refs -= 1
+            if not seq.finalized:
+                if self.sequences.append(seq, token):
+                    committed.append((seq, token))
+            elif seq.inflight_refs == 0:  # a zombie's last step: its token is dropped
+                self.scheduler.release(seq)
+        self._span("commit", started)
+        return committed
+
+    # ---- 3. finalize --------------------------------------------------------------------------
+    def finalize(self, step: Step) -> None:
+        """Masks from the current matchers, then queue the sampler and the copy of its ids to the host."""
+        started = time.perf_counter()
+        self._hook("finalize")
+        slot, host, num_rows = step.slot, step.slot.np, step.num_rows
+        num_masked = self._fill_masks(step)
+        lane = step.lane_of_row  # sampling parameters were written into the lanes at admission
+        host.temperature[:num_rows], host.top_p[:num_rows] = self.lanes.temperature[lane], self.lanes.top_p[lane]
+        host.top_k[:num_rows], host.seeds[:num_rows] = self.lanes.top_k[lane], self.lanes.seed[lane]
+        random_rows = np.flatnonzero(host.temperature[:num_rows] > 0)
+        host.random_rows[: len(random_rows)] = random_rows
+        filter_rows = bool(((host.top_k[random_rows] > 0) | (host.top_p[random_rows] < 1)).any())
+        shape = SampleShape(num_rows, len(random_rows), num_masked, filter_rows)
+        self.device.run("sample", lambda: device_jobs.sample(slot, shape))
+        debug = self.debug and self.device.device.type == "cpu"
+        slot.event = self.device.copy_to_host("copy", lambda: device_jobs.copy_to_host(slot, num_rows, debug))
+        slot.state = SlotState.FINALIZED
+        self._span("finalize", started)
+
+    def _fill_masks(self, step: Step) -> int:
+        """Fill the masks of the step's live constrained rows; returns how many rows were filled.
+
+        One batched call normally. If it raises, each matcher is asked alone: the ones that fail end
+        their request with ERROR (their row allows every token; as zombies their token is dropped),
+        and the others keep their masks: one broken grammar never fails its neighbours.
+        """
+        rows = [row for row, seq in enumerate(step.rows) if seq.matcher is not None and not seq.finalized]
+        if not rows:
+            return 0
+        host, bitmask = step.slot.np, step.slot.host.bitmask
+        host.bitmask[: len(rows)] = 0
+        host.mask_rows[: len(rows)] = rows
+        try:
+            self.fill_masks([step.rows[row].matcher for row in rows], bitmask[: len(rows)])
+        except Exception:
+            for index, row in enumerate(rows):
+                seq = step.rows[row]
+                try:
+                    self.fill_masks([seq.matcher], bitmask[index : index + 1])
+                except Exception as error:
+                    host.bitmask[index] = -1
+                    self.sequences.finish(seq, FinishReason.ERROR, f"the grammar failed to give a mask: {error}")
+        return len(rows)
+
+    # ---- 4. text ------------------------------------------------------------------------------
+    def text(self, committed: Committed) -> None:
+        if committed:
+            started = time.perf_counter()
+            self.sequences.stream(committed)
+            self._span("text", started)
+
+    # ---- shutdown -----------------------------------------------------------------------------
+    def drain(self, reason: FinishReason, error: str | None = None) -> None:
+        """Finish every sequence and drop the steps in flight, so every page, lane and slot comes back."""
+        self.sequences.finish_all(reason, error)
+        with contextlib.suppress(Exception):  # a failed device has nothing more to deliver
+            self.device.synchronize()
+        while self.inflight:  # every sequence is finalized now: each step is zombies only
+            step = self.inflight.popleft()
+            for seq in step.rows:
+                seq.inflight_refs -= 1
+                if seq.inflight_refs == 0:
+                    self.scheduler.release(seq)
+            step.slot.sampled_host.fill_(POISON)
+            step.slot.state, step.slot.step, step.slot.event = SlotState.FREE, None, None
+
+    def _wait_device(self) -> None:
+        started = time.perf_counter()
+        self.device.synchronize()
+        self._span("wait", started)
+
+    def _hook(self, phase: str) -> None:
+        if self.debug_hook is not None:
+            self.debug_hook(phase)
+
+    def _span(self, name: str, started: float) -> None:
+        ended = time.perf_counter()
+        self.stats.phase_s[name] += ended - started
+        self.trace.span(name, "scheduler", started, ended)
