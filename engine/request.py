@@ -169,7 +169,8 @@ class RequestHandle:
             return self._output
 
     def __iter__(self) -> Iterator[str]:
-        """Text deltas as tokens commit (never a split UTF-8 character, never part of a stop string)."""
+        """Text deltas of committed tokens, pushed in each tick's text phase (after finalize of the next
+        step): never a split UTF-8 character, never part of a stop string."""
         seen = 0
         while True:
             with self._cond:

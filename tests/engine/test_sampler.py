@@ -148,3 +148,18 @@ def test_bitmask_penalties_equal_an_independent_bit_unpacking():
     for i, row in enumerate(rows.tolist()):
         expected[row][torch.from_numpy(bits[i] == 0)] = float("-inf")
     assert torch.equal(got, expected)
+
+
+def test_seeds_use_all_64_bits():
+    """Seeds s and s + 2**32 (and s + 2**63) draw different noise; seeds below 2**32 keep their old key."""
+    from foveal.engine.request import seed_as_int64
+    from foveal.engine.sampler import _mix32, seed_key
+
+    base = 123456
+    seeds = torch.tensor([seed_as_int64(s) for s in (base, base + 2**32, base + 2**63, 2**64 - 1)])
+    noise = gumbel_noise(seeds, torch.zeros(4, dtype=torch.int64), 1000)
+    for a in range(4):
+        for b in range(a + 1, 4):
+            assert not torch.equal(noise[a], noise[b]), (a, b)
+    low = torch.tensor([0, 1, base, 2**32 - 1])
+    assert torch.equal(seed_key(low), _mix32(low))
