@@ -72,7 +72,9 @@ def schema_refusal(message: str, schema: Any) -> SchemaError:
     """Turn llguidance's refusal of a JSON schema into a SchemaError naming keyword and path."""
     found = _UNIMPLEMENTED.search(message)
     if not found:
-        return SchemaError(f"JSON schema refused: {message.strip()}; simplify the schema at that point")
+        return _known_refusal(message, schema) or SchemaError(
+            f"JSON schema refused: {message.strip()}; simplify the schema at that point"
+        )
     keywords = json.loads(found.group(1))
     keyword = keywords[0]
     path = next(_keyword_paths(schema, keyword, "#"), "#")
@@ -82,6 +84,34 @@ def schema_refusal(message: str, schema: Any) -> SchemaError:
         keyword=keyword,
         path=path,
     )
+
+
+_RANGE = re.compile(r"Failed to generate regex for (integer|float) range: min=(\S+), max=(\S+)")
+_MULTIPLE_OF = re.compile(r"Value for 'multipleOf' has too many digits")
+
+
+def _known_refusal(message: str, schema: Any) -> SchemaError | None:
+    """llguidance's refusals of numeric keywords, in our words (keyword, JSON path, what to do)."""
+    found = _RANGE.search(message)
+    if found:
+        kind, low, _ = found.groups()
+        names = ("minimum", "exclusiveMinimum") if low != "None" else ("maximum", "exclusiveMaximum")
+        keyword, path = next(((k, p) for k in names for p in _keyword_paths(schema, k, "#")), (names[0], "#"))
+        return SchemaError(
+            f"{keyword!r} (at {path}) is too large for an exact {kind} range: llguidance enforces "
+            f"bounds of magnitude up to about 1e18; remove {keyword!r} or use a smaller bound and check the value after decoding",
+            keyword=keyword,
+            path=path,
+        )
+    if _MULTIPLE_OF.search(message):
+        path = next(_keyword_paths(schema, "multipleOf", "#"), "#")
+        return SchemaError(
+            f"'multipleOf' (at {path}) has more significant digits than llguidance can enforce exactly; "
+            "use a multiple with fewer digits (e.g. 0.01) or remove it",
+            keyword="multipleOf",
+            path=path,
+        )
+    return None
 
 
 def _keyword_paths(node: Any, keyword: str, path: str, under_data: bool = False) -> Iterator[str]:

@@ -54,6 +54,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .errors import SchemaError
+from .limits import check_regex, check_schema_node
 
 # --- exact regexes ---------------------------------------------------------------------------
 
@@ -234,7 +235,7 @@ def _walk(node: Any, path: str, walk: _Walk, shareable: bool = False) -> Any:
         if key in _VALUE_KEYS:
             out[key] = value
         elif key in _SCHEMA_MAPS and isinstance(value, dict):
-            rename = ecma_pattern if key == "patternProperties" else _same
+            rename = _property_pattern(child) if key == "patternProperties" else _same
             out[key] = {
                 rename(name): _walk(sub, f"{child}/{_escape(name)}", walk, key == "properties")
                 for name, sub in value.items()
@@ -249,6 +250,7 @@ def _walk(node: Any, path: str, walk: _Walk, shareable: bool = False) -> Any:
 def _rewrite_node(node: dict, path: str, walk: _Walk, shareable: bool) -> dict:
     patterns: list[str] = []
     max_length: int | None = None
+    check_schema_node(node, path)  # counts and pattern (grammars/limits.py), before any rewrite
     if isinstance(node.get("pattern"), str):
         node["pattern"] = ecma_pattern(node["pattern"])
     fmt = node.get("format")
@@ -313,6 +315,14 @@ def _refusal(keyword: str, value: str, path: str, why: str) -> SchemaError:
         keyword=keyword,
         path=path,
     )
+
+
+def _property_pattern(path: str):
+    def rename(name: str) -> str:
+        check_regex(name, f"'patternProperties' key at {path}:")
+        return ecma_pattern(name)
+
+    return rename
 
 
 def _same(name: str) -> str:

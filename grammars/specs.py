@@ -25,6 +25,22 @@ become exact regexes (leap years; leap seconds only at 23:59 UTC), `hostname` a 
 IDNA A-labels), `pattern` classes `\\s`, `\\S`, `.` are read as ECMA-262 defines them, draft-07
 `contentEncoding: base64` is enforced; `idn-hostname`, `idn-email`, `iri`, `iri-reference` and
 draft-07 `contentMediaType` are refused with SchemaError. grammars/formats.py documents each rule.
+
+Parsers: every GrammarSource carries the parser of its text (`parse`), decided by the same dispatch
+that chose its grammar, so a caller never dispatches on the spec's type a second time:
+
+| spec                                          | parse(text)                             |
+|-----------------------------------------------|-----------------------------------------|
+| Regex, CFG, outlines Regex/CFG/terms, str     | the text                                |
+| a JSON-schema dict (or True), outlines JsonSchema | `json.loads`                        |
+| a pydantic model class                        | an instance (`model_validate_json`)     |
+| dataclass, TypedDict, list[...], dict[...]    | `pydantic.TypeAdapter(T).validate_json` |
+| typing.Literal / list of choices              | the chosen literal value                |
+| an Enum class                                 | the chosen member                       |
+| int, float, bool, date, time, datetime        | the value (grammars/scalars.py)         |
+
+Valid by construction: every text the grammar accepts is one its parser reads (the regexes of
+scalars are our own for that reason; choices whose texts coincide are refused).
 """
 
 from __future__ import annotations
@@ -33,6 +49,7 @@ import enum
 import functools
 import json
 import typing
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -40,6 +57,7 @@ import llguidance
 
 from .errors import SchemaError
 from .formats import exact_string_constraints
+from .scalars import SCALARS
 
 JSON_OPTIONS: dict[str, Any] = {
     "whitespace_flexible": False,
@@ -71,9 +89,11 @@ class GrammarSource:
     key: str
     grammar: str
     schema: Any = None  # the JSON schema for kind "json_schema" (for error paths)
+    parse: Callable[[str], Any] = str  # the output's text -> the caller's value (module table)
+    pattern: str | None = None  # the regex, for kind "regex" (checked before compiling)
 
 
-def json_schema_source(schema: dict | bool | str) -> GrammarSource:
+def json_schema_source(schema: dict | bool | str, parse: Callable[[str], Any] = json.loads) -> GrammarSource:
     if isinstance(schema, str):
         try:
             schema = json.loads(schema)
@@ -94,7 +114,7 @@ def json_schema_source(schema: dict | bool | str) -> GrammarSource:
         grammar = llguidance.LLMatcher.grammar_from_json_schema(text, overrides=JSON_OPTIONS)
     except ValueError as err:
         raise SchemaError(f"JSON schema refused: {err}; pass a JSON-schema object") from err
-    return GrammarSource("json_schema", "json:" + text, grammar, schema)
+    return GrammarSource("json_schema", "json:" + text, grammar, schema, parse)
 
 
 _OLD_DRAFTS = ("draft-03", "draft-04", "draft-06", "draft-07")
@@ -123,26 +143,62 @@ def _drop_ref_siblings(node: Any) -> Any:
     return {k: (v if k in _VALUE_KEYS else _drop_ref_siblings(v)) for k, v in node.items()}
 
 
-def regex_source(pattern: str) -> GrammarSource:
-    return GrammarSource("regex", "regex:" + pattern, llguidance.LLMatcher.grammar_from_regex(pattern))
+def regex_source(pattern: str, parse: Callable[[str], Any] = str) -> GrammarSource:
+    if not isinstance(pattern, str):
+        raise SchemaError(f"a regex must be a string, got {type(pattern).__name__}; pass Regex('...')")
+    grammar = llguidance.LLMatcher.grammar_from_regex(pattern)
+    return GrammarSource("regex", "regex:" + pattern, grammar, parse=parse, pattern=pattern)
 
 
 def lark_source(definition: str) -> GrammarSource:
     return GrammarSource("lark", "lark:" + definition, llguidance.LLMatcher.grammar_from_lark(definition))
 
 
-def choice_source(choices: list[str]) -> GrammarSource:
-    if not choices:
+def choice_source(values: dict[str, Any]) -> GrammarSource:
+    """One of the texts of `values` (text -> the value the parser returns)."""
+    if not values:
         raise SchemaError("an empty list of choices allows no output; give at least one choice")
-    if not all(isinstance(c, str) for c in choices):
-        raise SchemaError("choices must be strings; use typing.Literal for mixed literal values")
-    # A JSON string literal is a valid Lark string literal in llguidance's dialect.
-    lark = "start: " + " | ".join(json.dumps(c, ensure_ascii=False) for c in choices)
+    texts = list(values)
+    # One lexeme (an alternation regex), not one Lark alternative per choice: llguidance's parser
+    # refuses a row of more than 2,000 items mid-decode, its lexer takes any number.
+    regex = "|".join(_regex_literal(t) for t in texts)
     return GrammarSource(
         "choice",
-        "choice:" + json.dumps(choices, ensure_ascii=False),
-        llguidance.LLMatcher.grammar_from_lark(lark),
+        "choice:" + json.dumps(texts, ensure_ascii=False),
+        llguidance.LLMatcher.grammar_from_regex(regex),
+        parse=_choice_parser(values),
     )
+
+
+def choices_of(items: list | tuple, what: str, text: Callable[[Any], str]) -> dict[str, Any]:
+    """text -> value for literal choices; refuses two values with the same text (ambiguous parse)."""
+    values: dict[str, Any] = {}
+    for item in items:
+        key = text(item)
+        if key in values and values[key] is not item and values[key] != item:
+            raise SchemaError(
+                f"{what}: {values[key]!r} and {item!r} are both written {key!r}, so the output could "
+                "not say which was chosen; keep one of them"
+            )
+        values[key] = item
+    return values
+
+
+def _choice_parser(values: dict[str, Any]) -> Callable[[str], Any]:
+    def parse(text: str) -> Any:
+        if text not in values:
+            raise ValueError(f"{text!r} is none of the choices {sorted(values)}")
+        return values[text]
+
+    return parse
+
+
+_REGEX_META = frozenset("\\.+*?()|[]{}^$#&-~")
+
+
+def _regex_literal(text: str) -> str:
+    """`text` as a regex matching exactly it (Rust regex syntax: metacharacters escaped)."""
+    return "".join(f"\\{c}" if c in _REGEX_META else c for c in text)
 
 
 def grammar_source(spec: Any) -> GrammarSource:
@@ -154,11 +210,13 @@ def grammar_source(spec: Any) -> GrammarSource:
     if isinstance(spec, dict | bool):
         return json_schema_source(spec)
     if isinstance(spec, list | tuple):
-        return choice_source(list(spec))
+        if not all(isinstance(c, str) for c in spec):
+            raise SchemaError("choices must be strings; use typing.Literal for mixed literal values")
+        return choice_source(choices_of(spec, "choices", str))
     if typing.get_origin(spec) is typing.Literal:
-        return choice_source([_literal_text(v) for v in typing.get_args(spec)])
+        return choice_source(choices_of(typing.get_args(spec), repr(spec), _literal_text))
     if isinstance(spec, type) and issubclass(spec, enum.Enum):
-        return choice_source([_literal_text(member.value) for member in spec])
+        return choice_source(choices_of(list(spec), spec.__name__, lambda m: _literal_text(m.value)))
     if _is_outlines(spec):
         return _outlines_source(spec)
     if isinstance(spec, str):
@@ -166,9 +224,14 @@ def grammar_source(spec: Any) -> GrammarSource:
             "a bare string is ambiguous as an output spec; wrap it: Regex(...), CFG(...), "
             "or pass a JSON schema as a dict"
         )
-    if _is_pydantic_model(spec) or _is_structured_type(spec):
-        return json_schema_source(_pydantic_schema(spec))
-    if spec in (int, float, bool, str) or _is_outlines_python_type(spec):
+    if _is_pydantic_model(spec):
+        return json_schema_source(_pydantic_schema(spec), spec.model_validate_json)
+    if _is_structured_type(spec):
+        return json_schema_source(_pydantic_schema(spec), _type_adapter_parser(spec))
+    if isinstance(spec, type) and spec in SCALARS:
+        scalar = SCALARS[spec]
+        return regex_source(scalar.regex, scalar.parse)
+    if spec is str:
         return _outlines_source(spec)
     raise SchemaError(
         f"unsupported output spec {spec!r}; use a pydantic model, a JSON-schema dict, "
@@ -200,9 +263,24 @@ def _pydantic_schema(spec: Any) -> dict:
     import pydantic
 
     generator = _closed_objects_generator()
-    if _is_pydantic_model(spec):
-        return spec.model_json_schema(schema_generator=generator)
-    return pydantic.TypeAdapter(spec).json_schema(schema_generator=generator)
+    try:
+        if _is_pydantic_model(spec):
+            return spec.model_json_schema(schema_generator=generator)
+        return pydantic.TypeAdapter(spec).json_schema(schema_generator=generator)
+    except pydantic.PydanticUserError as err:
+        if err.code == "typed-dict-version":
+            raise SchemaError(
+                f"{spec!r} uses typing.TypedDict, which pydantic reads only on Python >= 3.12; "
+                "define it with `from typing_extensions import TypedDict`"
+            ) from err
+        raise SchemaError(f"pydantic cannot describe {spec!r} as JSON ({err.message}); fix the type") from err
+
+
+def _type_adapter_parser(spec: Any) -> Callable[[str], Any]:
+    import pydantic
+
+    adapter = pydantic.TypeAdapter(spec)  # built once: compile already proved pydantic reads it
+    return adapter.validate_json
 
 
 @functools.cache
@@ -223,12 +301,6 @@ def _closed_objects_generator() -> type:
 
 def _is_outlines(spec: Any) -> bool:
     return type(spec).__module__.startswith("outlines")
-
-
-def _is_outlines_python_type(spec: Any) -> bool:
-    import datetime
-
-    return spec in (datetime.date, datetime.time, datetime.datetime)
 
 
 def _outlines_source(spec: Any) -> GrammarSource:

@@ -7,8 +7,20 @@ SOLUTION: `tokenizer_handle()` serializes the tokenizer once (tokenizers JSON), 
 identity key, and keeps the built LLTokenizer in a small LRU keyed by that identity. Lookups by the
 same Python object skip the serialization (a second LRU keyed by object id, holding the object so
 the id stays valid).
+
+Special-token text is plain text. The text of a spec (a regex, a CFG string literal, a JSON string)
+never matches a special token: `Regex("<|im_end|>x")` is spelled with ordinary tokens `<`, `|`, ...
+A Lark grammar allows a special token only where it names one (`<|im_end|>` or `<[2]>` syntax).
+Why it needs care: llguidance computes the mask over forced text ("the next bytes must be
+`<|im_end|>x`") by tokenizing that text, and a `tokenizers.Tokenizer` always splits special-token text
+into the special token, while the token trie (what `commit` checks) gives special tokens bytes no
+text can match. The mask then allowed a token that commit refused (issue 13). So llguidance gets the
+tokenizer through a `TokenizerWrapper` whose encoder has `encode_special_tokens = True` (special-token
+text tokenized as text); token bytes and special-token ids are those llguidance reads from the
+tokenizer's JSON, so masks are otherwise unchanged.
 INVARIANTS: equal keys <=> equal vocabulary bytes, EOS id and vocab size; a model vocab size larger
-than the tokenizer's is built in (ids past the tokenizer's are never allowed by any mask).
+than the tokenizer's is built in (ids past the tokenizer's are never allowed by any mask); a mask
+never allows a token that `commit` refuses, special-token text included.
 """
 
 from __future__ import annotations
@@ -36,6 +48,7 @@ class TokenizerHandle:
     vocab_size: int  # the model's vocabulary (bitmask width is ceil(vocab_size / 32) words)
     source: Any  # the tokenizers.Tokenizer (for token_to_id)
     _token_bytes: list[bytes] | None = field(default=None, repr=False)
+    _special_texts: tuple[str, ...] | None = field(default=None, repr=False)
 
     @property
     def mask_words(self) -> int:
@@ -52,6 +65,17 @@ class TokenizerHandle:
                 else self.source.id_to_token(token_id) or f"<special {token_id}>"
             )
         return f"<id {token_id} outside the vocabulary>"
+
+    def special_text_in(self, text: str) -> str | None:
+        """The first special token's text found in `text` (None if none): for callers whose parser
+        reads special tokens back out of the decoded text, where plain text spelling one would be
+        ambiguous (location-token labels)."""
+        if self._special_texts is None:
+            special = self.ll.is_special_token
+            texts = (self.source.id_to_token(i) for i in range(self.ll.vocab_size) if special(i))
+            self._special_texts = tuple(t for t in texts if t)
+        found = [(text.find(t), t) for t in self._special_texts if t in text]
+        return min(found)[1] if found else None
 
     def token_bytes(self) -> list[bytes]:
         """Bytes of every token id (special tokens: b""), built once, for byte-level bookkeeping."""
@@ -118,7 +142,31 @@ def _build(backend: Any, eos: int, vocab_size: int | None) -> TokenizerHandle:
     cached = _BY_IDENTITY.get(key)
     if cached is not None:
         return cached
-    ll = llguidance.LLTokenizer(text, n_vocab=size, eos_token=eos)
+    ll = _plain_text_tokenizer(backend, text, eos, size)
     handle = TokenizerHandle(key=key, ll=ll, eos_token_id=eos, vocab_size=size, source=backend)
     _BY_IDENTITY.put(key, handle)
     return handle
+
+
+class _PlainTextEncoder:
+    """What llguidance's TokenizerWrapper reads: token bytes, special ids, and an encoder that
+    reads special-token text as text (see the module docstring)."""
+
+    bos_token_id = None
+
+    def __init__(self, backend: Any, json_built: llguidance.LLTokenizer, eos: int) -> None:
+        n = json_built.vocab_size
+        self.eos_token_id = eos
+        self.special_token_ids = [i for i in range(n) if json_built.is_special_token(i)]
+        self.tokens = [json_built.decode_bytes([i]) for i in range(n)]
+        self._encoder = copy.copy(backend)
+        self._encoder.encode_special_tokens = True
+
+    def __call__(self, text: str) -> list[int]:
+        return self._encoder.encode(text, add_special_tokens=False).ids
+
+
+def _plain_text_tokenizer(backend: Any, text: str, eos: int, size: int) -> llguidance.LLTokenizer:
+    json_built = llguidance.LLTokenizer(text, n_vocab=size, eos_token=eos)
+    wrapper = llguidance.TokenizerWrapper(_PlainTextEncoder(backend, json_built, eos))
+    return llguidance.LLTokenizer(wrapper, n_vocab=size, eos_token=eos)

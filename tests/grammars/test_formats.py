@@ -344,5 +344,16 @@ def test_content_keywords_are_annotations_outside_draft7(tok):
 
 
 def test_every_exact_format_compiles(tok):
-    for fmt in formats.EXACT_FORMATS:
-        grammars.compile(string(fmt), tok, eos_token_id=EOS)
+    """Each format compiles to a JSON automaton that accepts a valid value and refuses an invalid one."""
+    examples = {
+        "date": ("2024-02-29", "2023-02-29"),
+        "time": ("12:00:00Z", "24:00:00Z"),
+        "date-time": ("2024-02-29T12:00:00Z", "2024-02-29 12:00:00Z"),
+        "hostname": ("example.com", "a_b.com"),
+    }
+    assert set(examples) == set(formats.EXACT_FORMATS)
+    for fmt, (good, bad) in examples.items():
+        automaton = grammars.compile(string(fmt), tok, eos_token_id=EOS)
+        assert isinstance(automaton, grammars.Automaton) and automaton.kind == "json_schema"
+        assert accepts(string(fmt), good, tok), (fmt, good)
+        assert not accepts(string(fmt), bad, tok), (fmt, bad)
