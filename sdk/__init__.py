@@ -35,6 +35,7 @@ _LAZY = {
     "ModelLoadError": "foveal.engine.models",
     "GenerationError": "foveal.errors",
     "IncompleteOutputError": "foveal.errors",
+    "ModelClosedError": "foveal.errors",
 }
 
 __all__ = ["__version__", *_LAZY]

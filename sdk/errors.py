@@ -10,7 +10,20 @@ from __future__ import annotations
 
 
 class GenerationError(RuntimeError):
-    """The engine could not finish the request (cancelled, engine closed or failed)."""
+    """The engine could not finish the request (cancelled, engine closed or failed), or its
+    constrained answer did not parse (a bug: the message names the skill)."""
+
+
+class ModelClosedError(GenerationError):
+    """The model was closed: calls made after `close()`, and calls still running when it closed.
+
+    Load the model again (`foveal.load(...)`) to keep working.
+    """
+
+    def __init__(self, skill: str) -> None:
+        super().__init__(
+            f"{skill}: cancelled, the model is closed; load it again with foveal.load(...) to call it"
+        )
 
 
 class IncompleteOutputError(RuntimeError):

@@ -8,6 +8,11 @@ any input `foveal.vision.load_image` accepts; `image=None` renders as text only.
 
 `DetectResult` and `PointResult` check their coordinates on construction (the same checks `draw`
 makes), so a malformed answer fails where it is made, not later in a notebook.
+
+A streamed caption or answer is a `TextStream` (`AsyncTextStream` for the async skills): iterate it
+to get text chunks as they are generated. Leaving the loop early (`break`, an exception) or
+`close()` stops the generation at once, even while the result dict is still referenced: each loop
+gets its own iterator, which is dropped, and so closed, when the loop is left.
 """
 
 from __future__ import annotations
@@ -16,11 +21,12 @@ import base64
 import html
 import io
 import json
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
 from PIL import Image
 
+from foveal.errors import GenerationError
 from foveal.vision import draw, load_image
 from foveal.vision.draw import parse_result
 
@@ -62,21 +68,102 @@ class Result(dict):
         return f'<div><img src="{source}" style="max-width:100%"/><pre>{text}</pre></div>'
 
 
+class TextStream:
+    """Text chunks of a streamed answer, as they are generated (`for chunk in stream`, `"".join(stream)`).
+
+    Read it in one loop. Leaving the loop before the end (`break`, an exception) or `close()` stops
+    the generation at once and frees its place in the engine; reading on after that raises
+    GenerationError. At the end of the text, a failed, cancelled or cut constrained answer raises
+    as the non-streamed call would.
+    """
+
+    __slots__ = ("_chunks", "_stopped")
+
+    def __init__(self, chunks: Iterator[str]) -> None:
+        self._chunks = chunks  # a generator that cancels its request when closed
+        self._stopped = False
+
+    def __iter__(self) -> Iterator[str]:
+        self._check_open()
+        return self._follow()
+
+    def __next__(self) -> str:
+        self._check_open()
+        return next(self._chunks)
+
+    def close(self) -> None:
+        """Stop the generation (a no-op once the text is complete)."""
+        self._stopped = True
+        self._chunks.close()
+
+    def __enter__(self) -> TextStream:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _follow(self) -> Iterator[str]:
+        # One iterator per loop: a loop left early drops it, CPython closes it at once, and closing
+        # it closes the chunks, which cancels the request.
+        try:
+            yield from self._chunks
+        except GeneratorExit:
+            self._stopped = True
+            raise
+
+    def _check_open(self) -> None:
+        if self._stopped:
+            raise GenerationError("this stream was stopped before its end (a loop left early, or close())")
+
+
+class AsyncTextStream:
+    """`TextStream` for the async skills: `async for chunk in stream`; leaving the loop or
+    `await stream.aclose()` stops the generation."""
+
+    __slots__ = ("_chunks", "_stopped")
+
+    def __init__(self, chunks: AsyncIterator[str]) -> None:
+        self._chunks = chunks  # an async generator that cancels its request when closed
+        self._stopped = False
+
+    def __aiter__(self) -> AsyncIterator[str]:
+        if self._stopped:
+            raise GenerationError("this stream was stopped before its end (a loop left early, or aclose())")
+        return self._follow()
+
+    async def __anext__(self) -> str:
+        return await self._chunks.__anext__()
+
+    async def aclose(self) -> None:
+        self._stopped = True
+        await self._chunks.aclose()
+
+    async def _follow(self) -> AsyncIterator[str]:
+        done = False
+        try:
+            async for chunk in self._chunks:
+                yield chunk
+            done = True
+        finally:
+            if not done:  # the loop was left early (asyncio closes a dropped async generator)
+                await self.aclose()
+
+
 class CaptionResult(Result):
-    """`{"caption": str}`, or an iterator of text chunks when streamed."""
+    """`{"caption": str}`, or a TextStream of text chunks when streamed."""
 
     __slots__ = ()
 
-    def __init__(self, caption: str | Iterator[str], *, image: Any = None) -> None:
+    def __init__(self, caption: str | TextStream | AsyncTextStream, *, image: Any = None) -> None:
         super().__init__(caption=caption, image=image)
 
 
 class QueryResult(Result):
-    """`{"answer": str}`, or an iterator of text chunks when streamed."""
+    """`{"answer": str}`, or a TextStream of text chunks when streamed."""
 
     __slots__ = ()
 
-    def __init__(self, answer: str | Iterator[str], *, image: Any = None) -> None:
+    def __init__(self, answer: str | TextStream | AsyncTextStream, *, image: Any = None) -> None:
         super().__init__(answer=answer, image=image)
 
 

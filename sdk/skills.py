@@ -249,7 +249,7 @@ class ChatSkills(Skills):
         self, skill: str, text: str, spec: Any = None, parse: Callable[[str], Any] | None = None
     ) -> Task:
         """A task whose prompt has the image placeholder, and a second prompt for a call without image."""
-        if isinstance(spec, spatial.SpatialSpec):
+        if skill in ("detect", "point"):
             task = _spatial_task(skill, self.turn(text, image=True), spec)
         else:
             task = Task(

@@ -227,6 +227,8 @@ def test_chat_skills_never_use_the_shared_tokenizer_per_call(builders, template)
     expected = [reference.query("what is it?"), reference.caption("long"), reference.detect("car", 2)]
     expected += [reference.point("car", 2), reference.generate("say hi", None, str)]
     assert [t.prompt for t in tasks] == [t.prompt for t in expected]
+    boxes = skills.generate("boxes", spatial.boxes("json"), lambda text: {"parsed": text})
+    assert boxes.parse("{}") == {"parsed": "{}"}  # generate keeps its output type's parser
     rendered = tok.apply_chat_template(
         [{"role": "user", "content": "<image>\nwhat is it?"}], tokenize=False, add_generation_prompt=True
     )
