@@ -20,14 +20,22 @@ INVARIANTS
     - Padding rows write only the scratch page; real rows' slots are the batch's own.
     - The KV tensors are inputs of the graph, never constants baked into it, so replays write the
       live cache.
+    - A runner's graphs die with it (`own_compilation_unit`): nothing traced here stays in torch's
+      process-wide TorchScript unit, which is never emptied. A trace holds the model's weights as
+      constants (sharing the parameters' storage) and its executor's plans (~10 MB for the embedded
+      model), so a trace kept there leaked the weights of every model loaded, called and closed
+      (issue 13: +20 MB a cycle with the embedded model, +650 MB with SmolLM2; tests/engine/test_leaks.py).
 """
 
 from __future__ import annotations
 
+import contextlib
+import threading
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import torch
+import torch.jit._state
 
 from foveal.engine.runner import ForwardBatch
 
@@ -37,6 +45,28 @@ def bucket(n: int) -> int:
     is less than 1.5 n (powers of two alone: up to 2 n), for twice the traces."""
     power = 1 << max(0, n - 1).bit_length()
     return power * 3 // 4 if power >= 4 and n <= power * 3 // 4 else power
+
+
+_unit_lock = threading.Lock()  # the swap below is process-wide: one trace at a time swaps it
+
+
+@contextlib.contextmanager
+def own_compilation_unit() -> Iterator[torch.jit.CompilationUnit]:
+    """Make what is traced inside the block live in a fresh TorchScript compilation unit.
+
+    `torch.jit.trace` registers each traced module's type and methods (their graphs, constants and
+    optimized plans) in `torch.jit._state._python_cu`, a process-wide unit nothing ever empties;
+    its `_compilation_unit` argument is ignored for modules. torch's C++ side looks the unit up as
+    that Python attribute at each use, so swapping the attribute for the duration of the trace puts
+    the trace in a unit of its own, which the traced module keeps alive and frees with itself.
+    """
+    with _unit_lock:
+        saved = torch.jit._state._python_cu
+        unit = torch.jit._state._python_cu = torch.jit.CompilationUnit()
+        try:
+            yield unit
+        finally:
+            torch.jit._state._python_cu = saved
 
 
 class _Step(torch.nn.Module):
@@ -49,14 +79,14 @@ class _Step(torch.nn.Module):
         self.eager = eager
         self.max_context_len = max_context_len
 
-    def forward(self, input_ids, positions, query_start, context_lens, block_tables, slot_mapping, ks, vs):
+    def forward(self, input_ids, positions, query_start, context_lens, block_tables, kv_index, ks, vs):
         batch = ForwardBatch(
             input_ids,
             positions,
             query_start,
             context_lens,
             block_tables,
-            slot_mapping,
+            kv_index,
             1,
             self.max_context_len,
         )
@@ -78,10 +108,9 @@ class DecodeGraphs:
         args = (*self._pad(batch, rows, cols, page_size, scratch_page), tuple(ks), tuple(vs))
         graph = self.graphs.get((rows, cols))
         if graph is None:
-            with warnings.catch_warnings():
-                warnings.simplefilter(
-                    "ignore"
-                )  # TracerWarnings about Python ints: shapes are fixed per bucket
+            with warnings.catch_warnings(), own_compilation_unit():
+                # TracerWarnings about Python ints: shapes are fixed per bucket
+                warnings.simplefilter("ignore")
                 graph = torch.jit.trace(_Step(self.eager, cols * page_size), args, check_trace=False)
             self.graphs[(rows, cols)] = graph
         return graph(*args)[:n]
@@ -108,5 +137,5 @@ class DecodeGraphs:
             torch.arange(rows + 1, dtype=batch.query_start.dtype, device=device),
             grow(batch.context_lens, 1),
             tables,
-            grow(batch.slot_mapping, scratch_page * page_size),
+            grow(batch.kv_index, scratch_page * page_size),
         )
