@@ -25,7 +25,7 @@ from .step import Step
 FORWARD_INPUTS = (
     "input_ids",
     "positions",
-    "slot_mapping",
+    "kv_index",
     "query_start",
     "context_lens",
     "block_tables",
@@ -59,7 +59,7 @@ def forward(runner: ModelRunner, step: Step, previous_slot: DecodeSlot) -> None:
         query_start=dev.query_start[: rows + 1],
         context_lens=dev.context_lens[:rows],
         block_tables=dev.block_tables[:rows, : step.table_width],
-        slot_mapping=dev.slot_mapping[:tokens],
+        kv_index=dev.kv_index[:tokens],
         max_query_len=step.max_query_len,
         max_context_len=step.max_context_len,
         prefill=step.prefill_inputs,

@@ -11,7 +11,7 @@ SOLUTION
     prefill and decode alike (decode is a query of length 1). The engine fills its tensors from a
     DecodeSlot's preallocated buffers; for decode steps `input_ids` is gathered on the device from
     the previous step's sampled ids, so it never visits the host. The runner writes the new tokens'
-    K/V into its own KV tensors at `slot_mapping`, attends over `block_tables`/`context_lens`, and
+    K/V into its own KV tensors at `kv_index`, attends over `block_tables`/`context_lens`, and
     returns the logits of each sequence's last query token.
 
 INVARIANTS
@@ -41,7 +41,7 @@ class ForwardBatch:
     query_start:   [B + 1] int32, cumulative query lengths (sequence i owns tokens query_start[i]:query_start[i+1]).
     context_lens:  [B] int32, tokens in each sequence's KV after this launch (cached + new).
     block_tables:  [B, P] int32, the KV page ids of each sequence in order, padded with -1.
-    slot_mapping:  [T] int64, where each query token's K/V is written: page_id * page_size + offset.
+    kv_index:  [T] int64, where each query token's K/V is written: page_id * page_size + offset.
     max_query_len: the longest query in the batch (1 for a pure decode step); a host int.
     max_context_len: the longest context in the batch; a host int.
     prefill:       per sequence, its `PrefillInputs` (images, prefix length) or None; an empty list
@@ -53,7 +53,7 @@ class ForwardBatch:
     query_start: torch.Tensor
     context_lens: torch.Tensor
     block_tables: torch.Tensor
-    slot_mapping: torch.Tensor
+    kv_index: torch.Tensor
     max_query_len: int
     max_context_len: int
     prefill: list[PrefillInputs | None] = field(default_factory=list)

@@ -37,7 +37,7 @@ class SlotState(Enum):
 class StepTensors:
     input_ids: torch.Tensor  # [T] int64 prompt tokens; decode rows are gathered on the device
     positions: torch.Tensor  # [T] int64
-    slot_mapping: torch.Tensor  # [T] int64
+    kv_index: torch.Tensor  # [T] int64
     query_start: torch.Tensor  # [B + 1] int32
     context_lens: torch.Tensor  # [B] int32
     block_tables: torch.Tensor  # [B, P] int32
@@ -60,7 +60,7 @@ class StepTensors:
         return StepTensors(
             input_ids=ints(max_tokens),
             positions=ints(max_tokens),
-            slot_mapping=ints(max_tokens),
+            kv_index=ints(max_tokens),
             query_start=ints(max_batch + 1, dtype=torch.int32),
             context_lens=ints(max_batch, dtype=torch.int32),
             block_tables=ints(max_batch, max_pages, dtype=torch.int32),

@@ -88,7 +88,7 @@ def _stage_positions(
     num_tokens = len(positions)
     pages = lanes.block_table[lane_of_token, positions // page_size]
     host.positions[:num_tokens] = positions
-    host.slot_mapping[:num_tokens] = pages * page_size + positions % page_size
+    host.kv_index[:num_tokens] = pages * page_size + positions % page_size
     host.query_start[: num_rows + 1] = query_starts
     host.context_lens[:num_rows] = context
     host.counters[:num_rows] = output_index

@@ -26,7 +26,7 @@ INVARIANTS (tests/sdk/test_model.py, test_concurrency.py)
        IncompleteOutputError instead of returning a partial value.
     3. Concurrent calls with the same seeds return what sequential calls return.
     4. Batch results come back in input order; a failed image yields its exception in its place.
-    5. Each request with an image carries `extras["image_key"]` (foveal.vision.image_key of the
+    5. Each request with an image carries `prefill.image_key` (foveal.vision.image_key of the
        decoded image), so a runner can reuse that image's encoding across calls.
 """
 
@@ -37,7 +37,7 @@ import copy
 import threading
 from collections import deque
 from collections.abc import AsyncIterator, Iterable, Iterator, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -47,35 +47,42 @@ from tqdm import tqdm
 from foveal import grammars
 from foveal.engine import AsyncEngine, Engine, EngineConfig, FinishReason, Request, SamplingParams
 from foveal.engine import models as engine_models
-from foveal.engine.kv_cache import pages_needed
 from foveal.engine.request import RequestHandle, RequestOutput
-from foveal.errors import GenerationError, IncompleteOutputError
+from foveal.errors import GenerationError, IncompleteOutputError, ModelClosedError
 from foveal.outputs import output_parser
 from foveal.results import (
+    AsyncTextStream,
     CaptionResult,
     DetectResult,
     GenerateResult,
     PointResult,
     QueryResult,
     Result,
+    TextStream,
 )
 from foveal.settings import Settings, validate_settings
 from foveal.skills import Skills, Task, check_length, check_object, check_text, skills_for
 from foveal.vision import image_key, load_image
 
 EMBEDDED = Path(__file__).parent / "embedded"
-DEFAULT_MAX_MODEL_LEN = 4096  # tokens per sequence unless the model allows fewer or the caller asks
-PAGE_SIZE = 16
 SKILLS = ("caption", "query", "detect", "point", "generate")
-IMAGE_SKILLS = ("caption", "detect", "point")  # meaningless without an image on a vision model
+IMAGE_SKILLS = ("caption", "detect", "point")  # meaningless without an image, on every model
 
 
 @dataclass(frozen=True, slots=True)
 class EncodedImage:
-    """An image decoded and keyed once (`model.encode_image`); pass it to skills instead of the image."""
+    """An image decoded and keyed once (`model.encode_image`); pass it to skills instead of the image.
+
+    The key is derived here from a private copy of the pixels, never given: a key that does not
+    belong to its image would return another image's cached encoding.
+    """
 
     image: Image.Image
-    key: str
+    key: str = field(init=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "image", load_image(self.image))  # a copy: later edits cannot stale the key
+        object.__setattr__(self, "key", image_key(self.image))
 
 
 @dataclass(slots=True)
@@ -145,7 +152,7 @@ def _model_source(path: str | Path | None) -> str:
     if not (EMBEDDED / "model.safetensors").is_file():
         raise engine_models.ModelLoadError(
             f"the embedded model's weights are missing ({EMBEDDED} has no model.safetensors): reinstall "
-            "foveal, or train and export them with `python -m foveal.train_shapes --run runs/shapes "
+            "foveal, or train and export them with `python -m foveal.training.train_shapes --run runs/shapes "
             f"--export {EMBEDDED}`, or load a checkpoint folder: foveal.load('/path/to/hf_folder')"
         )
     return str(EMBEDDED)
@@ -158,30 +165,13 @@ def engine_config(
     max_model_len: int | None,
     kv_cache_bytes: int | None,
 ) -> EngineConfig:
-    """Engine sizes for a loaded model: context length, KV pages (bounded by memory), masks in one call."""
-    runner = loaded.runner
-    limit = (
-        getattr(runner.model.config.get_text_config(), "max_position_embeddings", None)
-        or DEFAULT_MAX_MODEL_LEN
-    )
-    if max_model_len is not None and max_model_len > limit:
-        raise ValueError(f"max_model_len={max_model_len} exceeds this model's {limit} positions; lower it")
-    model_len = max_model_len or min(limit, DEFAULT_MAX_MODEL_LEN)
-    per_sequence = pages_needed(model_len, PAGE_SIZE)
-    budget = kv_cache_bytes or engine_models.default_budget_bytes(runner.device)
-    num_pages = min(max_batch_size * per_sequence, engine_models.pages_for_budget(runner, budget, PAGE_SIZE))
-    if num_pages < per_sequence:
-        raise ValueError(
-            f"a KV cache of {budget} bytes holds {num_pages} pages; one sequence of {model_len} tokens needs "
-            f"{per_sequence}: raise kv_cache_bytes or lower max_model_len"
-        )
+    """The engine configuration of a loaded model; sizes left None are derived from its runner by the
+    engine (foveal.engine.limits: the model's positions, at most 4096 tokens; a quarter of free memory)."""
     return EngineConfig(
         pipelined=pipelined,
         max_batch=max_batch_size,
-        max_step_tokens=max(model_len, max_batch_size),
-        page_size=PAGE_SIZE,
-        num_pages=num_pages,
-        max_model_len=model_len,
+        max_model_len=max_model_len,
+        kv_cache_bytes=kv_cache_bytes,
         eos_token_ids=tuple(loaded.eos_token_ids),
         fill_masks=grammars.fill_masks,
     )
@@ -201,15 +191,17 @@ class Model:
     def __init__(self, loaded: engine_models.LoadedModel, skills: Skills, config: EngineConfig) -> None:
         self.loaded = loaded
         self.skills = skills
-        self.config = config
         self.engine = Engine(loaded.runner, copy.deepcopy(loaded.tokenizer), config)
+        self.config = self.engine.config  # sizes resolved from the runner
         self._lock = threading.Lock()  # processor, tokenizer and grammar compiles: one caller at a time
+        self._closed = False
 
     def __repr__(self) -> str:
         return f"Model(family={self.loaded.family!r}, skills={self.skills.name!r}, source={self.loaded.source!r})"
 
     def close(self) -> None:
-        """Stop the engine; calls still running end with GenerationError."""
+        """Stop the engine; calls still running, and calls made later, raise ModelClosedError."""
+        self._closed = True
         self.engine.close()
 
     def __enter__(self) -> Model:
@@ -278,8 +270,7 @@ class Model:
         """Decode and key an image once, for several calls on it (Moondream's `encode_image`)."""
         if isinstance(image, EncodedImage):
             return image
-        decoded = load_image(image)
-        return EncodedImage(decoded, image_key(decoded))
+        return EncodedImage(image)
 
     # ---- async skills ----------------------------------------------------------------------------------------
 
@@ -335,22 +326,22 @@ class Model:
     # ---- step 2: prepare (grammar, image, prompt ids, token budget) -------------------------------------------
 
     def _prepare(self, task: Task, image: Any, settings: Settings, explicit: bool) -> Job:
+        if self._closed:
+            raise ModelClosedError(task.skill)
         with self._lock:
             automaton = self._compile(task.spec)
         decoded, key = self._image(image, task.skill)
         with self._lock:
-            prompt = self.loaded.processor(task.prompt, decoded)
-        extras = prompt.extras
-        if key is not None:
-            extras["image_key"] = key
+            prompt = self.loaded.processor(task.prompt_for(decoded is not None), decoded, image_key=key)
         sampling = SamplingParams(
             temperature=settings.temperature,
             top_p=settings.top_p,
             max_tokens=self._budget(len(prompt.token_ids), settings.max_tokens, explicit),
             seed=settings.seed,
+            skip_special_tokens=not task.keep_special,  # the text the parser reads, made by the engine
         )
         matcher = automaton.matcher() if automaton is not None else None
-        return Job(task, Request(prompt.token_ids, sampling, matcher, extras), decoded)
+        return Job(task, Request(prompt.token_ids, sampling, matcher, prompt.prefill), decoded)
 
     def _compile(self, spec: Any) -> grammars.Automaton | None:
         if spec is None:
@@ -360,7 +351,14 @@ class Model:
     def _image(self, image: Any, skill: str) -> tuple[Image.Image | None, str | None]:
         family = self.loaded.runner.family
         if image is None:
-            if family.has_vision and (skill in IMAGE_SKILLS or family.prefix_attention):
+            if skill in IMAGE_SKILLS:
+                what = (
+                    ""
+                    if family.has_vision
+                    else f"; this {family.name} model is text-only: use query or generate"
+                )
+                raise ValueError(f"{skill} needs an image; pass image=...{what}")
+            if family.has_vision and family.prefix_attention:
                 raise ValueError(f"{skill} on this {family.name} model needs an image; pass image=...")
             return None, None
         if not family.has_vision:
@@ -371,19 +369,11 @@ class Model:
         return decoded, image_key(decoded)
 
     def _budget(self, prompt_len: int, max_tokens: int, explicit: bool) -> int:
-        """max_tokens for this prompt: a skill's default shrinks to the context; an explicit one must fit."""
-        room = self.config.max_model_len - prompt_len
-        if room < 1:
-            raise ValueError(
-                f"the prompt has {prompt_len} tokens, more than this model's context of "
-                f"{self.config.max_model_len}; shorten it or load with a larger max_model_len"
-            )
-        if explicit and max_tokens > room:
-            raise ValueError(
-                f"settings['max_tokens']={max_tokens} does not fit: the prompt has {prompt_len} tokens and the "
-                f"context is {self.config.max_model_len}; use max_tokens <= {room}"
-            )
-        return min(max_tokens, room)
+        """max_tokens for this prompt: a skill's default shrinks to the room the prompt leaves; an
+        explicit one is the caller's. Whether it fits is checked once, by the engine's submit."""
+        if explicit:
+            return max_tokens
+        return max(1, min(max_tokens, self.config.max_model_len - prompt_len))
 
     # ---- step 3: submit and collect --------------------------------------------------------------------------
 
@@ -393,9 +383,9 @@ class Model:
                 raise ValueError("stream=True takes one image, not a list")
             return self._batch(task, list(image), settings, explicit, progress=None)
         job = self._prepare(task, image, settings, explicit)
-        handle = self.engine.submit(job.request)
+        handle = self._submit(job)
         if stream:
-            return _make(task.skill, "", self._stream(job, handle), job.image)
+            return _make(task.skill, "", TextStream(self._stream(job, handle)), job.image)
         return self._result(job, handle.result())
 
     def _stream(self, job: Job, handle: RequestHandle) -> Iterator[str]:
@@ -407,20 +397,23 @@ class Model:
 
     def _result(self, job: Job, output: RequestOutput) -> Result:
         self._check(job, output)
-        text = output.text
-        if job.task.keep_special:
-            with self._lock:
-                text = self.loaded.tokenizer.decode(output.token_ids, skip_special_tokens=False)
-        return _make(job.task.skill, output.text, job.task.parse(text), job.image)
+        return _make(job.task.skill, output.text, job.task.parse(output.text), job.image)
 
-    @staticmethod
-    def _check(job: Job, output: RequestOutput) -> None:
+    def _submit(self, job: Job) -> RequestHandle:
+        try:
+            return self.engine.submit(job.request)
+        except RuntimeError:
+            if self._closed:  # closed by another thread since _prepare looked
+                raise ModelClosedError(job.task.skill) from None
+            raise
+
+    def _check(self, job: Job, output: RequestOutput) -> None:
         if output.finish_reason is FinishReason.ERROR:
             raise GenerationError(f"{job.task.skill} failed in the engine: {output.error}")
+        if output.finish_reason is FinishReason.CANCELLED and self._closed:
+            raise ModelClosedError(job.task.skill)
         if output.finish_reason is FinishReason.CANCELLED:
-            raise GenerationError(
-                f"{job.task.skill} was cancelled (the model was closed or the call cancelled)"
-            )
+            raise GenerationError(f"{job.task.skill} was cancelled (the call or its stream was stopped)")
         if output.finish_reason is FinishReason.LENGTH and job.task.spec is not None:
             raise IncompleteOutputError(job.task.skill, job.request.sampling.max_tokens, output.text)
 
@@ -448,7 +441,7 @@ class Model:
             for index, image in enumerate(images):
                 try:
                     job = self._prepare(task, image, settings, explicit)
-                    window.append((index, job, self.engine.submit(job.request)))
+                    window.append((index, job, self._submit(job)))
                 except Exception as error:
                     results[index] = error
                     bar.update()
@@ -472,13 +465,13 @@ class Model:
             return list(await asyncio.gather(*calls, return_exceptions=True))
         job = await asyncio.to_thread(self._prepare, task, image, settings, explicit)
         if stream:
-            return _make(task.skill, "", self._astream(job), job.image)
+            return _make(task.skill, "", AsyncTextStream(self._astream(job)), job.image)
         return self._result(job, await AsyncEngine(self.engine).generate(job.request))
 
     async def _astream(self, job: Job) -> AsyncIterator[str]:
         """The async twin of `_stream`: an engine error, a cancellation or a cut constrained answer
         raises at the end of the stream, as it does for the sync stream and the whole result."""
-        handle = self.engine.submit(job.request)
+        handle = self._submit(job)
         try:
             async for delta in AsyncEngine.deltas(handle):
                 yield delta

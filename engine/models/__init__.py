@@ -6,7 +6,7 @@ Design choice: build on transformers' model code, replace only attention.
     own modules, so parity with the reference holds by construction, weight loading (safetensors
     and GGUF) is transformers', and a family costs one data entry (`families.py`). foveal writes
     only what is its own: paged attention registered through transformers' `AttentionInterface`
-    (`attention.py`: K/V written at the engine's slots, read through its block tables, causal or
+    (`attention.py`: K/V written at the engine's KV indices, read through its block tables, causal or
     PaliGemma prefix masks), the runner that turns a flat `ForwardBatch` into one model call
     (`runner.py`), decode replay of traced graphs on CPU (`traced.py`), the input processor and the
     loader: about 900 lines, docstrings included, for six architectures.
@@ -19,20 +19,18 @@ Design choice: build on transformers' model code, replace only attention.
     1.1-1.35x at batch 1, nothing measurable at batch 16 (compute-bound), and it works on
     transformers' modules unchanged.
 
-Image reuse: the runner keeps an LRU of image features by `extras["image_key"]`, bounded in bytes
+Image reuse: the runner keeps an LRU of image features by `PrefillInputs.image_key`, bounded in bytes
 (`image_cache.py`, `load(..., image_cache_bytes=)`), so several calls on one image encode it once.
 
-For tests, notebooks and benchmarks (imported by name, not re-exported here): `tiny`, tiny random
-checkpoints of each supported family, built offline (`tiny.build(family, folder)`); `parity`, a
-greedy driver of a runner and its comparison with transformers' `generate`.
+Test helpers (tiny random checkpoints of each family, the parity driver, the SmolLM2 GGUF download)
+live in `foveal.testing`, not here.
 
 Public names: `load`, `LoadedModel`, `HFRunner`, `ImageFeatureCache`, `PromptInputs`, `ModelLoadError`,
-`supported_architectures`, `pages_for_budget`, `default_budget_bytes`, `smollm2_gguf`, `smollm2_folder`.
+`supported_architectures`, `pages_for_budget`, `default_budget_bytes`.
 """
 
-from foveal.engine.models.budget import default_budget_bytes, pages_for_budget
+from foveal.engine.limits import default_budget_bytes, pages_for_budget
 from foveal.engine.models.families import FAMILIES, ModelLoadError, supported_architectures
-from foveal.engine.models.gguf import smollm2_folder, smollm2_gguf
 from foveal.engine.models.image_cache import DEFAULT_IMAGE_CACHE_BYTES, ImageFeatureCache
 from foveal.engine.models.loader import LoadedModel, load
 from foveal.engine.models.processor import InputProcessor, PromptInputs
@@ -50,7 +48,5 @@ __all__ = [
     "default_budget_bytes",
     "load",
     "pages_for_budget",
-    "smollm2_folder",
-    "smollm2_gguf",
     "supported_architectures",
 ]

@@ -10,12 +10,12 @@ SOLUTION
     transformers resolves each layer's attention function by name from `config._attn_implementation`
     through its `AttentionInterface`. We register `ATTN_NAME` there. For a decoder layer tagged
     with a KV index (`module.foveal_kv_index`), the function writes the layer's new K/V at the
-    batch's `slot_mapping`, gathers each sequence's pages through `block_tables`, and runs one SDPA
+    batch's `kv_index`, gathers each sequence's pages through `block_tables`, and runs one SDPA
     call over the padded [num_seqs, max_query_len] query block with a boolean mask built once per
     forward (`PagedContext`). Untagged modules (vision towers) use transformers' own SDPA.
 
 INVARIANTS
-    - Only slots named in `slot_mapping` are written; only pages named in `block_tables` (and the
+    - Only slots named in `kv_index` are written; only pages named in `block_tables` (and the
       scratch page, where the table is padded with -1) are read.
     - A query at position p sees keys 0..p of its own sequence (causal within the query), plus the
       whole prefix [0, prefix_len) when the family has prefix attention (PaliGemma's image + prompt);
@@ -53,7 +53,7 @@ class PagedContext:
     """Per-forward indices shared by all layers (built once, read by every layer's attention)."""
 
     kv: PagedKV
-    slot_mapping: torch.Tensor  # [T] where each query token's K/V goes
+    kv_index: torch.Tensor  # [T] where each query token's K/V goes
     gather_slots: torch.Tensor  # [B, L] KV slot of each key position of each sequence (clamped)
     query_seq: torch.Tensor  # [T] the sequence of each query token
     query_row: torch.Tensor  # [T] its row in the padded query block
@@ -89,7 +89,7 @@ def build_context(batch: ForwardBatch, kv: PagedKV, prefix_lens: torch.Tensor | 
     visible[:, :, 0] |= ~real_row  # padded query rows: keep SDPA finite
     return PagedContext(
         kv=kv,
-        slot_mapping=batch.slot_mapping,
+        kv_index=batch.kv_index,
         gather_slots=gather_slots,
         query_seq=query_seq,
         query_row=query_row,
@@ -121,8 +121,8 @@ def paged_attention_forward(
             "attention logit soft-capping (Gemma 2) is not supported by foveal's runner"
         )
     k_cache, v_cache = ctx.kv.k[index], ctx.kv.v[index]
-    k_cache.index_copy_(0, ctx.slot_mapping, key[0].transpose(0, 1).to(k_cache.dtype))
-    v_cache.index_copy_(0, ctx.slot_mapping, value[0].transpose(0, 1).to(v_cache.dtype))
+    k_cache.index_copy_(0, ctx.kv_index, key[0].transpose(0, 1).to(k_cache.dtype))
+    v_cache.index_copy_(0, ctx.kv_index, value[0].transpose(0, 1).to(v_cache.dtype))
 
     # index_select over the flat slots, not k_cache[gather_slots]: same rows, ~5x faster on CPU
     # (advanced indexing takes a generic path; 32 x 128 keys: 49 vs 243 us per tensor).

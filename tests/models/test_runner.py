@@ -5,8 +5,9 @@ import dataclasses
 import pytest
 import torch
 
-from foveal.engine.models import load, parity, tiny
+from foveal.engine.models import load
 from foveal.engine.models.traced import bucket
+from foveal.testing import parity, tiny
 
 
 def test_forward_before_allocate_kv_raises(checkpoints):
@@ -31,7 +32,7 @@ def test_only_named_slots_are_written_and_garbage_elsewhere_is_never_attended(ch
     logits = runner.forward(parity.make_batch(items, 4, "cpu"))
     for row in range(3):
         assert torch.allclose(logits[row], clean[row][0], atol=1e-5)
-    written = {s // 4 for s in parity.make_batch(items, 4, "cpu").slot_mapping.tolist()}
+    written = {s // 4 for s in parity.make_batch(items, 4, "cpu").kv_index.tolist()}
     for page in set(range(64)) - written:
         assert bool((runner.kv.k[0][page * 4 : page * 4 + 4] == 1e4).all())
 
@@ -101,5 +102,5 @@ def test_traced_padding_rows_write_only_the_scratch_page(checkpoints):
     assert set(runner.decode_graphs.graphs) == {(6, 2)}
     changed = (runner.kv.k[0] != 7.0).any(dim=(1, 2)).nonzero().flatten().tolist()
     scratch = list(range(16 * 4, 17 * 4))
-    assert set(changed) - set(scratch) == set(batch.slot_mapping.tolist())
+    assert set(changed) - set(scratch) == set(batch.kv_index.tolist())
     assert set(changed) & set(scratch)  # the padding row wrote there

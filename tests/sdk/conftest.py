@@ -5,7 +5,8 @@ The checkpoints come from `foveal.engine.models.tiny`, the builders the model te
 - `paligemma_folder`: a tiny PaliGemma (its processor adds <loc>/<seg> tokens): PaliGemma skills.
 - `shapes_folder`: the same checkpoint plus a `foveal.json` (32 location bins): the shapes skills
   of the embedded model.
-- `llama_folder`: a tiny text-only Llama: chat skills with JSON spatial answers.
+- `llama_folder`: a tiny text-only Llama: chat skills, no image skills.
+- `idefics3_folder`: a tiny Idefics3: chat skills of a vision family, JSON spatial answers.
 
 Random weights give garbage text, but every constrained answer is valid by construction; the
 tests assert exactly that.
@@ -21,8 +22,8 @@ import pytest
 from PIL import Image
 
 import foveal
-from foveal.engine.models import tiny
 from foveal.shapes_format import ShapesFormat
+from foveal.testing import tiny
 
 
 def scene_image(seed: int = 0, size: tuple[int, int] = (48, 40)) -> Image.Image:
@@ -59,6 +60,11 @@ def llama_folder(model_root) -> Path:
     return tiny.build_llama(model_root / "llama")
 
 
+@pytest.fixture(scope="session")
+def idefics3_folder(model_root) -> Path:
+    return tiny.build("idefics3", model_root / "idefics3")
+
+
 def _load(folder: Path, max_model_len: int = 256):
     return foveal.load(folder, device="cpu", max_batch_size=8, max_model_len=max_model_len)
 
@@ -80,6 +86,13 @@ def paligemma_model(paligemma_folder):
 @pytest.fixture(scope="session")
 def llama_model(llama_folder):
     model = _load(llama_folder, 512)  # JSON answers are long in a 300-token vocabulary
+    yield model
+    model.close()
+
+
+@pytest.fixture(scope="session")
+def idefics3_model(idefics3_folder):
+    model = _load(idefics3_folder, 512)  # a vision chat family: chat prompts with an image placeholder
     yield model
     model.close()
 

@@ -4,6 +4,7 @@ every bad input (refused before any request is submitted, the engine serving the
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import io
 import json
 import re
@@ -49,15 +50,16 @@ def assert_points(points, max_objects):
 
 
 class Spy:
-    """Counts requests that reach the engine (wraps `engine.submit`)."""
+    """Records the requests the engine accepted (wraps `engine.submit`; one it refuses is never queued)."""
 
     def __init__(self, model, monkeypatch):
         self.requests = []
         submit = model.engine.submit
 
         def spy(request):
+            handle = submit(request)
             self.requests.append(request)
-            return submit(request)
+            return handle
 
         monkeypatch.setattr(model.engine, "submit", spy)
 
@@ -90,9 +92,16 @@ def test_load_without_path_when_the_embedded_weights_are_missing_says_what_to_do
         ({"kv_cache_bytes": 0}, ValueError),
     ],
 )
-def test_bad_load_arguments_fail_before_reading_weights(kwargs, error, tmp_path):
-    with pytest.raises(error):
-        foveal.load(tmp_path / "does-not-exist", **kwargs)
+def test_bad_load_arguments_fail_before_reading_weights(kwargs, error, shapes_folder, monkeypatch):
+    import foveal.model as model_module
+
+    def no_weights(*args, **kwargs):
+        raise AssertionError("weights were read before the arguments were checked")
+
+    monkeypatch.setattr(model_module.engine_models, "load", no_weights)
+    name = next(iter(kwargs))
+    with pytest.raises(error, match=name):
+        foveal.load(shapes_folder, **kwargs)  # a loadable folder: only the argument check can refuse
 
 
 def test_missing_folder_is_a_model_load_error(tmp_path):
@@ -160,6 +169,24 @@ def test_streaming_chunks_join_to_the_whole_answer(shapes_model, image):
     )
 
 
+def test_breaking_out_of_a_stream_stops_its_generation(shapes_model, image, monkeypatch):
+    """The result dict still holds the stream, yet leaving the loop cancels the request at once."""
+    long = {"max_tokens": 200, "temperature": 1.0, "seed": 3}
+    assert len(shapes_model.generate(image, "caption normal", settings=long)["text"]) > 20  # a long answer
+    handles = []
+    submit = shapes_model.engine.submit
+    monkeypatch.setattr(shapes_model.engine, "submit", lambda r: handles.append(submit(r)) or handles[-1])
+    result = shapes_model.caption(image, stream=True, settings=long)
+    for _ in result["caption"]:
+        break
+    output = handles[0].result(timeout=10)
+    assert output.finish_reason == "cancelled" and len(output.token_ids) < 200
+    assert shapes_model.engine.wait_idle(10)
+    assert shapes_model.engine.free_pages() == shapes_model.config.num_pages
+    with pytest.raises(foveal.GenerationError, match="stopped before its end"):
+        list(result["caption"])
+
+
 def test_closing_a_stream_early_frees_its_sequence(shapes_model, image):
     stream = shapes_model.caption(image, stream=True, settings={"max_tokens": 200})["caption"]
     next(stream, None)
@@ -177,15 +204,17 @@ def _png(image: Image.Image) -> bytes:
     return buffer.getvalue()
 
 
-def test_every_image_type_gives_the_same_answer(shapes_model, image, tmp_path, monkeypatch):
+def test_every_image_type_gives_the_same_answer(shapes_model, image, images, tmp_path, monkeypatch):
     path = tmp_path / "scene.png"
     image.save(path)
     inputs = [image, str(path), path, _png(image), np.asarray(image), shapes_model.encode_image(image)]
     spy = Spy(shapes_model, monkeypatch)
     results = [shapes_model.detect(x, "red circle", FEW) for x in inputs]
     assert all(r == results[0] for r in results)
-    keys = {r.extras["image_key"] for r in spy.requests}
+    keys = {r.prefill.image_key for r in spy.requests}
     assert keys == {image_key(load_image(image))}  # one key: a runner can reuse the encoding
+    others = [shapes_model.detect(x, "red circle", FEW) for x in images[1:]]
+    assert any(r != results[0] for r in others)  # the answer is about the image, not the same for all
 
 
 def test_exif_orientation_is_applied(shapes_model, tmp_path):
@@ -204,6 +233,20 @@ def test_encode_image_is_reused_as_is(shapes_model, image):
     encoded = shapes_model.encode_image(image)
     assert isinstance(encoded, EncodedImage) and shapes_model.encode_image(encoded) is encoded
     assert encoded.key == image_key(load_image(image))
+
+
+def test_an_encoded_image_key_cannot_be_forged(shapes_model, images):
+    """A key always belongs to its pixels: no other image's cached answer can be returned."""
+    first, second = shapes_model.encode_image(images[0]), shapes_model.encode_image(images[1])
+    with pytest.raises(TypeError):
+        EncodedImage(images[1], first.key)
+    with pytest.raises(ValueError):
+        dataclasses.replace(second, key=first.key)
+    pixels = images[1].copy()
+    encoded = EncodedImage(pixels)
+    pixels.paste((0, 0, 0), (0, 0, pixels.width, pixels.height))  # edits after encoding change nothing
+    assert encoded.key == second.key
+    assert shapes_model.detect(encoded, "shape", FEW) == shapes_model.detect(images[1], "shape", FEW)
 
 
 # ---- generate -------------------------------------------------------------------------------------------------
@@ -258,14 +301,35 @@ def test_paligemma_detect_uses_1024_bins_and_point_uses_box_centres(paligemma_mo
     assert isinstance(paligemma_model.query(image, "what?", settings={"max_tokens": 4})["answer"], str)
 
 
-def test_chat_family_answers_spatial_skills_in_json(llama_model):
-    boxes = llama_model.detect(None, "car", FEW)["objects"]
+def test_chat_family_answers_spatial_skills_in_json(idefics3_model, llama_model, image):
+    boxes = idefics3_model.detect(image, "car", FEW)["objects"]
     assert_boxes(boxes, 3)
-    assert_points(llama_model.point(None, "car", FEW)["points"], 3)
+    assert_points(idefics3_model.point(image, "car", FEW)["points"], 3)
     raw = llama_model.generate(None, "boxes", spatial.boxes("json", max_objects=2))
     assert raw["output"] == json.loads(raw["text"]) and len(raw["output"]["objects"]) <= 2
-    assert isinstance(llama_model.caption(None, settings={"max_tokens": 4})["caption"], str)
+    assert isinstance(idefics3_model.caption(image, settings={"max_tokens": 4})["caption"], str)
     assert isinstance(llama_model.query(None, "why?", settings={"max_tokens": 4})["answer"], str)
+
+
+@pytest.mark.parametrize("skill", ["caption", "detect", "point"])
+def test_image_skills_without_an_image_are_refused_on_every_model(
+    llama_model, idefics3_model, monkeypatch, skill
+):
+    """A text-only model cannot caption or find objects: it would describe an imaginary image."""
+    args = () if skill == "caption" else ("circle",)
+    for model, message in ((llama_model, "text-only"), (idefics3_model, "needs an image")):
+        spy = Spy(model, monkeypatch)
+        with pytest.raises(ValueError, match=message):
+            getattr(model, skill)(None, *args)
+        assert spy.requests == []
+
+
+def test_query_without_an_image_on_a_vision_chat_model_has_no_image_placeholder(idefics3_model, monkeypatch):
+    spy = Spy(idefics3_model, monkeypatch)
+    answer = idefics3_model.query(None, "what is it?", settings={"max_tokens": 4})["answer"]
+    assert isinstance(answer, str)
+    placeholder = idefics3_model.loaded.tokenizer.convert_tokens_to_ids("<image>")
+    assert placeholder not in spy.requests[0].prompt_ids
 
 
 def test_seeded_sampling_is_reproducible(shapes_model, image):
@@ -340,6 +404,19 @@ BAD_CALLS = [
         "decompression",
     ),
     ("no image on PaliGemma", lambda m, im: m.detect(None, "car"), ValueError, "needs an image"),
+    (
+        "object phrase holding the separator",
+        lambda m, im: m.detect(im, "circle ; square"),
+        ValueError,
+        "separator between answer items",
+    ),
+    (
+        "object phrase holding a special token",
+        lambda m, im: m.point(im, "<loc0005> circle"),
+        ValueError,
+        "'<loc0005>', a special token",
+    ),
+    ("question holding a special token", lambda m, im: m.query(im, "why <eos>"), ValueError, "special token"),
     ("stream over a list", lambda m, im: m.caption([im, im], stream=True), ValueError, "one image"),
     ("unknown skill in map", lambda m, im: m.map("segment", [im], "car"), ValueError, "unknown skill"),
 ]
@@ -377,7 +454,7 @@ def test_closing_the_model_mid_stream_raises_generation_error_sync_and_async(sha
     stream = model.caption(image, stream=True, settings=long)["caption"]
     next(stream)
     model.close()
-    with pytest.raises(foveal.GenerationError, match="cancelled"):
+    with pytest.raises(foveal.ModelClosedError, match="cancelled, the model is closed"):
         list(stream)
 
     async def consume():
@@ -386,7 +463,7 @@ def test_closing_the_model_mid_stream_raises_generation_error_sync_and_async(sha
         async for _ in result["caption"]:
             model.close()
 
-    with pytest.raises(foveal.GenerationError, match="cancelled"):
+    with pytest.raises(foveal.ModelClosedError, match="cancelled, the model is closed"):
         asyncio.run(consume())
 
 
@@ -394,8 +471,10 @@ def test_a_closed_model_refuses_calls(shapes_folder, image):
     model = foveal.load(shapes_folder, device="cpu", max_batch_size=2, max_model_len=128)
     assert model.caption(image, settings={"max_tokens": 2})
     model.close()
-    with pytest.raises(RuntimeError, match="closed"):
+    with pytest.raises(foveal.ModelClosedError, match="the model is closed"):  # what in-flight calls get
         model.caption(image, settings={"max_tokens": 2})
+    assert isinstance(model.detect([image], "x")[0], foveal.ModelClosedError)
+    assert issubclass(foveal.ModelClosedError, foveal.GenerationError)
 
 
 def test_result_renders_with_its_image(shapes_model, image):
@@ -405,7 +484,11 @@ def test_result_renders_with_its_image(shapes_model, image):
     assert json.loads(json.dumps(result)) == dict(result)
 
 
-def test_paths_are_accepted_as_path_objects(shapes_model, image, tmp_path):
+def test_paths_are_accepted_as_path_objects(shapes_model, image, images, tmp_path):
     path = Path(tmp_path) / "x.png"
     image.save(path)
     assert shapes_model.point(path, "x", FEW) == shapes_model.point(image, "x", FEW)
+    other = Path(tmp_path) / "y.png"
+    images[2].save(other)
+    assert shapes_model.point(other, "x", FEW) == shapes_model.point(images[2], "x", FEW)
+    assert shapes_model.point(other, "x", FEW) != shapes_model.point(path, "x", FEW)  # the file is read

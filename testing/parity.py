@@ -1,0 +1,144 @@
+"""Parity with transformers: drive a runner greedily as the engine does, and compare with `generate`.
+
+`greedy(runner, prompts, n)` runs one varlen prefill launch for all prompts, then one batched decode
+launch per step, with KV pages handed out in a shuffled order so that sequences' pages interleave
+in the pool. `compare(loaded, reference, prompts)` runs it next to transformers' own `generate` on
+each prompt alone and returns (max |logit difference|, all greedy tokens equal): the test of every
+supported family (tests/models, benchmarks/models.py, benchmarks/device_check_models.py).
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import transformers as tf
+
+from foveal.engine.models.processor import PromptInputs
+from foveal.engine.request import PrefillInputs
+from foveal.engine.runner import ForwardBatch
+
+
+@dataclass(slots=True)
+class GreedyResult:
+    tokens: list[list[int]]
+    logits: list[list[torch.Tensor]] = field(default_factory=list)  # per sequence, per step: [vocab]
+
+    def logits_close(self, other: GreedyResult, atol: float = 1e-5) -> bool:
+        """Every step's logits of every sequence within `atol` of `other`'s (same shapes required)."""
+        return all(
+            torch.allclose(x, y, atol=atol)
+            for mine, theirs in zip(self.logits, other.logits, strict=True)
+            for x, y in zip(mine, theirs, strict=True)
+        )
+
+
+def make_batch(
+    items: list[tuple[list[int], int, list[int], PrefillInputs | None]], page_size: int, device: Any
+) -> ForwardBatch:
+    """items: (query token ids, position of the first one, page table, prefill inputs) per sequence."""
+    ids, pos, starts, ctx, slots = [], [], [0], [], []
+    width = max(len(t) for _, _, t, _ in items)
+    tables = []
+    for query, start, table, _ in items:
+        ids += query
+        pos += range(start, start + len(query))
+        starts.append(starts[-1] + len(query))
+        ctx.append(start + len(query))
+        slots += [table[p // page_size] * page_size + p % page_size for p in range(start, start + len(query))]
+        tables.append(table + [-1] * (width - len(table)))
+    as_t = lambda x, dt: torch.tensor(x, dtype=dt, device=device)  # noqa: E731
+    return ForwardBatch(
+        input_ids=as_t(ids, torch.int64),
+        positions=as_t(pos, torch.int64),
+        query_start=as_t(starts, torch.int32),
+        context_lens=as_t(ctx, torch.int32),
+        block_tables=as_t(tables, torch.int32),
+        kv_index=as_t(slots, torch.int64),
+        max_query_len=max(len(q) for q, _, _, _ in items),
+        max_context_len=max(ctx),
+        prefill=[p for _, _, _, p in items] if any(p is not None for _, _, _, p in items) else [],
+    )
+
+
+def greedy(
+    runner: Any, prompts: list[PromptInputs], max_new_tokens: int, eos_ids=(), page_size: int = 4
+) -> GreedyResult:
+    """Greedy decoding of all prompts together: one prefill launch, then one decode launch per step."""
+    need = [math.ceil((len(p.token_ids) + max_new_tokens) / page_size) for p in prompts]
+    pool = list(range(sum(need) + 2))
+    random.Random(0).shuffle(pool)
+    runner.allocate_kv(len(pool), page_size)
+    tables, at = [], 0
+    for n in need:
+        tables.append(pool[at : at + n])
+        at += n
+    result = GreedyResult(tokens=[[] for _ in prompts], logits=[[] for _ in prompts])
+    items = [(p.token_ids, 0, t, p.prefill) for p, t in zip(prompts, tables, strict=True)]
+    active = list(range(len(prompts)))
+    for _ in range(max_new_tokens):
+        logits = runner.forward(make_batch(items, page_size, runner.device)).cpu()
+        still, items_next = [], []
+        for row, seq in enumerate(active):
+            token = int(logits[row].argmax())
+            result.tokens[seq].append(token)
+            result.logits[seq].append(logits[row])
+            if token in eos_ids or len(result.tokens[seq]) == max_new_tokens:
+                continue
+            still.append(seq)
+            position = len(prompts[seq].token_ids) + len(result.tokens[seq]) - 1
+            items_next.append(([token], position, tables[seq], None))
+        active, items = still, items_next
+        if not active:
+            break
+    return result
+
+
+def reference_greedy(
+    model: Any, prompt: PromptInputs, family: Any, max_new_tokens: int
+) -> tuple[list[int], list[torch.Tensor]]:
+    """transformers' own `generate` (greedy, batch of one) on the same prompt: tokens and per-step logits."""
+    device = next(model.parameters()).device
+    ids = torch.tensor([prompt.token_ids], device=device)
+    kwargs = {}
+    if prompt.prefill is not None:
+        kwargs = {key: prompt.prefill.image_tensors[key].to(device) for key in family.image_keys}
+        if family.prefix_attention:
+            prefix = prompt.prefill.prefix_len
+            kwargs["token_type_ids"] = torch.tensor([[0] * prefix + [1] * (len(prompt.token_ids) - prefix)], device=device)
+    out = model.generate(
+        ids,
+        attention_mask=torch.ones_like(ids),
+        max_new_tokens=max_new_tokens,
+        do_sample=False,
+        output_logits=True,
+        return_dict_in_generate=True,
+        **kwargs,
+    )
+    tokens = out.sequences[0, ids.shape[1] :].tolist()
+    return tokens, [step[0].float().cpu() for step in out.logits]
+
+
+def compare(
+    loaded: Any, reference_model: Any, prompts: list[PromptInputs], max_new_tokens: int = 8
+) -> tuple[float, bool]:
+    """(max |logit difference| over all steps and prompts, all greedy tokens equal) of foveal vs transformers."""
+    family = loaded.runner.family
+    ours = greedy(loaded.runner, prompts, max_new_tokens, loaded.eos_token_ids)
+    worst, equal = 0.0, True
+    for seq, prompt in enumerate(prompts):
+        tokens, logits = reference_greedy(reference_model, prompt, family, max_new_tokens)
+        equal &= tokens == ours.tokens[seq]
+        for a, b in zip(ours.logits[seq], logits, strict=False):
+            worst = max(worst, float((a - b).abs().max()))
+    return worst, equal
+
+
+def reference_model(folder: Path) -> Any:
+    """transformers' own model class for the folder, with its default (SDPA) attention."""
+    config = tf.AutoConfig.from_pretrained(folder)
+    return getattr(tf, config.architectures[0]).from_pretrained(folder).eval()
