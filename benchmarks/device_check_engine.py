@@ -26,7 +26,8 @@ import torch
 
 from benchmarks import write_json
 from foveal import grammars
-from foveal.engine import Engine, EngineConfig, FakeRunner, Request, SamplingParams
+from foveal.engine import Engine, EngineConfig, Request, SamplingParams
+from foveal.testing import FakeRunner
 
 from .pipeline import EOS, PATTERN, VOCAB, make_tokenizer, save_tiny_llama
 

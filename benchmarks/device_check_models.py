@@ -26,7 +26,8 @@ import torch
 import transformers
 
 from foveal.engine import Engine, EngineConfig, Request, SamplingParams
-from foveal.engine.models import load, parity, tiny
+from foveal.engine.models import load
+from foveal.testing import parity, tiny
 
 
 def cuda_parity(tmp: Path) -> list[dict]:

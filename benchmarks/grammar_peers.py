@@ -23,6 +23,7 @@ import argparse
 import json
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -31,7 +32,8 @@ from benchmarks import write_json
 from foveal import grammars
 from foveal.grammars.compiler import AUTOMATA
 from foveal.grammars.conformance.bench import files
-from foveal.grammars.conformance.feed import EOS, SMOLLM2, serializations
+from foveal.grammars.conformance.feed import EOS, serializations
+from foveal.testing import SMOLLM2_TOKENIZER
 
 SUBSETS = ("Github_trivial", "Github_easy", "Github_medium")
 INSTALL = "pip install -e '.[bench]' -c constraints.txt"
@@ -160,16 +162,20 @@ def engines(tok: Any, hf_tok: Any) -> tuple[dict[str, Callable], dict[str, str]]
 # ---- the benchmark -------------------------------------------------------------------------------------------
 
 
-def cases(tok: Any, per_subset: int, subsets: tuple[str, ...] = SUBSETS) -> list[tuple[str, dict, list[int]]]:
-    """(file name, schema, token ids of its first valid instance) for the first schemas of each subset."""
+def schema_files(per_subset: int, subsets: tuple[str, ...] = SUBSETS) -> list[Path]:
+    """The first `per_subset` schema files of each subset of the corpus in ../shared/conformance."""
+    return [path for subset in subsets for path in files(subset)[:per_subset]]
+
+
+def cases(tok: Any, paths: list[Path]) -> list[tuple[str, dict, list[int]]]:
+    """(subset/file name, schema, token ids of its first valid instance) for each JSONSchemaBench file."""
     out = []
-    for subset in subsets:
-        for path in files(subset)[:per_subset]:
-            doc = json.loads(path.read_text())
-            valid = [t["data"] for t in doc.get("tests", []) if t.get("valid")]
-            text = serializations(valid[0], doc["schema"])[0] if valid else None
-            ids = tok.encode(text, add_special_tokens=False).ids if text is not None else []
-            out.append((f"{subset}/{path.name}", doc["schema"], ids))
+    for path in paths:
+        doc = json.loads(path.read_text())
+        valid = [t["data"] for t in doc.get("tests", []) if t.get("valid")]
+        text = serializations(valid[0], doc["schema"])[0] if valid else None
+        ids = tok.encode(text, add_special_tokens=False).ids if text is not None else []
+        out.append((f"{path.parent.name}/{path.name}", doc["schema"], ids))
     return out
 
 
@@ -213,23 +219,23 @@ def summary(values: list[float], scale: float, qs: tuple[int, ...]) -> dict:
     return {f"p{q}": float(np.percentile(arr, q)) for q in qs} | {"mean": float(arr.mean())}
 
 
-def run(per_subset: int, subsets: tuple[str, ...] = SUBSETS) -> dict:
+def run(paths: list[Path]) -> dict:
+    """Every engine on the JSONSchemaBench files `paths` (`schema_files` picks them from the corpus)."""
     import transformers
+    from tokenizers import Tokenizer
 
-    from foveal.grammars.conformance.feed import load_tokenizer
-
-    tok = load_tokenizer()
-    hf_tok = transformers.AutoTokenizer.from_pretrained(SMOLLM2)
+    tok = Tokenizer.from_file(str(SMOLLM2_TOKENIZER / "tokenizer.json"))
+    hf_tok = transformers.AutoTokenizer.from_pretrained(SMOLLM2_TOKENIZER)
     found, missing = engines(tok, hf_tok)
-    schemas = cases(tok, per_subset, subsets)
+    schemas = cases(tok, paths)
     results = {name: measure(engine, schemas) for name, engine in found.items()}
-    return {"subsets": subsets, "per_subset": per_subset, "results": results, "missing": missing}
+    return {"files": [name for name, _, _ in schemas], "results": results, "missing": missing}
 
 
 def print_table(report: dict) -> None:
-    n = report["per_subset"] * len(report["subsets"])
+    subsets = sorted({name.split("/")[0] for name in report["files"]})
     print(
-        f"grammar engines, SmolLM2 vocabulary, {n} JSONSchemaBench schemas ({', '.join(report['subsets'])})"
+        f"grammar engines, SmolLM2 vocabulary, {len(report['files'])} JSONSchemaBench schemas ({', '.join(subsets)})"
     )
     head = (
         f"{'engine':<20} {'compiled':>8} {'refused':>7} {'walk rej':>8} | {'compile ms p50':>14} {'p90':>8} "
@@ -259,7 +265,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--out", default="out/benchmarks/grammar_peers.json")
     args = parser.parse_args(argv)
-    report = run(args.per_subset or (2 if args.quick else 10))
+    report = run(schema_files(args.per_subset or (2 if args.quick else 10)))
     print_table(report)
     print(f"wrote {write_json(args.out, report)}")
 

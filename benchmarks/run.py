@@ -39,6 +39,7 @@ import torch
 from benchmarks import grammar_layer, grammar_peers, image_reuse, peers, pipeline, write_json
 from foveal import grammars
 from foveal.engine import models as engine_models
+from foveal.testing.smollm2 import smollm2_folder
 
 EMBEDDED = Path(__file__).resolve().parents[1] / "sdk" / "embedded"
 VERSIONS = ("torch", "transformers", "tokenizers", "llguidance", "outlines", "outlines-core", "xgrammar")
@@ -107,7 +108,7 @@ def version(name: str) -> str:
 def embedded_folder(tmp: str) -> tuple[Path, str]:
     if (EMBEDDED / "model.safetensors").is_file():
         return EMBEDDED, "embedded (shipped weights)"
-    from foveal import train_shapes
+    from foveal.training import train_shapes
 
     folder = train_shapes.Trainer(train_shapes.TrainConfig()).export(
         Path(tmp) / "embedded", dtype=torch.float32
@@ -156,7 +157,7 @@ def grammar_section(per_subset: int, schemas: int) -> dict:
     ):
         o, r = grammar_layer.pct(ours, 50) * scale, grammar_layer.pct(raw, 50) * scale
         layer[name] = {"ours_p50": o, "raw_p50": r, "ratio": o / r}
-    report = grammar_peers.run(per_subset)
+    report = grammar_peers.run(grammar_peers.schema_files(per_subset))
     grammar_peers.print_table(report)
     return {"layer_vs_llguidance": layer, "schemas": len(cases), "peers": report}
 
@@ -197,19 +198,18 @@ def run(quick: bool, device: str) -> dict:
         section = start("5. image reuse (embedded model)")
         sections["image_reuse"] = finish(section, rows=image_section(folder, device, quick))
 
-        source = peers.tiny_llama_folder(Path(tmp) / "tiny") if quick else engine_models.smollm2_gguf()
+        source = peers.tiny_llama_folder(Path(tmp) / "tiny") if quick else smollm2_folder()
         name = "tiny random Llama (quick)" if quick else "SmolLM2-135M-Instruct"
         loaded = engine_models.load(source, device=device)
         section = start(f"1-2. pipelining and the cost of structure, {name}")
         rows = pipelining(loaded, name, streams, tokens, repeat)
         automaton = grammars.compile(ENDLESS_BOXES, loaded.tokenizer, vocab_size=loaded.runner.vocab_size)
         constrained = pipelining(loaded, name, [top], tokens, repeat, automaton)
+        del loaded
         sections["pipelining_llm"] = finish(section, rows=rows, constrained=constrained)
 
         section = start(f"3. peers, {name}")
-        hf = peers.reference_model(source, device, loaded.runner.dtype)
-        result = peers.run_loaded(loaded, hf, 4 if quick else 32, warm=True)
-        del hf
+        result = peers.run(source, 4 if quick else 32, warm=True, device=device)
         peers.print_table(result)
         sections["peers"] = finish(section, **result)
 

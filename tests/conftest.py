@@ -1,4 +1,11 @@
-"""Shared test fixtures: paths to the read-only corpora in ../shared."""
+"""Fixtures of the whole suite: the SmolLM2 tokenizer and small data slices (both in the repository),
+and the path to the full corpora in ../shared, which only conformance tests read.
+
+The default suite needs nothing outside the repository. A test that asks for `shared_dir`
+(directly or through another fixture) reads ../shared, so it is a conformance test: it is marked
+`conformance` here, runs under `pytest -m conformance`, and skips, saying where it looked, when
+../shared is not beside the repository.
+"""
 
 from __future__ import annotations
 
@@ -6,12 +13,35 @@ from pathlib import Path
 
 import pytest
 
+from foveal.testing import SMOLLM2_TOKENIZER
+
 ROOT = Path(__file__).resolve().parents[1]
 SHARED = ROOT.parent / "shared"
+DATA = ROOT / "tests" / "data"
+
+
+@pytest.hookimpl(tryfirst=True)  # before `-m` deselects by marker
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        if "shared_dir" in getattr(item, "fixturenames", ()):
+            item.add_marker(pytest.mark.conformance)
 
 
 @pytest.fixture(scope="session")
 def shared_dir() -> Path:
+    """../shared beside the repository: the full conformance corpora (conformance tests only)."""
     if not SHARED.is_dir():
-        pytest.skip(f"shared corpora not found at {SHARED}")
+        pytest.skip(f"conformance corpora not found: {SHARED} (../shared beside the repository) is absent")
     return SHARED
+
+
+@pytest.fixture(scope="session")
+def data_dir() -> Path:
+    """tests/data: small slices of the corpora, laid out as in ../shared (with their licence notices)."""
+    return DATA
+
+
+@pytest.fixture(scope="session")
+def smollm2_dir() -> Path:
+    """The SmolLM2 tokenizer folder (49,152 tokens; EOS <|im_end|> = 2), shipped in foveal.testing."""
+    return SMOLLM2_TOKENIZER

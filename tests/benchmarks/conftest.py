@@ -13,12 +13,16 @@ if str(ROOT) not in sys.path:  # `pytest` (unlike `python -m pytest`) does not p
 
 
 @pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    """A random 2-layer Llama with SmolLM2's tokenizer, loaded by foveal and by transformers."""
+def tiny_folder(tmp_path_factory) -> Path:
+    """A random 2-layer Llama checkpoint folder with SmolLM2's tokenizer (benchmarks.peers' --quick model)."""
     from benchmarks import peers
+
+    return peers.tiny_llama_folder(tmp_path_factory.mktemp("tiny"))
+
+
+@pytest.fixture(scope="module")
+def tiny_loaded(tiny_folder):
+    """The tiny Llama loaded by foveal.engine.models, as the pipelining sections run it."""
     from foveal.engine import models
 
-    if not peers.SMOLLM2_TOKENIZER.is_dir():
-        pytest.skip(f"SmolLM2 tokenizer not found at {peers.SMOLLM2_TOKENIZER}")
-    folder = peers.tiny_llama_folder(tmp_path_factory.mktemp("tiny"))
-    return folder, models.load(folder, device="cpu"), peers.reference_model(folder)
+    return models.load(tiny_folder, device="cpu")

@@ -10,7 +10,7 @@ import json
 
 import pytest
 
-from benchmarks import grammar_peers, peers, run
+from benchmarks import grammar_peers, peers, pipeline, run
 from foveal import grammars
 
 
@@ -28,14 +28,13 @@ def test_validity_checkers_accept_answers_and_refuse_the_rest():
     assert not peers.valid_detect("Sure! Here are the boxes")
 
 
-def test_peers_run_every_contender_on_both_workloads(tiny, monkeypatch):
+def test_peers_run_every_contender_on_both_workloads(tiny_folder, monkeypatch):
     import torch
 
     # outlines-core's mask kernel is torch.compile'd: ~13 s on first use here; eager is enough for a smoke run
     # (the benchmark itself runs each contender once untimed first, so that compile is never timed).
     monkeypatch.setattr(torch._dynamo.config, "disable", True)
-    folder, loaded, hf = tiny
-    report = peers.run_loaded(loaded, hf, requests=2, warm=False, max_tokens=12)
+    report = peers.run(tiny_folder, requests=2, warm=False, max_tokens=12)
     rows = {(r["workload"], r["contender"], r["constrained"]): r for r in report["rows"]}
     assert len(rows) == 12  # 2 workloads x 6 contenders
     for workload in ("json", "detect"):
@@ -51,21 +50,47 @@ def test_peers_run_every_contender_on_both_workloads(tiny, monkeypatch):
     }
 
 
-def test_pipelining_and_structure_rows_decode_the_same_tokens(tiny):
-    _, loaded, _ = tiny
-    free = run.pipelining(loaded, "tiny", [2], tokens=6, repeat=1)
-    automaton = grammars.compile(run.ENDLESS_BOXES, loaded.tokenizer, vocab_size=loaded.runner.vocab_size)
-    constrained = run.pipelining(loaded, "tiny", [2], tokens=6, repeat=1, automaton=automaton)
+def test_pipelined_and_blocking_runs_decode_the_same_tokens(tiny_loaded):
+    automaton = grammars.compile(
+        run.ENDLESS_BOXES, tiny_loaded.tokenizer, vocab_size=tiny_loaded.runner.vocab_size
+    )
+    for grammar in (None, automaton):
+        _, blocking = pipeline.run_real(tiny_loaded, grammar, 3, pipelined=False, tokens=6)
+        _, pipelined = pipeline.run_real(tiny_loaded, grammar, 3, pipelined=True, tokens=6)
+        assert [len(ids) for ids in blocking] == [6, 6, 6]
+        assert pipelined == blocking
+
+
+def test_a_run_that_decodes_other_tokens_is_refused_not_measured(tiny_loaded, monkeypatch):
+    real_run = pipeline.run_real
+
+    def pipelined_differs(loaded, automaton, streams, pipelined, tokens):
+        stats, token_ids = real_run(loaded, automaton, streams, pipelined, tokens)
+        return stats, [[(t + 1) % 7 for t in ids] for ids in token_ids] if pipelined else token_ids
+
+    monkeypatch.setattr(pipeline, "run_real", pipelined_differs)
+    with pytest.raises(RuntimeError, match="token-identical"):
+        run.pipelining(tiny_loaded, "tiny", [2], tokens=4, repeat=1)
+
+
+def test_pipelining_rows_report_both_modes_and_the_grammar(tiny_loaded):
+    free = run.pipelining(tiny_loaded, "tiny", [2], tokens=6, repeat=1)
+    automaton = grammars.compile(
+        run.ENDLESS_BOXES, tiny_loaded.tokenizer, vocab_size=tiny_loaded.runner.vocab_size
+    )
+    constrained = run.pipelining(tiny_loaded, "tiny", [2], tokens=6, repeat=1, automaton=automaton)
     for r in free + constrained:
-        assert r["streams"] == 2 and r["gain"] > 0 and r["ideal_gain"] >= 1.0
-        assert 0 <= r["pipelined_idle"] <= 1
+        assert r["streams"] == 2 and r["ideal_gain"] >= 1.0
+        assert r["blocking_tok_s"] > 0 and r["pipelined_tok_s"] > 0
+        assert 0 <= r["pipelined_idle"] <= 1 and 0 <= r["blocking_idle"] <= 1
     assert constrained[0]["constrained"] and not free[0]["constrained"]
 
 
-def test_grammar_peers_compile_and_walk_or_say_what_is_missing():
-    report = grammar_peers.run(1, ("Github_trivial",))
+def test_grammar_peers_compile_and_walk_or_say_what_is_missing(data_dir):
+    report = grammar_peers.run([data_dir / "conformance/jsonschemabench/Github_trivial/o19978.json"])
+    assert report["files"] == ["Github_trivial/o19978.json"]
     ours = report["results"]["foveal (llguidance)"]
-    assert ours["schemas"] == 1 and ours["compiled"] + len(ours["refused"]) == 1
+    assert ours["schemas"] == 1 and ours["compiled"] == 1 and ours["walked"] == 1
     for name in ("xgrammar", "outlines-core"):
         assert (name in report["results"]) != (name in report["missing"])
     for message in report["missing"].values():

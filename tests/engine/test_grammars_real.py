@@ -6,7 +6,8 @@ from __future__ import annotations
 import pytest
 
 from foveal import grammars
-from foveal.engine import FakeRunner, FinishReason, Request, SamplingParams
+from foveal.engine import FinishReason, Request, SamplingParams
+from foveal.testing import FakeRunner
 
 
 def _requests(automata, n: int = 24, record: bool = False):

@@ -8,10 +8,11 @@ import random
 import numpy as np
 import pytest
 
-from foveal.engine import FakeRunner, FinishReason, Request, SamplingParams
+from foveal.engine import FinishReason, Request, SamplingParams
 from foveal.engine.kv_cache import PagePool
 from foveal.engine.lanes import Lanes
 from foveal.engine.scheduler import Scheduler
+from foveal.testing import FakeRunner
 
 
 def test_take_writes_the_fixed_state_and_give_back_twice_raises():

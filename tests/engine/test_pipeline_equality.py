@@ -44,7 +44,7 @@ def test_pipelined_equals_blocking(h, tokenizer, sampling):
 
 def test_greedy_matches_a_plain_loop_over_the_reference(h):
     """The engine (paged KV, device-side input gather, batching) computes what a naive loop computes."""
-    from foveal.engine import FakeRunner
+    from foveal.testing import FakeRunner
 
     runner_kw = {"boost": {h.EOS: 2.0}}
     reqs = _requests(24, 3, h.VOCAB)

@@ -6,7 +6,8 @@ import json
 
 import pytest
 
-from foveal.engine import FakeRunner, Request, SamplingParams
+from foveal.engine import Request, SamplingParams
+from foveal.testing import FakeRunner
 
 
 def test_stats_count_what_ran(h):

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from foveal.engine import FakeRunner, FinishReason, Request, SamplingParams
+from foveal.engine import FinishReason, Request, SamplingParams
+from foveal.testing import FakeRunner
 
 
 def _greedy_until_eos(ref: FakeRunner, prompt: list[int], eos: int, limit: int = 200) -> list[int]:

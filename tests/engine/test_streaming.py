@@ -6,13 +6,13 @@ import asyncio
 import random
 import threading
 import time
-from pathlib import Path
 
 import pytest
 from tokenizers import Tokenizer
 
-from foveal.engine import AsyncEngine, FakeRunner, FinishReason, Request, SamplingParams
+from foveal.engine import AsyncEngine, FinishReason, Request, SamplingParams
 from foveal.engine.detokenizer import Detokenizer, native_decoder
+from foveal.testing import FakeRunner
 
 
 def _byte_tokens(tokenizer, text: str) -> list[int]:
@@ -84,10 +84,10 @@ def test_detokenizer_releases_exactly_the_decoded_text(tokenizer, kind):
         assert "".join(pieces) == tokenizer.decode(ids)
 
 
-def test_native_and_python_window_steps_release_the_same_text(tokenizer):
+def test_native_and_python_window_steps_release_the_same_text(tokenizer, smollm2_dir):
     """Random ids (split characters, special tokens, ids past the vocabulary) on the test tokenizer
     and on SmolLM2's 49,152-token one: the same delta after every token, the same flushed tail."""
-    smollm2 = Path(__file__).parents[2] / "../shared/tokenizers/smollm2/tokenizer.json"
+    smollm2 = smollm2_dir / "tokenizer.json"
     rng = random.Random(1)
     for tok in (tokenizer, Tokenizer.from_file(str(smollm2))):
         vocab = tok.get_vocab_size()

@@ -12,7 +12,8 @@ import threading
 import pytest
 
 from foveal import grammars
-from foveal.engine import FakeRunner, FinishReason, Request, SamplingParams
+from foveal.engine import FinishReason, Request, SamplingParams
+from foveal.testing import FakeRunner
 
 THREADS = 4
 

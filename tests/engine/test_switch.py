@@ -4,7 +4,8 @@ import sys
 
 import pytest
 
-from foveal.engine import Engine, EngineConfig, FakeRunner
+from foveal.engine import Engine, EngineConfig
+from foveal.testing import FakeRunner
 
 
 def _engine(interval: float) -> Engine:

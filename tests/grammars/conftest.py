@@ -1,4 +1,5 @@
-"""Shared fixtures of the grammar tests: the real SmolLM2 tokenizer, with and without loc tokens."""
+"""Fixtures of the grammar tests: the real SmolLM2 tokenizer (`smollm2_dir`, tests/conftest.py), with and
+without loc tokens."""
 
 from __future__ import annotations
 
@@ -6,12 +7,6 @@ from pathlib import Path
 
 import pytest
 from tokenizers import Tokenizer
-
-
-@pytest.fixture(scope="session")
-def smollm2_dir(shared_dir: Path) -> Path:
-    """The SmolLM2 tokenizer folder (49,152 tokens; EOS <|im_end|> = 2)."""
-    return shared_dir / "tokenizers" / "smollm2"
 
 
 @pytest.fixture(scope="session")

@@ -160,14 +160,14 @@ def verdict(automaton, ids: list[int], masks: bool) -> bool:
 
 
 @pytest.mark.parametrize("name", ["o21115", "o21142"])
-def test_commit_verdict_does_not_depend_on_mask_fills(shared_dir, tok, name):
+def test_commit_verdict_does_not_depend_on_mask_fills(data_dir, tok, name):
     """Invariant 5. These files' valid instances were rejected by commit-only feeding (the shared
     lexer ran out of fuel, refilled only by mask computations) and accepted with masks."""
     import json
 
     from foveal.grammars.conformance.feed import serializations
 
-    doc = json.loads((shared_dir / "conformance/jsonschemabench/Github_medium" / f"{name}.json").read_text())
+    doc = json.loads((data_dir / "conformance/jsonschemabench/Github_medium" / f"{name}.json").read_text())
     texts = [(serializations(t["data"], doc["schema"])[0], t["valid"]) for t in doc["tests"]]
     # commit-only first, on a fresh automaton: nothing has warmed or refuelled its lexer
     commit_only = fresh_automaton(doc["schema"], tok)
@@ -196,7 +196,7 @@ def test_a_lexer_limit_does_not_fail_later_matchers(tok):
     assert verdict(a, good, masks=False) and verdict(a, good, masks=True)
 
 
-def test_a_lexer_exhausted_behind_the_matcher_is_a_limit_not_a_violation(shared_dir, tok):
+def test_a_lexer_exhausted_behind_the_matcher_is_a_limit_not_a_violation(data_dir, tok):
     """Raw llguidance commits (no masks, so no refuelling) drain the lexer behind the wrapper's back;
     the wrapper's next commit must report llguidance's limit (GrammarLimitError), not a bad token,
     even though `try_consume_tokens` reports it as a plain refusal, and the automaton renews, so a
@@ -205,7 +205,7 @@ def test_a_lexer_exhausted_behind_the_matcher_is_a_limit_not_a_violation(shared_
 
     from foveal.grammars.conformance.feed import serializations
 
-    doc = json.loads((shared_dir / "conformance/jsonschemabench/Github_medium/o21115.json").read_text())
+    doc = json.loads((data_dir / "conformance/jsonschemabench/Github_medium/o21115.json").read_text())
     ids = tok.encode(serializations(doc["tests"][1]["data"], doc["schema"])[0]).ids
     a = fresh_automaton(doc["schema"], tok)
     m = a.matcher()

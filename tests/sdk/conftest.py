@@ -1,6 +1,6 @@
 """Tiny random models for the SDK tests, built once per session (nothing is downloaded).
 
-The checkpoints come from `foveal.engine.models.tiny`, the builders the model tests use too.
+The checkpoints come from `foveal.testing.tiny`, the builders the model tests use too.
 
 - `paligemma_folder`: a tiny PaliGemma (its processor adds <loc>/<seg> tokens): PaliGemma skills.
 - `shapes_folder`: the same checkpoint plus a `foveal.json` (32 location bins): the shapes skills
@@ -33,7 +33,7 @@ def scene_image(seed: int = 0, size: tuple[int, int] = (48, 40)) -> Image.Image:
 
 @pytest.fixture(scope="session")
 def builders():
-    """`foveal.engine.models.tiny`: train_tokenizer, build_paligemma, build_llama, ..."""
+    """`foveal.testing.tiny`: train_tokenizer, build_paligemma, build_llama, ..."""
     return tiny
 
 

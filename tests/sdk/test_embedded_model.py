@@ -10,14 +10,15 @@ from pathlib import Path
 
 import pytest
 
-from foveal import eval_shapes
+import foveal
 from foveal.shapes_format import ShapesFormat
+from foveal.training import eval_shapes
 from foveal.vision import scenes
 
-EMBEDDED = Path(eval_shapes.__file__).parent / "embedded"
+EMBEDDED = Path(foveal.__file__).parent / "embedded"
 shipped = pytest.mark.skipif(
     not (EMBEDDED / "model.safetensors").is_file(),
-    reason="no weights in sdk/embedded (export them with python -m foveal.train_shapes --run RUN "
+    reason="no weights in sdk/embedded (export them with python -m foveal.training.train_shapes --run RUN "
     "--export sdk/embedded)",
 )
 

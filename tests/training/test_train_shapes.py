@@ -1,4 +1,4 @@
-"""Smoke test and invariants of foveal.train_shapes (tiny config, a few steps, seconds)."""
+"""Smoke test and invariants of foveal.training.train_shapes (tiny config, a few steps, seconds)."""
 
 import json
 
@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 import torch
 
-from foveal import train_shapes as ts
 from foveal.shapes_format import ShapesFormat
+from foveal.training import train_shapes as ts
 from foveal.vision import scenes
 
 TINY = {
@@ -116,7 +116,7 @@ def test_training_ids_equal_the_processor_ids(tiny_cfg, tmp_path):
 
 
 def test_training_seeds_are_disjoint_from_evaluation(tiny_cfg):
-    from foveal.eval_shapes import eval_scene
+    from foveal.training.eval_shapes import eval_scene
 
     rng = np.random.default_rng(0)
     fmt = ShapesFormat(n_bins=tiny_cfg.n_bins)
