@@ -12,7 +12,6 @@ require_foveal_name(__name__, "foveal.engine")
 
 from .async_engine import AsyncEngine  # noqa: E402
 from .engine import Engine, EngineConfig  # noqa: E402
-from .fake_runner import FakeRunner  # noqa: E402
 from .matcher import Matcher, fill_masks_each  # noqa: E402
 from .request import FinishReason, Request, RequestHandle, RequestOutput, SamplingParams  # noqa: E402
 from .runner import ForwardBatch, ModelRunner  # noqa: E402
@@ -21,7 +20,6 @@ __all__ = [
     "AsyncEngine",
     "Engine",
     "EngineConfig",
-    "FakeRunner",
     "FinishReason",
     "ForwardBatch",
     "Matcher",

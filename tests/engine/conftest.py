@@ -9,7 +9,8 @@ import pytest
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-from foveal.engine import Engine, EngineConfig, FakeRunner, Request, RequestOutput
+from foveal.engine import Engine, EngineConfig, Request, RequestOutput
+from foveal.testing.fake_runner import FakeRunner
 
 EOS = 0
 VOCAB = 300

@@ -10,7 +10,8 @@ import time
 
 import pytest
 
-from foveal.engine import FakeRunner, FinishReason, Request, SamplingParams
+from foveal.engine import FinishReason, Request, SamplingParams
+from foveal.testing import FakeRunner
 from foveal.engine.kv_cache import PagePool
 from foveal.engine.slot import SlotState
 

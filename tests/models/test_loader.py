@@ -6,7 +6,8 @@ import shutil
 import pytest
 import torch
 
-from foveal.engine.models import ModelLoadError, load, pages_for_budget, parity, supported_architectures, tiny
+from foveal.engine.models import ModelLoadError, load, pages_for_budget, supported_architectures
+from foveal.testing import parity, tiny
 
 
 def copy(src, dst):
@@ -59,10 +60,10 @@ def test_unknown_architecture_lists_supported_ones(checkpoints, tmp_path):
     assert all(arch in str(err.value) for arch in supported_architectures())
 
 
-def test_tokenizer_larger_than_vocabulary_is_refused(checkpoints, tmp_path):
+def test_tokenizer_larger_than_vocabulary_is_refused(checkpoints, tmp_path, smollm2_dir):
     folder = copy(checkpoints["llama"], tmp_path / "mismatch")
-    shutil.copy("../shared/tokenizers/smollm2/tokenizer.json", folder / "tokenizer.json")
-    shutil.copy("../shared/tokenizers/smollm2/tokenizer_config.json", folder / "tokenizer_config.json")
+    shutil.copy(smollm2_dir / "tokenizer.json", folder / "tokenizer.json")
+    shutil.copy(smollm2_dir / "tokenizer_config.json", folder / "tokenizer_config.json")
     with pytest.raises(ModelLoadError, match="tokenizer has 49152 tokens but the model's vocabulary has"):
         load(folder, device="cpu")
 
