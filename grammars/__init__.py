@@ -18,7 +18,7 @@ from . import locations, spatial  # noqa: E402
 from .automaton import Automaton  # noqa: E402
 from .batch import fill_masks  # noqa: E402
 from .bitmask import allocate_bitmask, mask_threads, set_mask_threads  # noqa: E402
-from .compiler import compile  # noqa: E402
+from .compiler import compile, parser_of  # noqa: E402
 from .errors import GrammarLimitError, GrammarViolation, SchemaError  # noqa: E402
 from .matcher import Matcher  # noqa: E402
 from .specs import CFG, Regex  # noqa: E402
@@ -36,6 +36,7 @@ __all__ = [
     "fill_masks",
     "locations",
     "mask_threads",
+    "parser_of",
     "set_mask_threads",
     "spatial",
 ]

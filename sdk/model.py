@@ -36,7 +36,7 @@ import asyncio
 import copy
 import threading
 from collections import deque
-from collections.abc import AsyncIterator, Iterable, Iterator, Mapping
+from collections.abc import AsyncIterator, Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -49,7 +49,6 @@ from foveal.engine import AsyncEngine, Engine, EngineConfig, FinishReason, Reque
 from foveal.engine import models as engine_models
 from foveal.engine.request import RequestHandle, RequestOutput
 from foveal.errors import GenerationError, IncompleteOutputError, ModelClosedError
-from foveal.outputs import output_parser
 from foveal.results import (
     AsyncTextStream,
     CaptionResult,
@@ -87,10 +86,11 @@ class EncodedImage:
 
 @dataclass(slots=True)
 class Job:
-    """One prepared call: its task, the engine request, the decoded image (for the result)."""
+    """One prepared call: its task, the engine request, the parser of its answer, the decoded image."""
 
     task: Task
     request: Request
+    parse: Callable[[str], Any]  # the task's parser, or its compiled output spec's
     image: Image.Image | None
 
 
@@ -245,7 +245,7 @@ class Model:
 
         output_type: None (free text), a pydantic model class (output: an instance), a JSON-schema
         dict (output: a dict), foveal.Regex / foveal.CFG / typing.Literal (output: the str or
-        literal), or any other type foveal.grammars accepts (see foveal.outputs).
+        literal), or any other type foveal.grammars accepts (the parsers: foveal/grammars/specs.py).
         """
         return self._dispatch(*self._generate_task(prompt, output_type, settings), image, False)
 
@@ -321,7 +321,7 @@ class Model:
     def _generate_task(self, prompt: str, output_type: Any = None, settings: Mapping | None = None) -> tuple:
         s, explicit = _settings(settings, "generate")
         check_text("prompt", prompt)
-        return self.skills.generate(prompt, output_type, output_parser(output_type)), s, explicit
+        return self.skills.generate(prompt, output_type), s, explicit
 
     # ---- step 2: prepare (grammar, image, prompt ids, token budget) -------------------------------------------
 
@@ -341,7 +341,8 @@ class Model:
             skip_special_tokens=not task.keep_special,  # the text the parser reads, made by the engine
         )
         matcher = automaton.matcher() if automaton is not None else None
-        return Job(task, Request(prompt.token_ids, sampling, matcher, prompt.prefill), decoded)
+        request = Request(prompt.token_ids, sampling, matcher, prompt.prefill)
+        return Job(task, request, task.parser(automaton), decoded)
 
     def _compile(self, spec: Any) -> grammars.Automaton | None:
         if spec is None:
@@ -385,7 +386,7 @@ class Model:
         job = self._prepare(task, image, settings, explicit)
         handle = self._submit(job)
         if stream:
-            return _make(task.skill, "", TextStream(self._stream(job, handle)), job.image)
+            return task.result.of_answer("", TextStream(self._stream(job, handle)), job.image)
         return self._result(job, handle.result())
 
     def _stream(self, job: Job, handle: RequestHandle) -> Iterator[str]:
@@ -397,7 +398,7 @@ class Model:
 
     def _result(self, job: Job, output: RequestOutput) -> Result:
         self._check(job, output)
-        return _make(job.task.skill, output.text, job.task.parse(output.text), job.image)
+        return job.task.result.of_answer(output.text, job.parse(output.text), job.image)
 
     def _submit(self, job: Job) -> RequestHandle:
         try:
@@ -465,7 +466,7 @@ class Model:
             return list(await asyncio.gather(*calls, return_exceptions=True))
         job = await asyncio.to_thread(self._prepare, task, image, settings, explicit)
         if stream:
-            return _make(task.skill, "", AsyncTextStream(self._astream(job)), job.image)
+            return task.result.of_answer("", AsyncTextStream(self._astream(job)), job.image)
         return self._result(job, await AsyncEngine(self.engine).generate(job.request))
 
     async def _astream(self, job: Job) -> AsyncIterator[str]:
@@ -484,15 +485,3 @@ def _settings(settings: Mapping | Settings | None, skill: str) -> tuple[Settings
     """Validated settings, and whether the caller chose max_tokens (defaults shrink to fit the context)."""
     explicit = isinstance(settings, Settings) or (isinstance(settings, Mapping) and "max_tokens" in settings)
     return validate_settings(settings, skill), explicit
-
-
-def _make(skill: str, text: str, value: Any, image: Image.Image | None) -> Result:
-    if skill == "caption":
-        return CaptionResult(value, image=image)
-    if skill == "query":
-        return QueryResult(value, image=image)
-    if skill == "detect":
-        return DetectResult(value, image=image)
-    if skill == "point":
-        return PointResult(value, image=image)
-    return GenerateResult(text, value, image=image)

@@ -22,7 +22,7 @@ import html
 import io
 import json
 from collections.abc import AsyncIterator, Iterator
-from typing import Any
+from typing import Any, ClassVar
 
 from PIL import Image
 
@@ -37,10 +37,16 @@ class Result(dict):
     """A skill's answer: a plain dict plus `.image`, the image it is about (used only for display)."""
 
     __slots__ = ("image",)
+    SKILL: ClassVar[str] = ""  # the skill that answers with this type
 
     def __init__(self, data: Any = (), /, *, image: Any = None, **fields: Any) -> None:
         super().__init__(data, **fields)
         self.image = image
+
+    @classmethod
+    def of_answer(cls, text: str, value: Any, image: Any = None) -> Result:
+        """The result of a skill call from the model's text and its parsed value."""
+        return cls(value, image=image)
 
     def annotated(self) -> Image.Image:
         """The image with this result's boxes and points drawn (the image alone when it has neither)."""
@@ -153,6 +159,7 @@ class CaptionResult(Result):
     """`{"caption": str}`, or a TextStream of text chunks when streamed."""
 
     __slots__ = ()
+    SKILL = "caption"
 
     def __init__(self, caption: str | TextStream | AsyncTextStream, *, image: Any = None) -> None:
         super().__init__(caption=caption, image=image)
@@ -162,6 +169,7 @@ class QueryResult(Result):
     """`{"answer": str}`, or a TextStream of text chunks when streamed."""
 
     __slots__ = ()
+    SKILL = "query"
 
     def __init__(self, answer: str | TextStream | AsyncTextStream, *, image: Any = None) -> None:
         super().__init__(answer=answer, image=image)
@@ -171,6 +179,7 @@ class DetectResult(Result):
     """`{"objects": [{"x_min", "y_min", "x_max", "y_max"}, ...]}`, floats in [0, 1], origin top-left."""
 
     __slots__ = ()
+    SKILL = "detect"
 
     def __init__(self, objects: list[dict[str, float]], *, image: Any = None) -> None:
         parse_result({"objects": objects})
@@ -181,6 +190,7 @@ class PointResult(Result):
     """`{"points": [{"x", "y"}, ...]}`, floats in [0, 1], origin top-left."""
 
     __slots__ = ()
+    SKILL = "point"
 
     def __init__(self, points: list[dict[str, float]], *, image: Any = None) -> None:
         parse_result({"points": points})
@@ -191,6 +201,11 @@ class GenerateResult(Result):
     """`{"text": raw model text, "output": the parsed value (a pydantic instance for a pydantic class)}`."""
 
     __slots__ = ()
+    SKILL = "generate"
 
     def __init__(self, text: str, output: Any = None, *, image: Any = None) -> None:
         super().__init__(text=text, output=output, image=image)
+
+    @classmethod
+    def of_answer(cls, text: str, value: Any, image: Any = None) -> Result:
+        return cls(text, value, image=image)

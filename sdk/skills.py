@@ -46,6 +46,7 @@ from typing import Any
 from foveal.errors import GenerationError
 from foveal.grammars import spatial
 from foveal.grammars.locations import LocationFormat
+from foveal.results import CaptionResult, DetectResult, GenerateResult, PointResult, QueryResult, Result
 from foveal.shapes_format import FORMAT_FILE, ShapesFormat
 
 CAPTION_LENGTHS = ("short", "normal", "long")
@@ -54,14 +55,25 @@ MAX_PHRASE_CHARS = 200
 
 @dataclass(frozen=True, slots=True)
 class Task:
-    """One skill call made concrete for a family: prompt text, output spec, parser of the answer."""
+    """One skill call made concrete for a family: result type, prompt text, output spec, parser of the answer."""
 
-    skill: str  # "caption" | "query" | "detect" | "point" | "generate"
+    result: type[Result]  # CaptionResult, QueryResult, DetectResult, PointResult or GenerateResult
     prompt: str
     spec: Any = None  # an output spec for grammars.compile; None: free text
-    parse: Callable[[str], Any] = str  # the model's text -> the result's value (GenerationError if it cannot)
+    parse: Callable[[str], Any] | None = None  # the model's text -> the value; None: the compiled spec's own
     keep_special: bool = False  # parse the text with special tokens kept (location tokens may be special)
     prompt_without_image: str | None = None  # the prompt when the call has no image (None: `prompt`)
+
+    @property
+    def skill(self) -> str:
+        return self.result.SKILL
+
+    def parser(self, automaton: Any) -> Callable[[str], Any]:
+        """The parser of this task's answer: its own, or else the compiled output spec's (`Automaton.parse`,
+        plain text without a spec). Its failures are GenerationErrors naming the skill."""
+        if self.parse is not None:
+            return self.parse
+        return _guarded(self.skill, automaton.parse if automaton is not None else str)
 
     def prompt_for(self, has_image: bool) -> str:
         """The prompt text for a call with or without an image (vision chat prompts hold a placeholder)."""
@@ -128,14 +140,9 @@ class Skills:
     def point(self, phrase: str, max_objects: int) -> Task:
         raise NotImplementedError
 
-    def generate(self, prompt: str, output_type: Any, parse: Callable[[str], Any]) -> Task:
-        return Task(
-            "generate",
-            self.plain("prompt", prompt),
-            output_type,
-            _guarded("generate", parse),
-            _is_loc(output_type),
-        )
+    def generate(self, prompt: str, output_type: Any) -> Task:
+        """The answer is parsed by the compiled output type's own parser (Task.parser)."""
+        return Task(GenerateResult, self.plain("prompt", prompt), output_type, None, _is_loc(output_type))
 
     def plain(self, name: str, text: str) -> str:
         """`text` if it is plain text for this model's tokenizer; ValueError naming the token otherwise."""
@@ -158,18 +165,18 @@ class ShapesSkills(Skills):
         self.fmt = fmt
 
     def caption(self, length: str) -> Task:
-        return Task("caption", self.fmt.prompt("caption", length=length))
+        return Task(CaptionResult, self.fmt.prompt("caption", length=length))
 
     def query(self, question: str) -> Task:
-        return Task("query", self.fmt.prompt("query", question=self.plain("question", question)))
+        return Task(QueryResult, self.fmt.prompt("query", question=self.plain("question", question)))
 
     def detect(self, phrase: str, max_objects: int) -> Task:
         spec = spatial.boxes("loc", max_objects, self._label(phrase), self.fmt.n_bins, self.fmt.separator)
-        return _spatial_task("detect", self.fmt.prompt("detect", object=phrase), spec)
+        return _spatial_task(DetectResult, self.fmt.prompt("detect", object=phrase), spec)
 
     def point(self, phrase: str, max_objects: int) -> Task:
         spec = spatial.points("loc", max_objects, self._label(phrase), self.fmt.n_bins, self.fmt.separator)
-        return _spatial_task("point", self.fmt.prompt("point", object=phrase), spec)
+        return _spatial_task(PointResult, self.fmt.prompt("point", object=phrase), spec)
 
     def _label(self, phrase: str) -> str:
         return self.fmt.locations.check_label(self.plain("object", phrase))
@@ -183,20 +190,20 @@ class PaliGemmaSkills(Skills):
     CAPTION = {"short": "caption en", "normal": "caption en", "long": "describe en"}
 
     def caption(self, length: str) -> Task:
-        return Task("caption", self.CAPTION[length])
+        return Task(CaptionResult, self.CAPTION[length])
 
     def query(self, question: str) -> Task:
-        return Task("query", f"answer en {self.plain('question', question)}")
+        return Task(QueryResult, f"answer en {self.plain('question', question)}")
 
     def detect(self, phrase: str, max_objects: int) -> Task:
         spec = spatial.boxes("loc", max_objects=max_objects, label=self._label(phrase), bins=self.BINS)
-        return _spatial_task("detect", f"detect {phrase}", spec)
+        return _spatial_task(DetectResult, f"detect {phrase}", spec)
 
     def point(self, phrase: str, max_objects: int) -> Task:
         # PaliGemma has no pointing task: point at the centres of the boxes "detect" finds.
         spec = spatial.boxes("loc", max_objects=max_objects, label=self._label(phrase), bins=self.BINS)
         parse = _guarded("point", lambda text: _box_centres(spatial.parse(spec, text)))
-        return Task("point", f"detect {phrase}", spec, parse, True)
+        return Task(PointResult, f"detect {phrase}", spec, parse, True)
 
     def _label(self, phrase: str) -> str:
         return LocationFormat(self.BINS).check_label(self.plain("object", phrase))
@@ -222,10 +229,10 @@ class ChatSkills(Skills):
         self._renderer = _LockedRenderer(tokenizer) if self.has_template and self._layout is None else None
 
     def caption(self, length: str) -> Task:
-        return self._task("caption", self.CAPTION[length])
+        return self._task(CaptionResult, self.CAPTION[length])
 
     def query(self, question: str) -> Task:
-        return self._task("query", self.plain("question", question))
+        return self._task(QueryResult, self.plain("question", question))
 
     def detect(self, phrase: str, max_objects: int) -> Task:
         ask = (
@@ -233,28 +240,24 @@ class ChatSkills(Skills):
             '{"objects": [{"x_min": .., "y_min": .., "x_max": .., "y_max": ..}]}, '
             "coordinates normalized to [0, 1] from the top-left corner."
         )
-        return self._task("detect", ask, spatial.boxes("json", max_objects=max_objects))
+        return self._task(DetectResult, ask, spatial.boxes("json", max_objects=max_objects))
 
     def point(self, phrase: str, max_objects: int) -> Task:
         ask = (
             f"Point at every {self.plain('object', phrase)} in the image. Answer with JSON "
             '{"points": [{"x": .., "y": ..}]}, coordinates normalized to [0, 1] from the top-left corner.'
         )
-        return self._task("point", ask, spatial.points("json", max_objects=max_objects))
+        return self._task(PointResult, ask, spatial.points("json", max_objects=max_objects))
 
-    def generate(self, prompt: str, output_type: Any, parse: Callable[[str], Any]) -> Task:
-        return self._task("generate", self.plain("prompt", prompt), output_type, parse)
+    def generate(self, prompt: str, output_type: Any) -> Task:
+        return self._task(GenerateResult, self.plain("prompt", prompt), output_type)
 
-    def _task(
-        self, skill: str, text: str, spec: Any = None, parse: Callable[[str], Any] | None = None
-    ) -> Task:
+    def _task(self, result: type[Result], text: str, spec: Any = None) -> Task:
         """A task whose prompt has the image placeholder, and a second prompt for a call without image."""
-        if skill in ("detect", "point"):
-            task = _spatial_task(skill, self.turn(text, image=True), spec)
+        if result in (DetectResult, PointResult):
+            task = _spatial_task(result, self.turn(text, image=True), spec)
         else:
-            task = Task(
-                skill, self.turn(text, image=True), spec, _guarded(skill, parse or str), _is_loc(spec)
-            )
+            task = Task(result, self.turn(text, image=True), spec, None, _is_loc(spec))
         if not self.image_token:
             return task
         return replace(task, prompt_without_image=self.turn(text, image=False))
@@ -338,10 +341,10 @@ def skills_for(folder: Path | None, family: str, tokenizer: Any, image_token: st
 # ---- parsers ----------------------------------------------------------------------------------------------------
 
 
-def _spatial_task(skill: str, prompt: str, spec: spatial.SpatialSpec) -> Task:
+def _spatial_task(result: type[Result], prompt: str, spec: spatial.SpatialSpec) -> Task:
     key = "objects" if spec.kind == "boxes" else "points"
-    parse = _guarded(skill, lambda text: spatial.parse(spec, text)[key])
-    return Task(skill, prompt, spec, parse, spec.encoding == "loc")
+    parse = _guarded(result.SKILL, lambda text: spatial.parse(spec, text)[key])
+    return Task(result, prompt, spec, parse, spec.encoding == "loc")
 
 
 def _guarded(skill: str, parse: Callable[[str], Any]) -> Callable[[str], Any]:

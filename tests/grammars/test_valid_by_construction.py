@@ -17,7 +17,6 @@ from foveal.grammars.bitmask import allocate_bitmask
 from foveal.grammars.compiler import parser_of
 from foveal.grammars.limits import MAX_FORCED_BYTES
 from foveal.grammars.walk import random_walk
-from foveal.outputs import output_parser
 
 EOS = 2
 
@@ -204,8 +203,6 @@ def test_automaton_parse_is_the_output_parser(tok):
         spec = {"type": "object"} if spec == "json" else spec
         assert grammars.compile(spec, tok, eos_token_id=EOS).parse(text) == value
         assert parser_of(spec)(text) == value
-        assert output_parser(spec)(text) == value
-    assert output_parser(None)("free") == "free"
     spatial = grammars.spatial.points("json", max_objects=2)
     text = '{"points": [{"x": 0.5, "y": 0.25}]}'
-    assert grammars.compile(spatial, tok, eos_token_id=EOS).parse(text) == output_parser(spatial)(text)
+    assert grammars.compile(spatial, tok, eos_token_id=EOS).parse(text) == parser_of(spatial)(text)

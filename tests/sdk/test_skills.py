@@ -5,6 +5,8 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import enum
+import json
+import types
 import typing
 from pathlib import Path
 
@@ -16,7 +18,6 @@ import foveal
 from foveal import grammars
 from foveal.errors import GenerationError
 from foveal.grammars import spatial
-from foveal.outputs import output_parser
 from foveal.shapes_format import ShapesFormat
 from foveal.skills import (
     ChatSkills,
@@ -120,7 +121,7 @@ def test_special_token_text_in_user_text_is_refused(tokenizer):
         with pytest.raises(ValueError, match="'<eos>', a special token"):
             skills.query("why<eos>?")
         with pytest.raises(ValueError, match="'<bos>', a special token"):
-            skills.generate("say <bos>", None, str)
+            skills.generate("say <bos>", None)
     assert ChatSkills(tokenizer, None).detect("a <thing>", 3).prompt  # angle brackets alone are text
 
 
@@ -134,10 +135,10 @@ def test_special_token_text_in_user_text_is_refused(tokenizer):
     ],
 )
 def test_a_parse_failure_is_a_generation_error_naming_the_skill(skills, skill, text):
-    task = skills.generate("x", None, lambda t: __import__("json").loads(t)) if skill == "generate" else None
-    task = task or getattr(skills, skill)("circle", 3)
+    task = skills.generate("x", {"type": "object"}) if skill == "generate" else getattr(skills, skill)("circle", 3)
+    json_automaton = types.SimpleNamespace(parse=json.loads)  # what compile({"type": "object"}) carries
     with pytest.raises(GenerationError, match=f"^{skill}: the constrained answer"):
-        task.parse(text)
+        task.parser(json_automaton)(text)
 
 
 # ---- PaliGemma ---------------------------------------------------------------------------------------------------
@@ -223,12 +224,13 @@ def test_chat_skills_never_use_the_shared_tokenizer_per_call(builders, template)
         skills.detect("car", 2),
         skills.point("car", 2),
     ]
-    tasks.append(skills.generate("say hi", None, str))
+    tasks.append(skills.generate("say hi", None))
     expected = [reference.query("what is it?"), reference.caption("long"), reference.detect("car", 2)]
-    expected += [reference.point("car", 2), reference.generate("say hi", None, str)]
+    expected += [reference.point("car", 2), reference.generate("say hi", None)]
     assert [t.prompt for t in tasks] == [t.prompt for t in expected]
-    boxes = skills.generate("boxes", spatial.boxes("json"), lambda text: {"parsed": text})
-    assert boxes.parse("{}") == {"parsed": "{}"}  # generate keeps its output type's parser
+    boxes = skills.generate("boxes", spatial.boxes("json"))
+    automaton = types.SimpleNamespace(parse=lambda text: {"parsed": text})
+    assert boxes.parser(automaton)("{}") == {"parsed": "{}"}  # generate keeps its output type's parser
     rendered = tok.apply_chat_template(
         [{"role": "user", "content": "<image>\nwhat is it?"}], tokenize=False, add_generation_prompt=True
     )
@@ -297,7 +299,6 @@ class Colour(enum.Enum):
 
 
 PARSED = [
-    (None, "anything", "anything"),
     (str, "text", "text"),
     (grammars.Regex("[0-9]+"), "42", "42"),
     (grammars.CFG("start: /a+/"), "aaa", "aaa"),
@@ -321,15 +322,15 @@ PARSED = [
 
 
 @pytest.mark.parametrize("output_type, text, value", PARSED, ids=[repr(p[0])[:40] for p in PARSED])
-def test_output_parser_table(output_type, text, value):
-    assert output_parser(output_type)(text) == value
+def test_the_parser_of_each_output_type(output_type, text, value):
+    assert grammars.parser_of(output_type)(text) == value
 
 
 def test_pydantic_class_parses_to_an_instance():
-    item = output_parser(Item)('{"name": "x", "n": 3}')
+    item = grammars.parser_of(Item)('{"name": "x", "n": 3}')
     assert isinstance(item, Item) and item.n == 3
 
 
 def test_a_text_outside_the_choices_raises():
     with pytest.raises(ValueError, match="none of the choices"):
-        output_parser(typing.Literal["yes", "no"])("maybe")
+        grammars.parser_of(typing.Literal["yes", "no"])("maybe")
