@@ -113,19 +113,22 @@ def bench_steps(tok, cases) -> dict:
 
 
 def bench_batch(tok, cases, rows: int = 64, repeats: int = 200) -> dict:
-    """fill_masks over `rows` matchers at different states vs one raw executor call."""
-    matchers = []
+    """fill_masks over `rows` matchers at different states vs one raw executor call over raw llguidance
+    matchers (copies of each automaton's template) advanced to the same states."""
+    matchers, raw_matchers = [], []
     rng = np.random.default_rng(0)
     while len(matchers) < rows:
         schema, trajectories = cases[len(matchers) % len(cases)]
         a = grammars.compile(schema, tok, eos_token_id=EOS)
         ids = trajectories[0]
-        m = a.matcher()
+        m, raw_m = a.matcher(), a.template.deep_copy()
         for t in ids[: int(rng.integers(0, len(ids)))]:
             m.commit(t)
+            raw_m.consume_token(t)
         matchers.append(m)
+        raw_matchers.append(raw_m)
     bm = grammars.allocate_bitmask(rows, matchers[0].automaton.vocab_size)
-    pairs = [(m._ll, i) for i, m in enumerate(matchers)]
+    pairs = [(raw_m, i) for i, raw_m in enumerate(raw_matchers)]
     ours, raw = [], []
     for _ in range(repeats):
         start = time.perf_counter()
