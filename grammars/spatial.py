@@ -66,6 +66,19 @@ class SpatialSpec:
         except ValueError as error:
             raise SchemaError(str(error)) from None
 
+    def example_answer(self, items: int) -> str:
+        """An answer of `items` items in this spec's canonical spelling, with the longest coordinates
+        (3 decimals in JSON): what a caller tokenizes to learn how many items a token budget holds."""
+        if self.encoding == "loc":
+            fmt = self.locations
+            item = fmt.box_item((0, 0, 1, 1), self.label) if self.kind == "boxes" else fmt.point_item(0.5, 0.5, self.label)
+            return fmt.join([item] * items)
+        if self.kind == "points":
+            body = ", ".join(['{"x": 0.125, "y": 0.125}'] * items)
+            return f'{{"points": [{body}]}}'
+        body = ", ".join(['{"x_min": 0.125, "y_min": 0.125, "x_max": 0.875, "y_max": 0.875}'] * items)
+        return f'{{"objects": [{body}]}}'
+
     def cache_key(self) -> str:
         label, separator = json.dumps(self.label), json.dumps(self.separator)
         return f"spatial:{self.kind}:{self.encoding}:{self.max_objects}:{self.bins}:{label}:{separator}"

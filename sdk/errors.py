@@ -32,9 +32,15 @@ class IncompleteOutputError(RuntimeError):
     The text so far is a valid prefix of the output shape but not a whole value; `text` holds it.
     """
 
-    def __init__(self, skill: str, max_tokens: int, text: str) -> None:
+    def __init__(self, skill: str, max_tokens: int, text: str, context_limited: bool = False) -> None:
+        fix = (
+            "this is all the context leaves after the prompt: shorten the prompt or load with a larger "
+            "max_model_len"
+            if context_limited
+            else "raise settings['max_tokens']"
+        )
         super().__init__(
             f"{skill}: the answer reached max_tokens={max_tokens} before its output shape was complete; "
-            "raise settings['max_tokens'] (or lower settings['max_objects'] for detect/point)"
+            f"{fix} (or lower settings['max_objects'] for detect/point)"
         )
         self.text = text

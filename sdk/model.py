@@ -37,7 +37,7 @@ import copy
 import threading
 from collections import deque
 from collections.abc import AsyncIterator, Callable, Iterable, Iterator, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -49,6 +49,7 @@ from foveal.engine import AsyncEngine, Engine, EngineConfig, FinishReason, Reque
 from foveal.engine import models as engine_models
 from foveal.engine.request import RequestHandle, RequestOutput
 from foveal.errors import GenerationError, IncompleteOutputError, ModelClosedError
+from foveal.grammars import spatial
 from foveal.results import (
     AsyncTextStream,
     CaptionResult,
@@ -328,21 +329,48 @@ class Model:
     def _prepare(self, task: Task, image: Any, settings: Settings, explicit: bool) -> Job:
         if self._closed:
             raise ModelClosedError(task.skill)
-        with self._lock:
-            automaton = self._compile(task.spec)
+        spatial_answer = isinstance(task.spec, spatial.SpatialSpec)
+        with self._lock:  # other specs compile first: a bad output type fails before the image is read
+            automaton = None if spatial_answer else self._compile(task.spec)
         decoded, key = self._image(image, task.skill)
         with self._lock:
             prompt = self.loaded.processor(task.prompt_for(decoded is not None), decoded, image_key=key)
+            max_tokens = self._budget(len(prompt.token_ids), settings.max_tokens, explicit)
+            if spatial_answer:  # its item count is sized to the budget, then compiled
+                task = self._fit_items(task, len(prompt.token_ids), max_tokens)
+                automaton = self._compile(task.spec)
         sampling = SamplingParams(
             temperature=settings.temperature,
             top_p=settings.top_p,
-            max_tokens=self._budget(len(prompt.token_ids), settings.max_tokens, explicit),
+            max_tokens=max_tokens,
             seed=settings.seed,
             skip_special_tokens=not task.keep_special,  # the text the parser reads, made by the engine
         )
         matcher = automaton.matcher() if automaton is not None else None
         request = Request(prompt.token_ids, sampling, matcher, prompt.prefill)
         return Job(task, request, task.parser(automaton), decoded)
+
+    def _fit_items(self, task: Task, prompt_len: int, max_tokens: int) -> Task:
+        """A spatial answer's max_objects lowered to the items `max_tokens` holds (canonical spelling,
+        longest coordinates, EOS), so a complete answer always fits; ValueError when not one item does."""
+        spec = task.spec
+        one, two = (
+            len(self.loaded.tokenizer(spec.example_answer(n), add_special_tokens=False)["input_ids"]) for n in (1, 2)
+        )
+        per_item = max(two - one, 1)
+        fits = (max_tokens - 1 - (one - per_item)) // per_item
+        if fits >= 1:
+            return task if fits >= spec.max_objects else replace(task, spec=replace(spec, max_objects=fits))
+        room = self.config.max_model_len - prompt_len
+        if one + 1 <= room:
+            raise ValueError(
+                f"settings['max_tokens']={max_tokens} cannot hold one {task.skill} item ({one + 1} tokens with "
+                f"this object phrase); use max_tokens >= {one + 1} or a shorter object phrase"
+            )
+        raise ValueError(
+            f"one {task.skill} item takes {one + 1} tokens with this object phrase, but this model's context of "
+            f"{self.config.max_model_len} leaves {room} after the prompt ({prompt_len} tokens); shorten the phrase"
+        )
 
     def _compile(self, spec: Any) -> grammars.Automaton | None:
         if spec is None:
@@ -416,7 +444,9 @@ class Model:
         if output.finish_reason is FinishReason.CANCELLED:
             raise GenerationError(f"{job.task.skill} was cancelled (the call or its stream was stopped)")
         if output.finish_reason is FinishReason.LENGTH and job.task.spec is not None:
-            raise IncompleteOutputError(job.task.skill, job.request.sampling.max_tokens, output.text)
+            max_tokens = job.request.sampling.max_tokens
+            context_limited = len(job.request.prompt_ids) + max_tokens >= self.config.max_model_len
+            raise IncompleteOutputError(job.task.skill, max_tokens, output.text, context_limited)
 
     def _batch(
         self, task: Task, images: list, settings: Settings, explicit: bool, progress: bool | None

@@ -492,3 +492,26 @@ def test_paths_are_accepted_as_path_objects(shapes_model, image, images, tmp_pat
     images[2].save(other)
     assert shapes_model.point(other, "x", FEW) == shapes_model.point(images[2], "x", FEW)
     assert shapes_model.point(other, "x", FEW) != shapes_model.point(path, "x", FEW)  # the file is read
+
+
+def test_a_phrase_too_long_for_any_answer_is_refused_before_work(shapes_model, image, monkeypatch):
+    """Issue 13: a 200-character phrase passed validation, then failed after decoding ("raise
+    max_tokens", then "use max_tokens <= N"). What cannot fit is refused up front, with the rule."""
+    spy = Spy(shapes_model, monkeypatch)
+    phrase = "x" * 199  # ~1 token a character: one answer item cannot fit beside the prompt in 256 tokens
+    with pytest.raises(ValueError, match="item takes .* tokens with this object phrase"):
+        shapes_model.detect(image, phrase)
+    with pytest.raises(ValueError, match=r"cannot hold one point item .* use max_tokens >= \d+"):
+        shapes_model.point(image, "red circle", {"max_tokens": 3})
+    assert spy.requests == []
+
+
+def test_max_objects_is_lowered_to_what_max_tokens_holds(shapes_model, image, monkeypatch):
+    """A complete answer always fits: the grammar allows only as many items as the budget holds."""
+    spy = Spy(shapes_model, monkeypatch)
+    tokens = len(shapes_model.loaded.tokenizer(
+        shapes_model.skills.detect("shape", 1).spec.example_answer(2), add_special_tokens=False
+    )["input_ids"])
+    result = shapes_model.detect(image, "shape", {"max_tokens": tokens + 1, "max_objects": 50})
+    assert 0 <= len(result["objects"]) <= 2
+    assert spy.requests[0].matcher.automaton.key.startswith("spatial:boxes:loc:2:")
