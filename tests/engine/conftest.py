@@ -10,7 +10,7 @@ import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from foveal.engine import Engine, EngineConfig, Request, RequestOutput
-from foveal.testing.fake_runner import FakeRunner
+from foveal.testing import FakeRunner
 
 EOS = 0
 VOCAB = 300
@@ -78,6 +78,28 @@ class TrieMatcher:
         return generated in self.options
 
 
+class FailingMatcher:
+    """Allows every token and fails to give a mask from its `fail_at`-th mask on (a grammar stuck on a limit)."""
+
+    def __init__(self, fail_at: int) -> None:
+        self.fail_at, self.masks = fail_at, 0
+
+    def commit(self, token_id: int) -> None:
+        pass
+
+    def fill_mask(self, bitmask: torch.Tensor, row: int) -> None:
+        self.masks += 1
+        if self.masks >= self.fail_at:
+            raise RuntimeError("mask limit")
+        bitmask[row] = -1
+
+    def is_terminated(self) -> bool:
+        return False
+
+    def rollback(self, n: int) -> None:
+        pass
+
+
 def config(pipelined: bool, **kw) -> EngineConfig:
     base = dict(
         pipelined=pipelined,
@@ -133,6 +155,7 @@ def h():
         EOS=EOS,
         VOCAB=VOCAB,
         TrieMatcher=TrieMatcher,
+        FailingMatcher=FailingMatcher,
         Recording=Recording,
         config=config,
         engine=engine,

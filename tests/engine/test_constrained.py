@@ -85,33 +85,11 @@ def test_batched_fill_masks_is_called_once_per_step(h):
     assert 0 < len(calls) <= steps and max(calls) > 1
 
 
-class _MaskFailing:
-    """Allows every token until its third mask; from then on it raises (a grammar stuck on a limit)."""
-
-    def __init__(self):
-        self.masks = 0
-
-    def commit(self, token_id):
-        pass
-
-    def fill_mask(self, bitmask, row):
-        self.masks += 1
-        if self.masks >= 3:
-            raise RuntimeError("mask limit")
-        bitmask[row] = -1
-
-    def is_terminated(self):
-        return False
-
-    def rollback(self, n):
-        pass
-
-
 @pytest.mark.parametrize("pipelined", [True, False])
 def test_a_mask_failure_at_finalize_fails_only_that_request_and_the_engine_keeps_serving(h, pipelined):
     runner = FakeRunner(vocab_size=h.VOCAB, seed=1, delay_s=0.001)
     with h.engine(pipelined, runner) as eng:
-        broken = eng.submit(Request([1], SamplingParams(max_tokens=10, ignore_eos=True), _MaskFailing()))
+        broken = eng.submit(Request([1], SamplingParams(max_tokens=10, ignore_eos=True), h.FailingMatcher(3)))
         others = [eng.submit(Request([i + 2], SamplingParams(max_tokens=10, ignore_eos=True))) for i in range(3)]
         failed = broken.result(10)
         assert failed.finish_reason is FinishReason.ERROR and "mask limit" in failed.error

@@ -242,35 +242,13 @@ def test_drain_with_steps_in_flight_ends_every_request_and_frees_everything():
     assert_idle_and_free(pipe)
 
 
-class FailingMatcher:
-    """Allows every token, and fails to give a mask from its `fail_at`-th mask on."""
-
-    def __init__(self, fail_at: int):
-        self.fail_at, self.masks = fail_at, 0
-
-    def commit(self, token_id):
-        pass
-
-    def fill_mask(self, bitmask, row):
-        self.masks += 1
-        if self.masks >= self.fail_at:
-            raise RuntimeError("lexer limit")
-        bitmask[row] = -1
-
-    def is_terminated(self):
-        return False
-
-    def rollback(self, n):
-        pass
-
-
-def test_a_matcher_failing_at_finalize_fails_only_its_request():
+def test_a_matcher_failing_at_finalize_fails_only_its_request(h):
     pipe = make_pipeline()
-    broken = add(pipe, [1], max_tokens=8, matcher=FailingMatcher(fail_at=3))
-    healthy = add(pipe, [2], max_tokens=8, matcher=FailingMatcher(fail_at=99))
+    broken = add(pipe, [1], max_tokens=8, matcher=h.FailingMatcher(fail_at=3))
+    healthy = add(pipe, [2], max_tokens=8, matcher=h.FailingMatcher(fail_at=99))
     plain = add(pipe, [3], max_tokens=8)
     run_to_idle(pipe)
-    assert broken.finish_reason is FinishReason.ERROR and "lexer limit" in broken.handle.result(0).error
+    assert broken.finish_reason is FinishReason.ERROR and "mask limit" in broken.handle.result(0).error
     assert len(broken.token_ids) == 2  # the tokens committed before its mask failed
     assert healthy.finish_reason is FinishReason.LENGTH and plain.finish_reason is FinishReason.LENGTH
     assert_idle_and_free(pipe)
