@@ -9,13 +9,17 @@ PROBLEM
 SOLUTION
     One `Engine` per `Model`. A call goes through three steps:
       1. task: arguments and settings are checked and the family's `Skills` turn them into a
-         `Task` (prompt text, output spec, parser), skills.py;
-      2. prepare: the output spec is compiled (SchemaError here), the image is decoded and keyed
-         (ImageError here), the family's processor builds prompt ids and image tensors, and the
-         token budget is checked against the engine's context: a `Job` holding a `Request`;
-      3. submit and collect: the engine batches every request in flight (from any thread); the
-         caller blocks on its handle (or iterates its text deltas, or awaits it), then the task's
-         parser turns the text into the result dict.
+         `Task` (result type, prompt text, output spec), skills.py;
+      2. prepare: the output spec is compiled by foveal.grammars into an automaton that carries
+         the parser of its text (SchemaError here; a spatial spec first gets as many items as the
+         token budget holds), the image is decoded and keyed (ImageError here), the family's
+         processor builds prompt ids and `PrefillInputs` (image tensors, key, prefix): a `Job`
+         holding a `Request`;
+      3. submit and collect: the engine checks the request against its limits (ValueError here),
+         batches every request in flight (from any thread) and detokenizes the answer (special
+         tokens kept where the format answers in them); the caller blocks on its handle (or
+         iterates its text deltas, or awaits it), then the parser turns the text into the value
+         and the task's result type wraps it.
     Steps 1-2 run on the caller's thread; the processor, the tokenizer and grammar compilation are
     used under one lock (fast tokenizers must not be shared by threads mid-call), while decoding
     runs concurrently in the engine. The engine gets its own copy of the tokenizer.
