@@ -24,7 +24,7 @@ import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
-from . import limits, switch
+from . import limits, shutdown, switch
 from .detokenizer import Detokenizer
 from .device import make_device
 from .kv_cache import PagePool
@@ -95,6 +95,7 @@ class Engine:
             switch.acquire(config.switch_interval)
         self._thread = threading.Thread(target=self._loop, name="foveal-engine", daemon=True)
         self._thread.start()
+        shutdown.register(self)  # closed at interpreter exit if still open (engine/shutdown.py)
 
     # the pipeline's pools, for callers that check them (tests, benchmarks)
     @property
