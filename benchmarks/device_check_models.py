@@ -41,10 +41,14 @@ def cuda_parity(tmp: Path) -> list[dict]:
         worst, equal = 0.0, True
         for seq, prompt in enumerate(prompts):
             ids = torch.tensor([prompt.token_ids], device="cuda")
-            kwargs = {k: prompt.extras[k] for k in loaded.runner.family.image_keys} if prompt.extras else {}
-            if prompt.extras and loaded.runner.family.prefix_attention:
+            kwargs = (
+                {k: prompt.prefill.image_tensors[k] for k in loaded.runner.family.image_keys}
+                if prompt.prefill
+                else {}
+            )
+            if prompt.prefill and loaded.runner.family.prefix_attention:
                 n = len(prompt.token_ids)
-                kwargs["token_type_ids"] = torch.tensor([[0] * prompt.extras["prefix_len"]], device="cuda")[
+                kwargs["token_type_ids"] = torch.tensor([[0] * prompt.prefill.prefix_len], device="cuda")[
                     :, :n
                 ]
             out = reference.generate(

@@ -140,7 +140,7 @@ def measure(
         prompt = model.skills.query(QUESTION).prompt
     else:
         prompt = model.skills.detect("red circle", settings["max_objects"]).prompt
-    pixels = model.loaded.processor(prompt, pil).extras["pixel_values"]
+    pixels = model.loaded.processor(prompt, pil).prefill.image_tensors["pixel_values"]
     hf = model.loaded.runner.model
     cache = model.loaded.runner.image_cache
     bound = cache.max_bytes if cache_bytes is None else cache_bytes

@@ -2,7 +2,7 @@
 
 engine = Engine(runner, tokenizer, EngineConfig(pipelined=True))
 handle = engine.submit(Request(prompt_ids, SamplingParams(max_tokens=64), matcher))
-for delta in handle: ...          # text as tokens commit
+for delta in handle: ...          # text of committed tokens, streamed after each step's finalize
 handle.result()                   # RequestOutput(token_ids, text, finish_reason, ...)
 """
 
@@ -13,7 +13,14 @@ require_foveal_name(__name__, "foveal.engine")
 from .async_engine import AsyncEngine  # noqa: E402
 from .engine import Engine, EngineConfig  # noqa: E402
 from .matcher import Matcher, fill_masks_each  # noqa: E402
-from .request import FinishReason, Request, RequestHandle, RequestOutput, SamplingParams  # noqa: E402
+from .request import (  # noqa: E402
+    FinishReason,
+    PrefillInputs,
+    Request,
+    RequestHandle,
+    RequestOutput,
+    SamplingParams,
+)
 from .runner import ForwardBatch, ModelRunner  # noqa: E402
 
 __all__ = [
@@ -24,6 +31,7 @@ __all__ = [
     "ForwardBatch",
     "Matcher",
     "ModelRunner",
+    "PrefillInputs",
     "Request",
     "RequestHandle",
     "RequestOutput",
