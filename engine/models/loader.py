@@ -29,6 +29,7 @@ from foveal.engine.models.runner import HFRunner
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+SUPPORTED_DEVICES = ("cpu", "cuda")  # the engine's device streams (engine/device.py)
 
 
 @dataclass(slots=True)
@@ -71,11 +72,34 @@ def load(
 
 
 def resolve_device(device: str | torch.device) -> torch.device:
-    if str(device) == "auto":
+    """Device "auto" (CUDA when available, else CPU), "cpu", "cuda" or "cuda:N"; anything else is refused
+    here, in one line, before any weights are read (the engine drives CPU and CUDA runners only)."""
+    if isinstance(device, str) and device == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    dev = torch.device(device)
+    if not isinstance(device, (str, torch.device)):
+        raise ModelLoadError(
+            f"device must be a str or torch.device ('auto', 'cpu', 'cuda', 'cuda:N'), got {device!r}"
+        )
+    try:
+        dev = torch.device(device)
+    except RuntimeError:  # torch's own message lists twenty device types foveal cannot run on
+        raise ModelLoadError(
+            f"device={device!r} is not a device; use 'auto', 'cpu', 'cuda' or 'cuda:N'"
+        ) from None
+    if dev.type not in SUPPORTED_DEVICES:
+        raise ModelLoadError(
+            f"device={device!r} is not supported: foveal runs models on 'cpu' or 'cuda' ('auto' picks CUDA "
+            "when torch sees one); use one of those"
+        )
     if dev.type == "cuda" and not torch.cuda.is_available():
-        raise ModelLoadError("device='cuda' was asked for but torch sees no CUDA device; use device='cpu'")
+        raise ModelLoadError(
+            f"device={device!r} was asked for but torch sees no CUDA device; use device='cpu'"
+        )
+    if dev.type == "cuda" and dev.index is not None and dev.index >= torch.cuda.device_count():
+        raise ModelLoadError(
+            f"device={device!r}: torch sees {torch.cuda.device_count()} CUDA device(s), numbered from 0; "
+            "use one of them"
+        )
     return dev
 
 
@@ -151,6 +175,7 @@ def _load_gguf(path: Path, device: torch.device, dtype: torch.dtype, image_cache
         raise ModelLoadError(
             f"loading a .gguf file needs {' and '.join(missing)}: pip install 'foveal[bench]'"
         )
+    check_gguf(path)
     kwargs = {"gguf_file": path.name}
     tokenizer = transformers.AutoTokenizer.from_pretrained(path.parent, **kwargs)
     config = transformers.AutoConfig.from_pretrained(path.parent, **kwargs)
@@ -161,6 +186,31 @@ def _load_gguf(path: Path, device: torch.device, dtype: torch.dtype, image_cache
         path.parent, dtype=dtype, attn_implementation=ATTN_NAME, **kwargs
     )
     return _assemble(model.to(device), family, tokenizer, None, str(path), image_cache_bytes)
+
+
+def check_gguf(path: Path) -> None:
+    """Refuse a truncated or corrupt GGUF file in one line, before transformers parses it.
+
+    gguf's reader maps the file and parses its header, metadata and tensor table (no tensor data is
+    read); a file cut short fails there with a bare struct.error or numpy ValueError, or, cut inside
+    the tensor data, parses but ends before its last tensor.
+    """
+    from gguf import GGUFReader
+
+    size = path.stat().st_size
+    try:
+        reader = GGUFReader(path)
+    except Exception as error:  # struct.error, ValueError, IndexError: whatever the cut hits
+        detail = f"{type(error).__name__}: {error}".splitlines()[0]
+        raise ModelLoadError(
+            f"{path} ({size} bytes) is not a readable GGUF file, probably truncated or corrupt ({detail}); "
+            "download it again"
+        ) from None
+    end = max((int(t.data_offset) + int(t.n_bytes) for t in reader.tensors), default=0)
+    if end > size:
+        raise ModelLoadError(
+            f"{path} is truncated: its tensors end at byte {end} but the file has {size}; download it again"
+        )
 
 
 def _load_processor(family: Family, path: Path) -> tuple[Any, Any]:

@@ -2,11 +2,13 @@
 
 import zipfile
 
+import numpy as np
 import pytest
 import torch
 import transformers
 
 from foveal.engine.models import ModelLoadError, load
+from foveal.engine.models.loader import check_gguf
 from foveal.testing import parity
 from foveal.testing.smollm2 import GGUF_NAME, smollm2_gguf
 
@@ -64,3 +66,45 @@ def test_gguf_without_its_packages_says_what_to_install(tmp_path, monkeypatch):
     (tmp_path / "model.gguf").write_bytes(b"GGUF")
     with pytest.raises(ModelLoadError, match=r"needs gguf and accelerate: pip install 'foveal\[bench\]'"):
         load(tmp_path / "model.gguf", device="cpu")
+
+
+def _write_gguf(path):
+    """A small valid GGUF file (header, metadata, two float32 tensors); returns its bytes."""
+    gguf = pytest.importorskip("gguf")
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_block_count(1)
+    writer.add_context_length(64)
+    writer.add_token_list(["a", "b", "c", "d"])
+    writer.add_tensor("token_embd.weight", np.arange(32, dtype=np.float32).reshape(4, 8))
+    writer.add_tensor("output_norm.weight", np.ones(8, dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path.read_bytes()
+
+
+@pytest.mark.parametrize("keep", ["header", "metadata", "tensor table", "tensor data", "empty", "not gguf"])
+def test_a_truncated_or_corrupt_gguf_is_refused_in_one_line_before_parsing(tmp_path, monkeypatch, keep):
+    """Was a bare struct.error (or numpy's 'cannot reshape') from deep inside transformers."""
+    whole = _write_gguf(tmp_path / "whole.gguf")
+    check_gguf(tmp_path / "whole.gguf")  # the intact file passes
+    cut = {
+        "header": whole[:10],
+        "metadata": whole[:60],
+        "tensor table": whole[: len(whole) - 200],
+        "tensor data": whole[:-20],
+        "empty": b"",
+        "not gguf": b"PK\x03\x04" + whole[4:],
+    }[keep]
+    path = tmp_path / "cut" / "model.gguf"
+    path.parent.mkdir()
+    path.write_bytes(cut)
+    monkeypatch.setattr(
+        transformers.AutoTokenizer, "from_pretrained", lambda *a, **k: pytest.fail("parsed before the check")
+    )
+    with pytest.raises(
+        ModelLoadError, match=r"(not a readable GGUF file|is truncated).*download it again"
+    ) as caught:
+        load(path, device="cpu")
+    assert "\n" not in str(caught.value)

@@ -1,6 +1,7 @@
 """The loader's sources and its errors: local folders, hub cache, pickle refusal, mismatches, dtypes."""
 
 import json
+import re
 import shutil
 
 import pytest
@@ -21,7 +22,7 @@ def test_loaded_record_has_runner_tokenizer_processor_eos(checkpoints):
     assert loaded.eos_token_ids == (loaded.tokenizer.eos_token_id,)
     prompt = loaded.processor("red circle")
     assert prompt.token_ids[0] == loaded.tokenizer.bos_token_id
-    assert prompt.extras is None
+    assert prompt.prefill is None
     assert loaded.runner.device == torch.device("cpu") and loaded.runner.dtype == torch.float32
 
 
@@ -104,6 +105,43 @@ def test_dtype_and_device_errors(checkpoints):
 
 
 @pytest.mark.parametrize(
+    ("device", "message"),
+    [
+        ("tpu", "device='tpu' is not a device; use 'auto', 'cpu', 'cuda' or 'cuda:N'"),
+        ("mps", "device='mps' is not supported: foveal runs models on 'cpu' or 'cuda'"),
+        (torch.device("meta"), "is not supported"),
+        (0.5, "device must be a str or torch.device"),
+    ],
+)
+def test_devices_foveal_cannot_run_on_are_refused_in_one_line_before_loading(
+    checkpoints, monkeypatch, device, message
+):
+    """Was a raw torch RuntimeError ('Expected one of cpu, cuda, ipu, ...'), or for mps a failure after reading the weights."""
+    from foveal.engine.models import loader
+
+    monkeypatch.setattr(
+        loader, "_load_folder", lambda *a: pytest.fail("weights read before the device was checked")
+    )
+    with pytest.raises(ModelLoadError, match=re.escape(message)) as caught:
+        load(checkpoints["llama"], device=device)
+    assert "\n" not in str(caught.value)
+
+
+def test_a_cuda_index_torch_does_not_see_is_refused(checkpoints, monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    with pytest.raises(ModelLoadError, match=r"device='cuda:3': torch sees 1 CUDA device\(s\)"):
+        load(checkpoints["llama"], device="cuda:3")
+
+
+def test_sdk_load_refuses_an_unknown_device_with_a_model_load_error():
+    import foveal
+
+    with pytest.raises(foveal.ModelLoadError, match="device='tpu' is not a device"):
+        foveal.load(device="tpu")
+
+
+@pytest.mark.parametrize(
     ("family", "expected"),
     # 2 (K and V) x layers x kv heads x head dim x 4 bytes (fp32)
     [("llama", 2 * 2 * 2 * 16 * 4), ("gemma", 2 * 2 * 1 * 16 * 4), ("paligemma", 2 * 2 * 1 * 16 * 4)],
@@ -158,7 +196,9 @@ def test_image_inputs_path_bytes_and_array_equal_pil(checkpoints, tmp_path):
     for other in (tmp_path / "im.png", (tmp_path / "im.png").read_bytes(), np.asarray(image)):
         got = processor("what is this?", other)
         assert got.token_ids == expected.token_ids
-        assert torch.equal(got.extras["pixel_values"], expected.extras["pixel_values"])
+        assert torch.equal(
+            got.prefill.image_tensors["pixel_values"], expected.prefill.image_tensors["pixel_values"]
+        )
     with pytest.raises(TypeError, match="HxWx3 uint8 array"):
         processor("what is this?", 42)
     with pytest.raises(ValueError, match="text-only model; call it with image=None"):
