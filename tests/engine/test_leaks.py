@@ -11,9 +11,9 @@ import time
 import pytest
 
 from foveal.engine import FinishReason, Request, SamplingParams
-from foveal.testing import FakeRunner
 from foveal.engine.kv_cache import PagePool
 from foveal.engine.slot import SlotState
+from foveal.testing import FakeRunner
 
 
 def _assert_idle_and_full(eng):
@@ -21,7 +21,7 @@ def _assert_idle_and_full(eng):
     assert eng.free_pages() == eng.config.num_pages
     assert eng.lanes.num_free == eng.lanes.count
     assert all(s.state is SlotState.FREE for s in eng.slots)
-    assert not eng._seqs
+    assert not eng.pipeline.sequences.live
 
 
 def test_pool_refuses_a_double_free():
@@ -30,6 +30,32 @@ def test_pool_refuses_a_double_free():
     pool.free(pages)
     with pytest.raises(RuntimeError, match="freed twice"):
         pool.free(pages[:1])
+
+
+class CheckedHook:
+    """A debug hook whose failures fail the test.
+
+    The hook runs on the engine's thread: an assert there becomes an engine error (every request
+    ends ERROR) that no test assertion sees, so a broken condition passed as an ignored ERROR. The
+    wrapper records what the hook raised and lets the engine carry on; the test thread asserts
+    `hook.failures == []` (see `assert_ok`).
+    """
+
+    def __init__(self, body) -> None:
+        self.body = body
+        self.failures: list[str] = []
+        self.calls = 0
+
+    def __call__(self, phase: str) -> None:
+        self.calls += 1
+        try:
+            self.body(phase)
+        except BaseException as error:  # reported by assert_ok on the test thread
+            self.failures.append(f"{phase}: {type(error).__name__}: {error}")
+
+    def assert_ok(self) -> None:
+        assert self.calls, "the hook never ran"
+        assert not self.failures, "the engine-thread hook failed:\n" + "\n".join(self.failures[:5])
 
 
 class CountingPool:
@@ -70,17 +96,19 @@ def test_finish_and_abort_in_the_same_step(h):
 
     def hook(phase):
         eng = state.get("eng")
-        if phase == "commit" and eng is not None and eng._stats.steps == 3 and "done" not in state:
+        if phase == "commit" and eng is not None and eng.pipeline.stats.steps == 3 and "done" not in state:
             state["done"] = True
             state["b"].cancel()
             state["c"] = eng.submit(Request([9], SamplingParams(max_tokens=3, ignore_eos=True)))
 
-    with h.engine(debug_hook=hook) as eng:
+    checked = CheckedHook(hook)
+    with h.engine(debug_hook=checked) as eng:
         a = eng.submit(Request([1], SamplingParams(max_tokens=3, ignore_eos=True)))
         state["b"] = eng.submit(Request([2], SamplingParams(max_tokens=50, ignore_eos=True)))
         state["eng"] = eng
         assert a.result(10).finish_reason is FinishReason.LENGTH
         assert state["b"].result(10).finish_reason is FinishReason.CANCELLED
+        checked.assert_ok()
         assert state["c"].result(10).finish_reason is FinishReason.LENGTH
         _assert_idle_and_full(eng)
 
@@ -100,10 +128,13 @@ def test_zombie_pages_wait_for_the_step_in_flight(h):
                             seen.append(seq.id)
 
     kw = {"vocab_size": h.VOCAB, "seed": 1, "boost": {h.EOS: 3.0}}
-    with h.engine(True, FakeRunner(**kw), debug_hook=hook) as eng:
+    checked = CheckedHook(hook)
+    with h.engine(True, FakeRunner(**kw), debug_hook=checked) as eng:
         seen.append(eng)
-        eng.generate([Request([11 + i, 12], SamplingParams(max_tokens=100)) for i in range(10)])
+        outs = eng.generate([Request([11 + i, 12], SamplingParams(max_tokens=100)) for i in range(10)])
         _assert_idle_and_full(eng)
+    checked.assert_ok()
+    assert all(o.finish_reason is not FinishReason.ERROR for o in outs)
     assert len(seen) > 1, "some step should have carried a zombie"
 
 
@@ -125,15 +156,17 @@ def test_admission_waits_when_pages_run_out(h):
 
     def hook(phase):
         if phase == "launch" and seen:
-            running_max.append(len(seen[0].scheduler.running))
+            running_max.append(len(seen[0].pipeline.scheduler.running))
 
     seen = []
-    with h.engine(num_pages=10, page_size=4, debug_hook=hook) as eng:  # 2 requests' worth of pages
+    checked = CheckedHook(hook)
+    with h.engine(num_pages=10, page_size=4, debug_hook=checked) as eng:  # 2 requests' worth of pages
         seen.append(eng)
         outs = eng.generate(
             [Request([i + 1] * 5, SamplingParams(max_tokens=12, ignore_eos=True)) for i in range(8)]
         )
         _assert_idle_and_full(eng)
+    checked.assert_ok()
     assert all(len(o.token_ids) == 12 for o in outs)
     assert max(running_max) == 2
 
@@ -142,7 +175,7 @@ def test_requests_the_engine_can_never_run_are_refused_at_submit(h):
     with h.engine(num_pages=4, page_size=4) as eng:
         with pytest.raises(ValueError, match="KV pages"):
             eng.submit(Request([1] * 10, SamplingParams(max_tokens=10)))
-        with pytest.raises(ValueError, match="max_step_tokens"):
+        with pytest.raises(ValueError, match="context of 256"):
             eng.submit(Request([1] * 300, SamplingParams(max_tokens=1)))
         with pytest.raises(ValueError, match="empty"):
             eng.submit(Request([], SamplingParams()))
