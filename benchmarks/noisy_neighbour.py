@@ -5,13 +5,22 @@ whose mask is slow delays every row. This times that call for 8 ordinary rows (a
 alone, beside 4 rows of `a{100000}` (compiled straight through llguidance, as foveal did before
 grammars/limits.py refused it), and beside 4 rows of the longest forced run foveal now accepts.
 
-    python -m benchmarks.noisy_neighbour [--tokenizer DIR] [--steps 30] [--out FILE.json]
+Then the same question at the SDK, as a user sees it: the latency of `detect` on the embedded model
+(`foveal.load()`), one caller alone, and the same caller while 4 threads keep calling
+`generate(img, prompt, Regex('a{2048}'))` (MAX_FORCED_BYTES: the longest forced run compile
+accepts). Issue 13's "before": 30 ms alone, 786 ms beside four `a{100000}` calls (now refused).
+
+    python -m benchmarks.noisy_neighbour [--tokenizer DIR] [--steps 30] [--calls 20] [--out FILE.json]
+
+`--calls 0` skips the SDK measurement (it loads the model: ~10 s, then about calls x 0.1 s alone
+and calls x (detect latency beside the neighbours)).
 """
 
 from __future__ import annotations
 
 import argparse
-import json
+import contextlib
+import threading
 import time
 from pathlib import Path
 
@@ -19,8 +28,11 @@ import llguidance
 import numpy as np
 from tokenizers import Tokenizer
 
+import foveal
+from benchmarks import write_json
 from foveal import grammars
 from foveal.grammars.limits import MAX_FORCED_BYTES
+from foveal.vision import scenes
 
 SHARED_TOKENIZER = Path(__file__).resolve().parents[2] / "shared" / "tokenizers" / "smollm2"
 EOS = 2
@@ -59,10 +71,89 @@ def step_times(rows: list[grammars.Matcher], steps: int, rng: np.random.Generato
     return np.asarray(times)
 
 
+def detect_ms(model: foveal.Model, image: object, calls: int) -> np.ndarray:
+    """Milliseconds of each of `calls` sequential greedy detect calls."""
+    times = []
+    for _ in range(calls):
+        start = time.perf_counter()
+        model.detect(image, "circle")
+        times.append(time.perf_counter() - start)
+    return np.asarray(times) * 1e3
+
+
+def detect_beside(
+    model: foveal.Model, image: object, calls: int, spec: object, n: int
+) -> tuple[np.ndarray, dict]:
+    """Detect latencies while `n` threads keep one `generate(image, ..., spec)` each in flight; also
+    how their calls ended (a forced run longer than the context ends in IncompleteOutputError)."""
+    stop = threading.Event()
+    ended: dict[str, int] = {}
+    lock = threading.Lock()
+
+    def neighbour() -> None:
+        while not stop.is_set():
+            try:
+                model.generate(image, "write the letter a", output_type=spec)
+                outcome = "returned"
+            except foveal.IncompleteOutputError:
+                outcome = "IncompleteOutputError (max_tokens)"
+            with lock:
+                ended[outcome] = ended.get(outcome, 0) + 1
+
+    threads = [threading.Thread(target=neighbour, daemon=True) for _ in range(n)]
+    for thread in threads:
+        thread.start()
+    time.sleep(1.0)  # every neighbour is decoding (its prefill is one step of ~10 ms)
+    try:
+        times = detect_ms(model, image, calls)
+    finally:
+        stop.set()
+        for thread in threads:
+            thread.join()
+    return times, ended
+
+
+def sdk_latency(calls: int) -> dict:
+    """Detect latency on the embedded model alone, beside 4 callers of the longest forced run, and
+    beside 4 callers of a free run of the same length (`[ab]{N}`: the same rows and tokens, a cheap
+    mask), which separates what the forced grammar costs from what 4 more rows in each step cost."""
+    heaviest = grammars.Regex(f"a{{{MAX_FORCED_BYTES}}}")
+    control = grammars.Regex(f"[ab]{{{MAX_FORCED_BYTES}}}")
+    image = scenes.render(scenes.generate_scene(3, 64))
+    results: dict = {}
+    with foveal.load() as model:
+        detect_ms(model, image, 5)  # warm: traces, the image encoding cache
+        with contextlib.suppress(foveal.IncompleteOutputError):  # warm the forced run's grammar too
+            model.generate(image, "write the letter a", output_type=heaviest)
+        cases = {
+            "detect alone": lambda: (detect_ms(model, image, calls), {}),
+            f"detect beside 4 generate(Regex('a{{{MAX_FORCED_BYTES}}}'))": lambda: detect_beside(
+                model, image, calls, heaviest, 4
+            ),
+            f"detect beside 4 generate(Regex('[ab]{{{MAX_FORCED_BYTES}}}'))": lambda: detect_beside(
+                model, image, calls, control, 4
+            ),
+        }
+        print(f"\nSDK, embedded model, {calls} detect calls each")
+        print(f"{'case':48s} {'p50 ms':>8s} {'p90 ms':>8s} {'max ms':>8s}")
+        for name, run in cases.items():
+            times, ended = run()
+            row = {q: float(np.percentile(times, p)) for q, p in (("p50", 50), ("p90", 90), ("max", 100))}
+            results[name] = {**row, "calls": calls, "neighbour_calls": ended}
+            print(f"{name:48s} {row['p50']:8.1f} {row['p90']:8.1f} {row['max']:8.1f}")
+            if ended:
+                print(f"  neighbour calls ended: {ended}")
+        assert model.engine.wait_idle(30) and model.engine.free_pages() == model.engine.config.num_pages
+    return results
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tokenizer", type=Path, default=SHARED_TOKENIZER)
     parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument(
+        "--calls", type=int, default=20, help="detect calls per SDK case (0: skip the SDK part)"
+    )
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
     tok = Tokenizer.from_file(str(args.tokenizer / "tokenizer.json"))
@@ -92,8 +183,11 @@ def main() -> None:
         r = results[name]
         print(f"{name:42s} {r['p50']:8.2f} {r['p90']:8.2f} {r['max']:8.2f}")
     print(f"compile(Regex('a{{100000}}')) now: {verdict}")
+    report = {"fill_masks_ms": results, "a100000": verdict}
+    if args.calls:
+        report["sdk_detect_ms"] = sdk_latency(args.calls)
     if args.out:
-        args.out.write_text(json.dumps({"fill_masks_ms": results, "a100000": verdict}, indent=2))
+        write_json(args.out, report)
 
 
 if __name__ == "__main__":
