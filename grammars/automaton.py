@@ -31,6 +31,7 @@ class Automaton:
     matcher_class: type[Matcher] = Matcher
     extra: Any = field(default=None, repr=False)  # data a composite matcher class needs
     parse: Callable[[str], Any] = field(default=str, repr=False)  # the output's text -> its value
+    min_tokens: int = 0  # tokens every output takes at least (its forced start), for budget checks
 
     @property
     def vocab_size(self) -> int:

@@ -50,7 +50,7 @@ def compile(
         if source.pattern is not None:
             check_regex(source.pattern)
         template = compile_template(handle, source)
-        probe(template, _WHAT[source.kind])
+        forced_tokens = probe(template, _WHAT[source.kind])
         cached = Automaton(
             key=key,
             kind=source.kind,
@@ -58,6 +58,7 @@ def compile(
             tokenizer=handle,
             template=template,
             parse=source.parse,
+            min_tokens=forced_tokens,
         )
         AUTOMATA.put(key, cached)
     return cached

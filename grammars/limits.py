@@ -151,8 +151,9 @@ def _is_number(value: object) -> bool:
     return isinstance(value, int | float) and not isinstance(value, bool)
 
 
-def probe(template: llguidance.LLMatcher, what: str) -> None:
-    """Refuse a compiled template that cannot start or whose first step forces too much text."""
+def probe(template: llguidance.LLMatcher, what: str) -> int:
+    """Refuse a compiled template that cannot start or whose first step forces too much text;
+    returns how many tokens the forced start takes (a lower bound on every output's length)."""
     copy = template.deep_copy()
     forced = copy.compute_ff_bytes()
     if len(forced) > MAX_FORCED_BYTES:
@@ -162,6 +163,7 @@ def probe(template: llguidance.LLMatcher, what: str) -> None:
             "long fixed text, which llguidance re-reads at every step, slowing the mask of every request "
             "in the batch; give the recursion a base case, or put long fixed text in the prompt"
         )
+    forced_tokens = len(copy.compute_ff_tokens())
     # Two steps: llguidance reports some limits (an Earley row too wide) only at the second.
     mask = copy.compute_bitmask()
     if not copy.is_error() and not copy.is_stopped():
@@ -169,6 +171,7 @@ def probe(template: llguidance.LLMatcher, what: str) -> None:
         copy.compute_bitmask()
     if copy.is_error():
         raise SchemaError(f"the {what} cannot start: {_cause(copy.get_error())}")
+    return forced_tokens
 
 
 def _first_allowed(mask: bytes) -> int:

@@ -343,6 +343,12 @@ class Model:
             if spatial_answer:  # its item count is sized to the budget, then compiled
                 task = self._fit_items(task, len(prompt.token_ids), max_tokens)
                 automaton = self._compile(task.spec)
+        if automaton is not None and automaton.min_tokens > max_tokens:
+            raise ValueError(
+                f"every answer of this output type starts with {automaton.min_tokens} tokens of fixed text, "
+                f"more than the {max_tokens} it may have (settings['max_tokens'], at most what the context "
+                "leaves after the prompt); raise max_tokens, shorten the fixed text, or put it in the prompt"
+            )
         sampling = SamplingParams(
             temperature=settings.temperature,
             top_p=settings.top_p,

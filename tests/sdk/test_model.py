@@ -515,3 +515,13 @@ def test_max_objects_is_lowered_to_what_max_tokens_holds(shapes_model, image, mo
     result = shapes_model.detect(image, "shape", {"max_tokens": tokens + 1, "max_objects": 50})
     assert 0 <= len(result["objects"]) <= 2
     assert spy.requests[0].matcher.automaton.key.startswith("spatial:boxes:loc:2:")
+
+
+def test_an_output_type_whose_fixed_start_cannot_fit_is_refused_before_work(shapes_model, image, monkeypatch):
+    """Issue 13: `Regex('a{2048}')` decoded until max_tokens, then raised IncompleteOutputError. The
+    compiled spec knows the tokens its forced start takes; more than max_tokens is refused up front."""
+    spy = Spy(shapes_model, monkeypatch)
+    with pytest.raises(ValueError, match="starts with 60 tokens of fixed text, more than the 40"):
+        shapes_model.generate(image, "x", foveal.Regex("a{60}"), {"max_tokens": 40})
+    assert spy.requests == []
+    assert shapes_model.generate(image, "x", foveal.Regex("a{40}"), {"max_tokens": 40})["text"] == "a" * 40
