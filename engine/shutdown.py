@@ -16,8 +16,14 @@ SOLUTION
     registered. atexit handlers run after non-daemon threads are joined and before the interpreter
     stops daemon threads, so `close()` can still end the requests in flight (CANCELLED), drain the
     steps on the device and join both threads while the interpreter is whole.
+    The engine's own threads keep it reachable, so an engine whose owner was dropped without
+    `close()` (a notebook cell that runs `model = foveal.load()` again) ran forever and kept its
+    weights: +120 MB and two threads per reload of the embedded model. `close_with(owner, engine)`
+    closes the engine once its owner (the `Model` users hold) is collected.
 INVARIANTS
     - The registry holds engines weakly: registering never keeps an engine alive.
+    - `close_with` never closes an engine on one of foveal's own threads (a close joins them): there
+      it hands the close to a new thread.
     - At exit every registered engine is closed; one engine failing to close does not stop the
       others from closing.
     - Closing is idempotent (`Engine.close`), so an engine closed by its user needs no unregistering.
@@ -62,3 +68,18 @@ def close_all() -> None:
 
 
 atexit.register(close_all)
+
+
+def close_with(owner: object, engine: Closable) -> None:
+    """Close `engine` when `owner` is garbage collected (dropped without calling close())."""
+    finalizer = weakref.finalize(owner, _close_from_any_thread, engine)
+    finalizer.atexit = False  # at exit, close_all closes every engine anyway
+
+
+def _close_from_any_thread(engine: Closable) -> None:
+    # A collection runs on whichever thread triggers it, possibly the engine's own, which close()
+    # would join: a deadlock. Non-daemon, so that the interpreter waits for it at exit.
+    if threading.current_thread().name.startswith("foveal-"):
+        threading.Thread(target=engine.close, name="close-dropped-engine").start()
+    else:
+        engine.close()

@@ -12,11 +12,13 @@ import gc
 import subprocess
 import sys
 import textwrap
+import threading
 import weakref
 
 import pytest
+from torch.multiprocessing.reductions import StorageWeakRef
 
-from foveal.engine import shutdown
+from foveal.engine import FinishReason, Request, SamplingParams, shutdown
 
 # A runner whose forward is one TorchScript call that keeps the GIL released for ~0.1-0.3 s (a
 # traced loop of matmuls), so the device thread is inside native TorchScript code when the main
@@ -147,3 +149,68 @@ def test_a_real_engine_registers_itself_and_closing_it_again_is_harmless(h, regi
         assert shutdown.open_engines() == [engine]
     shutdown.close_all()  # what the atexit handler does with an engine its user has closed
     assert engine.wait_idle(0)
+
+
+class _Owner:
+    """Stands in for foveal.Model: what users hold, while the engine's threads hold the engine."""
+
+
+def _is_closed(engine) -> bool:
+    try:
+        engine.submit(Request([1], SamplingParams(max_tokens=1))).cancel()
+    except RuntimeError:
+        return True
+    return False
+
+
+def test_an_engine_closes_when_its_owner_is_dropped(h):
+    with h.engine() as engine:
+        owner = _Owner()
+        shutdown.close_with(owner, engine)
+        assert not _is_closed(engine)
+        del owner
+        gc.collect()
+        assert _is_closed(engine)
+
+
+def _device_threads() -> int:
+    return sum(t.name == "foveal-device" for t in threading.enumerate())
+
+
+def test_an_owner_dropped_on_the_engine_thread_is_closed_from_another_thread(h):
+    """close() on the engine's own thread cannot join it (the close failed half-way: the device
+    thread stayed); the finalizer hands the close to a new thread, which completes it."""
+    box = []
+
+    def hook(phase):
+        if phase == "commit" and box:
+            box.clear()  # the owner's last reference dies on the engine thread
+
+    before = _device_threads()
+    with h.engine(debug_hook=hook) as engine:
+        owner = _Owner()
+        shutdown.close_with(owner, engine)
+        box.append(owner)
+        del owner
+        output = engine.submit(Request([1], SamplingParams(max_tokens=200, ignore_eos=True))).result(10)
+        for thread in threading.enumerate():
+            if thread.name == "close-dropped-engine":
+                thread.join(10)
+        assert output.finish_reason is FinishReason.CANCELLED  # closed mid-request by the drop
+        assert _is_closed(engine)
+        assert _device_threads() == before, "the close did not finish: the device thread still runs"
+
+
+def test_a_dropped_model_frees_its_weights():
+    """The notebook case: `model = foveal.load()` run again without close() (+120 MB a reload before)."""
+    import foveal
+    from foveal.vision import scenes
+
+    model = foveal.load()
+    shutdown.close_with(model, model.engine)  # idempotent if the SDK registers the model itself
+    weights = [StorageWeakRef(p.untyped_storage()) for p in model.loaded.runner.model.parameters()]
+    model.generate(scenes.render(scenes.generate_scene(1)), "hi", settings={"max_tokens": 4})
+    model = None
+    gc.collect()
+    assert all(w.expired() for w in weights)
+    assert not [t for t in threading.enumerate() if t.name.startswith("foveal-")]
