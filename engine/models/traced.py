@@ -59,6 +59,8 @@ def own_compilation_unit() -> Iterator[torch.jit.CompilationUnit]:
     its `_compilation_unit` argument is ignored for modules. torch's C++ side looks the unit up as
     that Python attribute at each use, so swapping the attribute for the duration of the trace puts
     the trace in a unit of its own, which the traced module keeps alive and frees with itself.
+    Traces here take turns (the lock); a TorchScript compile on another thread during the swap
+    would land in this unit too, which is harmless: its module keeps the unit alive as well.
     """
     with _unit_lock:
         saved = torch.jit._state._python_cu
