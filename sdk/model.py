@@ -49,7 +49,7 @@ from PIL import Image
 from tqdm import tqdm
 
 from foveal import grammars
-from foveal.engine import AsyncEngine, Engine, EngineConfig, FinishReason, Request, SamplingParams
+from foveal.engine import AsyncEngine, Engine, EngineConfig, FinishReason, Request, SamplingParams, shutdown
 from foveal.engine import models as engine_models
 from foveal.engine.request import RequestHandle, RequestOutput
 from foveal.errors import GenerationError, IncompleteOutputError, ModelClosedError
@@ -197,6 +197,9 @@ class Model:
         self.loaded = loaded
         self.skills = skills
         self.engine = Engine(loaded.runner, copy.deepcopy(loaded.tokenizer), config)
+        # A model dropped without close() (a notebook cell run again) stops its engine when collected;
+        # streams hold the model, so a stream outlives its `foveal.load()` expression.
+        shutdown.close_with(self, self.engine)
         self.config = self.engine.config  # sizes resolved from the runner
         self._lock = threading.Lock()  # processor, tokenizer and grammar compiles: one caller at a time
         self._closed = False

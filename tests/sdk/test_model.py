@@ -525,3 +525,21 @@ def test_an_output_type_whose_fixed_start_cannot_fit_is_refused_before_work(shap
         shapes_model.generate(image, "x", foveal.Regex("a{60}"), {"max_tokens": 40})
     assert spy.requests == []
     assert shapes_model.generate(image, "x", foveal.Regex("a{40}"), {"max_tokens": 40})["text"] == "a" * 40
+
+
+def test_a_model_dropped_without_close_stops_its_engine(shapes_folder, image):
+    """Issue 13: reloading a model in a notebook without close() kept the old engine's threads and
+    memory alive (~120 MB a reload). A dropped Model now closes its engine when collected."""
+    import gc
+
+    model = foveal.load(shapes_folder, device="cpu", max_batch_size=2, max_model_len=256)
+    model.detect(image, "circle", FEW)
+    thread = model.engine._thread
+    stream = foveal.load(shapes_folder, device="cpu", max_batch_size=2, max_model_len=256).caption(
+        image, stream=True, settings={"max_tokens": 4}
+    )["caption"]
+    del model
+    gc.collect()
+    thread.join(10)
+    assert not thread.is_alive()
+    assert isinstance("".join(stream), str)  # the stream holds its model: its engine still runs
