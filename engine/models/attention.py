@@ -15,7 +15,7 @@ SOLUTION
     forward (`PagedContext`). Untagged modules (vision towers) use transformers' own SDPA.
 
 INVARIANTS
-    - Only slots named in `kv_index` are written; only pages named in `block_tables` (and the
+    - Only the KV rows named in `kv_index` are written; only pages named in `block_tables` (and the
       scratch page, where the table is padded with -1) are read.
     - A query at position p sees keys 0..p of its own sequence (causal within the query), plus the
       whole prefix [0, prefix_len) when the family has prefix attention (PaliGemma's image + prompt);
@@ -54,7 +54,7 @@ class PagedContext:
 
     kv: PagedKV
     kv_index: torch.Tensor  # [T] where each query token's K/V goes
-    gather_slots: torch.Tensor  # [B, L] KV slot of each key position of each sequence (clamped)
+    gather_index: torch.Tensor  # [B, L] KV row of each key position of each sequence (clamped)
     query_seq: torch.Tensor  # [T] the sequence of each query token
     query_row: torch.Tensor  # [T] its row in the padded query block
     mask: torch.Tensor  # [B, 1, Q, L] bool, True = may attend
@@ -75,13 +75,13 @@ def build_context(batch: ForwardBatch, kv: PagedKV, prefix_lens: torch.Tensor | 
     table = batch.block_tables[:, :pages].to(torch.int64)
     table = torch.where(table < 0, kv.scratch_page, table)
     offsets = torch.arange(kv.page_size, device=device)
-    gather_slots = (table[:, :, None] * kv.page_size + offsets).reshape(num_seqs, -1)
+    gather_index = (table[:, :, None] * kv.page_size + offsets).reshape(num_seqs, -1)
 
     query_pos = torch.zeros(num_seqs, max_q, dtype=torch.int64, device=device)
     query_pos[query_seq, query_row] = batch.positions
     real_row = torch.zeros(num_seqs, max_q, dtype=torch.bool, device=device)
     real_row[query_seq, query_row] = True
-    key_pos = torch.arange(gather_slots.shape[1], device=device)
+    key_pos = torch.arange(gather_index.shape[1], device=device)
     visible = key_pos[None, None, :] <= query_pos[:, :, None]
     if prefix_lens is not None:
         visible |= key_pos[None, None, :] < prefix_lens.to(device)[:, None, None]
@@ -90,7 +90,7 @@ def build_context(batch: ForwardBatch, kv: PagedKV, prefix_lens: torch.Tensor | 
     return PagedContext(
         kv=kv,
         kv_index=batch.kv_index,
-        gather_slots=gather_slots,
+        gather_index=gather_index,
         query_seq=query_seq,
         query_row=query_row,
         mask=visible[:, None],
@@ -124,12 +124,12 @@ def paged_attention_forward(
     k_cache.index_copy_(0, ctx.kv_index, key[0].transpose(0, 1).to(k_cache.dtype))
     v_cache.index_copy_(0, ctx.kv_index, value[0].transpose(0, 1).to(v_cache.dtype))
 
-    # index_select over the flat slots, not k_cache[gather_slots]: same rows, ~5x faster on CPU
+    # index_select over the flat KV rows, not k_cache[gather_index]: same rows, ~5x faster on CPU
     # (advanced indexing takes a generic path; 32 x 128 keys: 49 vs 243 us per tensor).
-    gathered = (ctx.num_seqs, ctx.gather_slots.shape[1], *k_cache.shape[1:])
-    slots = ctx.gather_slots.flatten()
-    keys = k_cache.index_select(0, slots).view(gathered).transpose(1, 2)  # [B, Hkv, L, D]
-    values = v_cache.index_select(0, slots).view(gathered).transpose(1, 2)
+    gathered = (ctx.num_seqs, ctx.gather_index.shape[1], *k_cache.shape[1:])
+    rows = ctx.gather_index.flatten()
+    keys = k_cache.index_select(0, rows).view(gathered).transpose(1, 2)  # [B, Hkv, L, D]
+    values = v_cache.index_select(0, rows).view(gathered).transpose(1, 2)
     heads, dim = query.shape[1], query.shape[3]
     padded = query.new_zeros(ctx.num_seqs, ctx.max_query_len, heads, dim)
     padded[ctx.query_seq, ctx.query_row] = query[0].transpose(0, 1)

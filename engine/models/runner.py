@@ -119,26 +119,26 @@ class HFRunner:
         """
         if not images:
             return {}
-        slots: list[torch.Tensor | int] = []  # per image: its cached features, or its index in to_encode
+        sources: list[torch.Tensor | int] = []  # per image: its cached features, or its index in to_encode
         to_encode: list[PrefillInputs] = []
         first: dict[str, int] = {}  # key -> index in to_encode, for keys missed earlier in this launch
         for image in images:
             key = image.image_key
             cached = None if key is None or key in first else self.image_cache.get(key)
             if cached is not None:
-                slots.append(cached)
+                sources.append(cached)
             elif key in first:
-                slots.append(first[key])
+                sources.append(first[key])
             else:
                 if key is not None:
                     first[key] = len(to_encode)
-                slots.append(len(to_encode))
+                sources.append(len(to_encode))
                 to_encode.append(image)
         encoded = self.encode_images(to_encode) if to_encode else []
         for image, feats in zip(to_encode, encoded, strict=True):
             if image.image_key is not None:
                 self.image_cache.put(image.image_key, feats.clone())  # a copy: a view would pin the whole batch
-        features = [encoded[s] if isinstance(s, int) else s for s in slots]
+        features = [encoded[s] if isinstance(s, int) else s for s in sources]
         for image, feats in zip(images, features, strict=True):
             if feats.shape[0] != image.num_image_tokens:
                 raise ValueError(

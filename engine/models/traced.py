@@ -17,7 +17,7 @@ SOLUTION
 INVARIANTS
     - A replay gives the same logits as the eager forward on the same batch (tested per family
       through multi-step greedy parity, where every decode launch is a replay).
-    - Padding rows write only the scratch page; real rows' slots are the batch's own.
+    - Padding rows write only the scratch page; real rows' KV indices are the batch's own.
     - The KV tensors are inputs of the graph, never constants baked into it, so replays write the
       live cache.
     - A runner's graphs die with it (`own_compilation_unit`): nothing traced here stays in torch's
