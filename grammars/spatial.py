@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
+from typing import Any
 
 from .automaton import Automaton, compile_template
 from .bounded import JsonBoxMatcher, JsonBoxTables, LocBoxMatcher, LocBoxTables
@@ -108,26 +109,15 @@ class SpatialSpec:
         return automaton
 
 
-def points(
-    encoding: str = "json",
-    max_objects: int = 32,
-    label: str = "",
-    bins: int = 1024,
-    separator: str = DEFAULT_SEPARATOR,
-) -> SpatialSpec:
-    """Spec of the point skill's output (see the module docstring for both encodings)."""
-    return SpatialSpec("points", encoding, max_objects, label, bins, separator)
+def points(*fields: Any, **named: Any) -> SpatialSpec:
+    """Spec of the point skill's output: SpatialSpec's fields after `kind` (encoding, max_objects, ...)."""
+    return SpatialSpec("points", *fields, **named)
 
 
-def boxes(
-    encoding: str = "json",
-    max_objects: int = 32,
-    label: str = "",
-    bins: int = 1024,
-    separator: str = DEFAULT_SEPARATOR,
-) -> SpatialSpec:
-    """Spec of the detect skill's output; x_min < x_max and y_min < y_max hold for every box."""
-    return SpatialSpec("boxes", encoding, max_objects, label, bins, separator)
+def boxes(*fields: Any, **named: Any) -> SpatialSpec:
+    """Spec of the detect skill's output (x_min < x_max and y_min < y_max for every box): SpatialSpec's
+    fields after `kind` (encoding, max_objects, label, bins, separator)."""
+    return SpatialSpec("boxes", *fields, **named)
 
 
 def _lark_source(lark: str, key: str) -> GrammarSource:

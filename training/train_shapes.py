@@ -51,6 +51,11 @@ IMAGE_TOKEN = "<image>"
 SPECIAL_TOKENS = ["<pad>", "<eos>", "<bos>", "<unk>", IMAGE_TOKEN]
 EXTRA_TOKENS = [f"<loc{i:04d}>" for i in range(1024)] + [f"<seg{i:03d}>" for i in range(128)]
 
+# What `Trainer.export` writes: the files a loader of the exported folder may rely on.
+EXPORTED_FILES = frozenset(
+    {"config.json", "model.safetensors", "tokenizer.json", "preprocessor_config.json", "foveal.json"}
+)
+
 
 @dataclass(slots=True)
 class TrainConfig:

@@ -644,13 +644,18 @@ def test_random_calls_keep_the_contract(model, spy, files, reference_image, refe
     fuzz(model, spy, files, reference_image, reference, [seed], 25)
 
 
-def test_random_calls_from_four_threads_keep_the_contract(model, spy, files, reference_image, reference):
+def fuzz_from_threads(model, spy, files, reference_image, reference, first_seed, calls):
+    """Four threads each run a batch of random calls at once; then the same checks as one thread."""
     with ThreadPoolExecutor(4) as pool:
-        batches = list(pool.map(lambda s: run_batch(model, spy, files, 1000 + s, 12), range(4)))
+        batches = list(pool.map(lambda s: run_batch(model, spy, files, first_seed + s, calls), range(4)))
     assert_serves(model, reference_image, reference)
     assert_idle_and_free(model)
     problems = [p for batch, _ in batches for p in batch]
     assert not problems, f"{len(problems)} broke the contract:\n" + "\n".join(problems)
+
+
+def test_random_calls_from_four_threads_keep_the_contract(model, spy, files, reference_image, reference):
+    fuzz_from_threads(model, spy, files, reference_image, reference, 1000, 12)
 
 
 @pytest.mark.slow
@@ -661,12 +666,7 @@ def test_random_calls_keep_the_contract_long(model, spy, files, reference_image,
 
 @pytest.mark.slow
 def test_random_calls_from_four_threads_long(model, spy, files, reference_image, reference):
-    with ThreadPoolExecutor(4) as pool:
-        batches = list(pool.map(lambda s: run_batch(model, spy, files, 2000 + s, 50), range(4)))
-    assert_serves(model, reference_image, reference)
-    assert_idle_and_free(model)
-    problems = [p for batch, _ in batches for p in batch]
-    assert not problems, f"{len(problems)} broke the contract:\n" + "\n".join(problems)
+    fuzz_from_threads(model, spy, files, reference_image, reference, 2000, 50)
 
 
 # ---- what the fuzz found ---------------------------------------------------------------------------------------

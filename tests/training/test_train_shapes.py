@@ -76,14 +76,7 @@ def test_cli_trains_resumes_and_exports(tmp_path):
     ts.main(["--run", str(run), "--steps", "3", "--log-every", "1", "--export", str(tmp_path / "hf")])
     steps = [json.loads(line)["step"] for line in (run / "log.jsonl").read_text().splitlines()]
     assert steps == [1, 2, 3]
-    names = {p.name for p in (tmp_path / "hf").iterdir()}
-    assert {
-        "config.json",
-        "model.safetensors",
-        "tokenizer.json",
-        "preprocessor_config.json",
-        "foveal.json",
-    } <= names
+    assert {p.name for p in (tmp_path / "hf").iterdir()} >= ts.EXPORTED_FILES
 
 
 def test_a_warm_started_run_resumes_after_its_source_is_gone(tmp_path):
