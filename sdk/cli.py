@@ -5,6 +5,7 @@
     foveal caption IMAGE [--length short|normal|long] [--json]
     foveal query IMAGE QUESTION [--json]
     foveal demo [IMAGE] [--object PHRASE] [--seed N] [--out foveal-demo.png]
+    foveal serve [--model PATH] [--host 127.0.0.1] [--port 2020] [--api-key KEY]   (foveal.server)
 
 Every command takes `--model PATH` (default: the embedded model) and `--device`. Without `--json`
 the answer is printed for people (captions and answers stream as they are generated); with it, the
@@ -67,7 +68,36 @@ def build_parser() -> argparse.ArgumentParser:
     sub.add_argument(
         "--out", metavar="PNG", default="foveal-demo.png", help="annotated image (default: %(default)s)"
     )
+    _serve_command(commands)
     return parser
+
+
+def _serve_command(commands: Any) -> None:
+    help_text = "serve Moondream's REST API, OpenAI's chat API and a playground page over HTTP"
+    sub = commands.add_parser("serve", help=help_text, description=help_text)
+    sub.add_argument(
+        "--model", metavar="PATH", default=None, help="checkpoint folder (default: the embedded model)"
+    )
+    sub.add_argument("--device", default="auto", help="auto, cpu or cuda (default: %(default)s)")
+    sub.add_argument("--host", default="127.0.0.1", help="address to listen on (default: %(default)s)")
+    sub.add_argument("--port", type=int, default=2020, help="port (default: %(default)s, Moondream's)")
+    sub.add_argument(
+        "--api-key",
+        default=os.environ.get("FOVEAL_API_KEY"),
+        help="required from clients (default: $FOVEAL_API_KEY)",
+    )
+    sub.add_argument(
+        "--max-queue", type=int, default=256, help="calls in flight before 429 (default: %(default)s)"
+    )
+    sub.add_argument(
+        "--max-body-bytes",
+        type=int,
+        default=16 * 2**20,
+        help="larger request bodies get 413 (default: %(default)s)",
+    )
+    sub.add_argument(
+        "--max-batch-size", type=int, default=32, help="sequences decoded together (default: %(default)s)"
+    )
 
 
 def _command(commands: Any, name: str, help_text: str) -> argparse.ArgumentParser:
@@ -87,10 +117,16 @@ def main(argv: list[str] | None = None) -> int:
     if args.command is None:
         parser.print_help(sys.stdout)
         return 0
+    if args.command == "batch":  # checks INPUT and --out itself, loads the model (or Ray) when they pass
+        from foveal.batch.cli import run_command
+
+        return run_command(args)
     try:
         check_args(args)
     except ValueError as error:
         return _fail(error, 2)
+    if args.command == "serve":
+        return run_serve(args)
     _quiet_loading()
     try:
         model = foveal.load(args.model, device=args.device)
@@ -206,6 +242,29 @@ def run_demo(model: foveal.Model, args: argparse.Namespace) -> int:
         report["truth"] = {"objects": [_box(b) for b in truth], "caption": scenes.caption(scene)}
     _print_json({**report, "annotated": args.out})
     return 0
+
+
+def run_serve(args: argparse.Namespace) -> int:
+    """The server loads the model itself, after it listens (/health says when it is ready)."""
+    try:  # heavy imports (fastapi, uvicorn) only for this command
+        from foveal.server import ServerConfig
+        from foveal.server.run import serve
+    except ImportError as error:
+        return _fail(f"{error}; install the server's dependencies: pip install 'foveal[serve]'", 2)
+    try:
+        config = ServerConfig(
+            api_key=args.api_key or None, max_queue=args.max_queue, max_body_bytes=args.max_body_bytes
+        )
+    except ValueError as error:
+        return _fail(error, 2)
+    if not 0 <= args.port <= 65535:
+        return _fail(f"--port {args.port} is not a port; use 0 to 65535", 2)
+    _quiet_loading()
+
+    def loader() -> foveal.Model:
+        return foveal.load(args.model, device=args.device, max_batch_size=args.max_batch_size)
+
+    return serve(loader, args.host, args.port, config)
 
 
 COMMANDS = {

@@ -1,0 +1,85 @@
+"""`create_app`: the FastAPI application over one `Model` (or over a loader that makes it).
+
+    app = create_app(model)                      # a model loaded by the caller, e.g. in tests
+    app = create_app(loader=lambda: foveal.load(path), config=ServerConfig(api_key="..."))
+
+With a loader, the model loads in a worker thread when the app starts (uvicorn is already
+listening: /health says 503 "loading" until it is ready, and model routes answer 503). The app
+never closes a model it was given; it closes one its loader made, when it stops.
+
+Middleware order (outermost first): Observe (metrics and logs of every request, refused ones
+included), Gate (API key, body limit), then FastAPI's routing.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import Response
+
+import foveal
+from foveal.server import errors, generate_api, moondream_api, openai_api, ops
+from foveal.server.admission import ClientGone
+from foveal.server.config import ServerConfig
+from foveal.server.gate import Gate
+from foveal.server.observe import CLIENT_CLOSED, Observe
+from foveal.server.state import ServerState
+
+log = logging.getLogger("foveal.server")
+
+
+def create_app(
+    model: Any = None, *, loader: Callable[[], Any] | None = None, config: ServerConfig | None = None
+) -> FastAPI:
+    if (model is None) == (loader is None):
+        raise ValueError(
+            "create_app takes a model or a loader (a function returning a model), not both or neither"
+        )
+    state = ServerState(config or ServerConfig())
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        loading = None
+        if model is not None:
+            state.set_model(model)
+        else:
+            loading = asyncio.create_task(_load(state, loader))
+        try:
+            yield
+        finally:
+            if loading is not None:
+                loading.cancel()
+                if state.model is not None:
+                    await asyncio.to_thread(state.model.close)
+
+    app = FastAPI(
+        title="foveal", version=foveal.__version__, lifespan=lifespan, docs_url="/docs", redoc_url=None
+    )
+    app.state.foveal = state
+    errors.install(app)
+
+    async def on_client_gone(request: Request, exc: Exception) -> Response:
+        return Response(status_code=CLIENT_CLOSED)  # nobody reads it; Observe counts it
+
+    app.add_exception_handler(ClientGone, on_client_gone)
+    for module in (moondream_api, openai_api, generate_api, ops):
+        app.include_router(module.router)
+    app.add_middleware(Gate, api_key=state.config.api_key, max_body_bytes=state.config.max_body_bytes)
+    app.add_middleware(Observe, metrics=state.metrics)
+    return app
+
+
+async def _load(state: ServerState, loader: Callable[[], Any]) -> None:
+    try:
+        loaded = await asyncio.to_thread(loader)
+    except Exception as error:  # reported by /health and every model route
+        state.load_error = f"{type(error).__name__}: {error}"
+        log.error("model failed to load: %s", state.load_error)
+        return
+    state.set_model(loaded)
+    log.info("model loaded: %r", loaded)

@@ -1,0 +1,36 @@
+"""Operations routes: `/health` (200 once the model is loaded, 503 before), `/metrics` (Prometheus
+text, metrics.py) and the playground page at `/` (static/playground.html, shipped in the package)."""
+
+from __future__ import annotations
+
+from importlib import resources
+
+from fastapi import APIRouter, Request
+from fastapi.responses import HTMLResponse, JSONResponse, PlainTextResponse
+
+from foveal.server.state import state_of
+
+router = APIRouter(tags=["operations"])
+PROMETHEUS_TEXT = "text/plain; version=0.0.4; charset=utf-8"
+
+
+@router.get("/health")
+async def health(request: Request) -> JSONResponse:
+    state = state_of(request)
+    if state.model is None:
+        status = "failed" if state.load_error else "loading"
+        return JSONResponse({"status": status, "error": state.load_error}, 503, {"Retry-After": "5"})
+    return JSONResponse({"status": "ok", "model": state.config.model_name})
+
+
+@router.get("/metrics")
+async def metrics(request: Request) -> PlainTextResponse:
+    state = state_of(request)
+    stats = state.model.engine.stats() if state.model is not None else None
+    return PlainTextResponse(state.metrics.render(stats), media_type=PROMETHEUS_TEXT)
+
+
+@router.get("/", include_in_schema=False)
+async def playground() -> HTMLResponse:
+    page = resources.files("foveal.server").joinpath("static/playground.html").read_text("utf-8")
+    return HTMLResponse(page)

@@ -1,0 +1,62 @@
+"""`ServerState`: what every route shares (config, metrics, admission, the model once loaded), kept on
+`app.state.foveal`, and `call()`, the one path of a non-streamed model call."""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+from starlette.requests import Request
+
+from foveal.server.admission import Admission, cancel_on_disconnect
+from foveal.server.config import ServerConfig
+from foveal.server.errors import ApiError
+from foveal.server.metrics import Metrics
+from foveal.server.usage import TokenCounter
+
+T = TypeVar("T")
+
+
+@dataclass
+class ServerState:
+    config: ServerConfig
+    metrics: Metrics = field(default_factory=Metrics)
+    model: Any = None  # a foveal.Model once loaded
+    load_error: str | None = None
+    tokens: TokenCounter | None = None
+    admission: Admission = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.admission = Admission(self.config.max_queue, self.metrics)
+
+    def set_model(self, model: Any) -> None:
+        self.tokens = TokenCounter.of_model(model)
+        self.model = model
+
+    def ready_model(self) -> Any:
+        if self.model is None:
+            why = (
+                f"the model failed to load: {self.load_error}"
+                if self.load_error
+                else "the model is still loading"
+            )
+            raise ApiError(
+                503,
+                f"{why}; GET /health says when it is ready",
+                "model_not_ready",
+                headers={"Retry-After": "5"},
+            )
+        return self.model
+
+
+def state_of(request: Request) -> ServerState:
+    return request.app.state.foveal
+
+
+async def call(request: Request, make: Callable[[Any], Awaitable[T]]) -> T:
+    """Admit a call, run `make(model)` until done or until the client disconnects (which cancels it)."""
+    state = state_of(request)
+    model = state.ready_model()
+    async with state.admission.slot():
+        return await cancel_on_disconnect(request, make(model), state.metrics)
