@@ -5,6 +5,7 @@
     foveal caption IMAGE [--length short|normal|long] [--json]
     foveal query IMAGE QUESTION [--json]
     foveal demo [IMAGE] [--object PHRASE] [--seed N] [--out foveal-demo.png]
+    foveal batch INPUT --skill SKILL [--object X ...] --out RESULTS.jsonl [--resume] [--ray]   (foveal.batch)
     foveal serve [--model PATH] [--host 127.0.0.1] [--port 2020] [--api-key KEY]   (foveal.server)
 
 Every command takes `--model PATH` (default: the embedded model) and `--device`. Without `--json`
@@ -25,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 import foveal
+from foveal.batch.cli import add_command as add_batch_command
 
 DEMO_SIZES = (32, 2048)  # scene side in pixels: the shapes world's smallest, and a sane largest
 DEVICES = re.compile(r"auto|cpu|cuda(:\d+)?")
@@ -37,6 +39,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--version", action="version", version=f"foveal {foveal.__version__}")
     commands = parser.add_subparsers(dest="command", metavar="COMMAND")
+    add_batch_command(commands)  # foveal.batch.cli: light at import, torch loads when a batch runs
 
     for name, what in (("detect", "boxes of every OBJECT"), ("point", "points on every OBJECT")):
         sub = _command(commands, name, f"{what} in IMAGE")

@@ -17,8 +17,10 @@ import foveal.testing
 ROOT = Path(__file__).resolve().parents[2]
 FOLDERS = {
     "foveal": "sdk",
+    "foveal.batch": "batch",
     "foveal.engine": "engine",
     "foveal.grammars": "grammars",
+    "foveal.server": "server",
     "foveal.testing": "testing",
     "foveal.training": "training",
     "foveal.vision": "vision",

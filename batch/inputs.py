@@ -1,0 +1,284 @@
+"""What a batch job reads: INPUT (a folder, a glob, a list file, a Parquet or JSONL table) as keyed images.
+
+A job's INPUT is resolved once, before any work, into an `Input`: the ordered list of unique keys
+(what each output line's "image" names, and what `--resume` matches on) and a lazy iterator of
+sources (a path, or the encoded bytes of an image) in the same order. Keys are checked up front
+because the whole run depends on them: an empty input or a key listed twice is refused with a
+message saying what to fix, while a key whose image turns out unreadable only becomes an error line.
+
+Accepted INPUTs (relative paths inside a list, JSONL or Parquet file are relative to that file's folder):
+- a folder: every file with an image extension under it, recursively, sorted by path;
+- a glob (`photos/**/*.jpg`): the files it matches, sorted;
+- one image file;
+- a text file of paths, one a line (blank lines and `#` comments skipped);
+- a `.jsonl` file: one object a line, the image as a path (column image/path/image_path/file/filename)
+  or as base64 text (column image_bytes/image_base64/bytes);
+- a `.parquet` file: a path column as above, a binary column (image/image_bytes/bytes), or a
+  Hugging Face datasets image struct ({"bytes", "path"}).
+`column` names the image column when the automatic choice is not the right one; `key_column` names
+a column of keys (default: the path, else `row-N`).
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import glob
+import json
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+IMAGE_EXTENSIONS = frozenset(
+    {".png", ".jpg", ".jpeg", ".webp", ".bmp", ".gif", ".tif", ".tiff", ".ppm", ".pgm", ".jfif"}
+)
+PATH_COLUMNS = ("image", "path", "image_path", "file", "filename")
+BYTES_COLUMNS = ("image", "image_bytes", "image_base64", "bytes")
+KEY_COLUMNS = ("key", "id")
+GLOB_CHARS = frozenset("*?[")
+
+Source = str | bytes  # a path, or an encoded image
+
+
+class InputError(ValueError):
+    """INPUT cannot be used (missing, empty, no image column, duplicate keys); the message says why."""
+
+
+@dataclass(frozen=True, slots=True)
+class Input:
+    """Keyed images in input order: `keys[i]` names the i-th source that `sources()` yields."""
+
+    keys: list[str]
+    sources: Callable[[], Iterator[Source]]
+    description: str  # for messages: "folder photos/ (1,204 images)"
+
+    def __len__(self) -> int:
+        return len(self.keys)
+
+    def items(self) -> Iterator[tuple[str, Source]]:
+        """(key, source) pairs in input order."""
+        return zip(self.keys, self.sources(), strict=True)
+
+
+def open_input(spec: str | Path, *, column: str | None = None, key_column: str | None = None) -> Input:
+    """Resolve INPUT (see the module docstring); InputError when it cannot be used."""
+    text = str(spec)
+    path = Path(text)
+    if path.is_dir():
+        found = _input_of_paths(_folder_images(path), f"folder {text}")
+        if not found.keys:
+            raise InputError(
+                f"INPUT folder {text} holds no image files ({', '.join(sorted(IMAGE_EXTENSIONS))}); "
+                "point it at a folder of images"
+            )
+        return _unique(found)
+    if not path.exists():
+        if GLOB_CHARS & set(text):
+            matches = sorted(p for p in glob.glob(text, recursive=True) if Path(p).is_file())
+            if not matches:
+                raise InputError(f"INPUT glob {text!r} matches no file; check the pattern and the folder")
+            return _unique(_input_of_paths(matches, f"glob {text}"))
+        raise InputError(f"INPUT {text} does not exist; give a folder, a glob, a list of paths or a table")
+    suffix = path.suffix.lower()
+    if suffix in IMAGE_EXTENSIONS:
+        return _input_of_paths([text], f"image {text}")
+    if suffix == ".parquet":
+        return _unique(_parquet_input(path, column, key_column))
+    if suffix in (".jsonl", ".ndjson"):
+        return _unique(_jsonl_input(path, column, key_column))
+    return _unique(_list_input(path))
+
+
+def input_of_images(images: Iterable[Any] | dict[str, Any]) -> Input:
+    """Images given in Python (for notebooks): a {key: image} dict, or a list of paths / images.
+
+    A list's keys are the paths for str paths, the positions ("0", "1", ...) otherwise.
+    """
+    if isinstance(images, dict):
+        keys, values = [str(k) for k in images], list(images.values())
+    else:
+        values = list(images)
+        keys = [v if isinstance(v, str) else str(i) for i, v in enumerate(values)]
+    if not values:
+        raise InputError("no images given; pass a non-empty list or dict of images")
+    return _unique(Input(keys, lambda: iter(values), f"{len(values)} images"))
+
+
+# ---- paths ------------------------------------------------------------------------------------------------
+
+
+def _folder_images(folder: Path) -> list[str]:
+    found = (p for p in folder.rglob("*") if p.suffix.lower() in IMAGE_EXTENSIONS and p.is_file())
+    return sorted(str(p) for p in found)
+
+
+def _input_of_paths(paths: list[str], what: str) -> Input:
+    return Input(list(paths), lambda: iter(paths), f"{what} ({len(paths)} images)")
+
+
+def _list_input(path: Path) -> Input:
+    try:
+        lines = path.read_text(encoding="utf-8").splitlines()
+    except (UnicodeDecodeError, OSError) as error:
+        raise InputError(
+            f"INPUT {path} is not a text file of image paths ({error}); give a folder, a glob, a list of "
+            "paths, a .jsonl or a .parquet file"
+        ) from None
+    keys = [line.strip() for line in lines if line.strip() and not line.strip().startswith("#")]
+    if not keys:
+        raise InputError(f"INPUT {path} lists no image paths; write one path a line")
+    folder = path.parent
+    sources = [str(folder / key) for key in keys]  # absolute keys stay absolute (Path's / rule)
+    return Input(keys, lambda: iter(sources), f"list {path} ({len(keys)} images)")
+
+
+# ---- tables -----------------------------------------------------------------------------------------------
+
+
+def _jsonl_input(path: Path, column: str | None, key_column: str | None) -> Input:
+    rows = []
+    with path.open(encoding="utf-8") as lines:
+        for number, line in enumerate(lines, 1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as error:
+                raise InputError(
+                    f"INPUT {path} line {number} is not JSON ({error}); fix or remove it"
+                ) from None
+            if not isinstance(row, dict):
+                raise InputError(f"INPUT {path} line {number} is not a JSON object; write one object a line")
+            rows.append(row)
+    if not rows:
+        raise InputError(f"INPUT {path} has no rows; write one JSON object a line")
+    name = column or _pick(rows[0].keys(), PATH_COLUMNS + BYTES_COLUMNS, path)
+    as_bytes = _is_bytes_column(name)
+    values = [_cell(row, name, path, n) for n, row in enumerate(rows)]
+    keys = _keys(
+        values, as_bytes, [row.get(key_column or _key_name(rows[0].keys())) for row in rows], key_column
+    )
+    folder = path.parent
+
+    def sources() -> Iterator[Source]:
+        for value in values:
+            yield _b64(value, path) if as_bytes else str(folder / value)
+
+    return Input(keys, sources, f"JSONL {path} ({len(keys)} images)")
+
+
+def _parquet_input(path: Path, column: str | None, key_column: str | None) -> Input:
+    try:
+        import pyarrow.parquet as pq
+    except ImportError:
+        raise InputError(
+            "reading a Parquet INPUT needs pyarrow; pip install 'foveal[ray]' (or pyarrow)"
+        ) from None
+    try:
+        table_file = pq.ParquetFile(path)
+    except Exception as error:  # pyarrow raises its own ArrowInvalid / OSError
+        raise InputError(f"INPUT {path} is not a readable Parquet file ({error})") from None
+    names = table_file.schema_arrow.names
+    name = column or _pick(names, PATH_COLUMNS + BYTES_COLUMNS, path)
+    if name not in names:
+        raise InputError(f"INPUT {path} has no column {name!r}; its columns: {', '.join(names)}")
+    kind = _arrow_kind(table_file.schema_arrow.field(name).type)
+    if kind is None:
+        raise InputError(
+            f"INPUT {path} column {name!r} holds {table_file.schema_arrow.field(name).type}, neither paths "
+            "(string), image bytes (binary) nor an image struct {bytes, path}; name the image column with --column"
+        )
+    key_name = key_column or _key_name(names)
+    key_values = table_file.read(columns=[key_name]).column(0).to_pylist() if key_name else None
+    if kind == "path":
+        paths = table_file.read(columns=[name]).column(0).to_pylist()
+        keys = _keys(paths, False, key_values, key_column)
+    else:
+        keys = _keys([None] * table_file.metadata.num_rows, True, key_values, key_column)
+    folder = path.parent
+
+    def sources() -> Iterator[Source]:
+        for record_batch in table_file.iter_batches(columns=[name], batch_size=256):
+            for value in record_batch.column(0).to_pylist():
+                if kind == "struct":
+                    value = (
+                        value["bytes"]
+                        if value and value.get("bytes") is not None
+                        else (value or {}).get("path")
+                    )
+                    yield value if isinstance(value, bytes) else str(folder / str(value))
+                else:
+                    yield value if kind == "bytes" else str(folder / str(value))
+
+    return Input(keys, sources, f"Parquet {path} ({len(keys)} images)")
+
+
+def _arrow_kind(arrow_type: Any) -> str | None:
+    import pyarrow as pa
+
+    if pa.types.is_string(arrow_type) or pa.types.is_large_string(arrow_type):
+        return "path"
+    if pa.types.is_binary(arrow_type) or pa.types.is_large_binary(arrow_type):
+        return "bytes"
+    if pa.types.is_struct(arrow_type) and arrow_type.get_field_index("bytes") >= 0:
+        return "struct"
+    return None
+
+
+def _pick(names: Iterable[str], wanted: tuple[str, ...], path: Path) -> str:
+    names = list(names)
+    for name in wanted:
+        if name in names:
+            return name
+    raise InputError(
+        f"INPUT {path} has no image column (looked for {', '.join(dict.fromkeys(wanted))}; it has "
+        f"{', '.join(map(str, names))}); name it with --column"
+    )
+
+
+def _key_name(names: Iterable[str]) -> str | None:
+    names = list(names)
+    return next((k for k in KEY_COLUMNS if k in names), None)
+
+
+def _is_bytes_column(name: str) -> bool:
+    """In JSONL, image bytes are base64 text in a column named for it (`image` itself holds paths)."""
+    return name in BYTES_COLUMNS[1:] or name.endswith(("_bytes", "_base64"))
+
+
+def _cell(row: dict, name: str, path: Path, number: int) -> Any:
+    if name not in row or not isinstance(row[name], str):
+        raise InputError(f"INPUT {path} row {number} has no text in column {name!r}; every row needs one")
+    return row[name]
+
+
+def _b64(value: str, path: Path) -> bytes:
+    try:
+        return base64.b64decode(value, validate=True)
+    except (binascii.Error, ValueError):
+        return b""  # an unreadable image: its line reports it, the others go on
+
+
+def _keys(
+    values: list[Any], as_bytes: bool, key_values: list[Any] | None, key_column: str | None
+) -> list[str]:
+    if key_values is not None and any(v is not None for v in key_values):
+        return [str(v) for v in key_values]
+    if key_column:
+        raise InputError(f"--key-column {key_column!r} is not a column of INPUT (or holds no values)")
+    if as_bytes:
+        return [f"row-{n}" for n in range(len(values))]
+    return [str(v) for v in values]
+
+
+def _unique(found: Input) -> Input:
+    seen: dict[str, int] = {}
+    for position, key in enumerate(found.keys):
+        if key in seen:
+            raise InputError(
+                f"{found.description} names {key!r} twice (items {seen[key] + 1} and {position + 1}); "
+                "keys must be unique, since each output line and --resume match on them"
+            )
+        seen[key] = position
+    return found

@@ -1,0 +1,195 @@
+"""A batch job on Ray: Ray Data over the images, one `Model` per actor, the same JSONL as a local run.
+
+The driver resolves INPUT, checks the job and --out exactly as a local run does (`runner.run`), and
+skips the images --out already holds. The rest become a Ray dataset of (key, source) rows, where a
+source is a path (which every node must be able to read: a shared filesystem) or the image's
+bytes (tables with a bytes column: the bytes travel in the dataset). `map_batches` sends batches to
+a pool of `concurrency` actors (`SkillActor`), each holding one model (one GPU each when the cluster
+has GPUs) and running its batch through the same read-ahead pipeline as a local run, so its engine
+stays full; each row comes back as its finished output line (`records.Record.to_json`, the local
+run's encoding). The dataset preserves input order, and the driver appends the lines to --out
+through the same resumable writer: a killed Ray run resumes like a local one, and a Ray run's
+file equals a local run's line for line.
+
+`ray.init()` joins the cluster named by RAY_ADDRESS (or an already initialized Ray), else starts a
+local instance. Checks that need the model (settings against the model, a schema its grammar
+cannot enforce) run on the driver only for what needs no model; the rest run in each actor before
+its first image, and fail the job with the SDK's message.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from foveal.batch.inputs import Input, input_of_images, open_input
+from foveal.batch.readahead import pipeline
+from foveal.batch.records import Record, record_of
+from foveal.batch.runner import READ_WORKERS, Summary
+from foveal.batch.skill_call import SkillCall
+from foveal.batch.writer import ResultsWriter, check_output
+
+DEFAULT_WINDOW = 64  # per actor: 2 x the SDK's default max_batch_size (32)
+
+
+class SkillActor:
+    """One model per Ray actor; `__call__` turns a batch of (image, source) rows into output lines."""
+
+    def __init__(self, model: str | None, device: str, call: SkillCall, window: int) -> None:
+        import foveal
+
+        self.model = foveal.load(model, device=device)
+        call.check(self.model)  # the SDK's refusals, before this actor's first image
+        self.call, self.window = call, window
+
+    def __call__(self, batch: Mapping[str, Any]) -> dict[str, Any]:
+        import numpy as np
+
+        from foveal.errors import ModelClosedError
+
+        keys = [str(key) for key in batch["image"]]
+        sources = [
+            bytes(s) if isinstance(s, bytes | bytearray | np.bytes_) else str(s) for s in batch["source"]
+        ]
+        outcomes = pipeline(
+            zip(keys, sources, strict=True),
+            self.model.encode_image,
+            lambda image: self.call.call(self.model, image),
+            window=self.window,
+            read_workers=READ_WORKERS,
+            fatal=(ModelClosedError,),
+        )
+        lines = [record_of(o.key, o.value).to_json() for o in outcomes]
+        return {"image": np.array(keys, dtype=object), "line": np.array(lines, dtype=object)}
+
+
+def run_on_ray(
+    inputs: Any,
+    skill: str,
+    *,
+    out: str | Path,
+    object: str | None = None,
+    question: str | None = None,
+    length: str | None = None,
+    prompt: str | None = None,
+    output_type: Any = None,
+    settings: Mapping[str, Any] | None = None,
+    model: str | Path | None = None,
+    device: str = "auto",
+    resume: bool = False,
+    concurrency: int | None = None,
+    window: int | None = None,
+    batch_size: int | None = None,
+    progress: bool | None = None,
+    column: str | None = None,
+    key_column: str | None = None,
+) -> Summary:
+    """Run a batch job on Ray and append its lines to `out`; the summary (no engine stats: they are in
+    the actors). Arguments as `foveal.batch.run`, plus `concurrency` (actors; default one per GPU,
+    else 1) and `batch_size` (rows per actor call; default `window`). `model` is a checkpoint path
+    or None (the embedded model), loaded by every actor."""
+    if model is not None and not isinstance(model, str | Path):
+        raise ValueError("on Ray, model must be a checkpoint path (or None): every actor loads its own copy")
+    source = inputs if isinstance(inputs, Input) else _open(inputs, column, key_column)
+    call = SkillCall.of(
+        skill,
+        object=object,
+        question=question,
+        length=length,
+        prompt=prompt,
+        output_type=output_type,
+        settings=settings,
+    )
+    _check_settings(call)
+    check_output(Path(out), resume)
+    ray = _ray()
+    window = window or DEFAULT_WINDOW
+    with ResultsWriter(out, resume=resume) as writer:
+        todo = [
+            {"image": key, "source": _shippable(src)} for key, src in source.items() if key not in writer.done
+        ]
+        skipped = len(source) - len(todo)
+        started = time.perf_counter()
+        done = errors = 0
+        if todo:
+            for row in _dataset(ray, todo, model, device, call, window, concurrency, batch_size, progress):
+                record = Record.from_json(row["line"])
+                writer.write(record.image, row["line"])
+                done += 1
+                errors += not record.ok
+        seconds = time.perf_counter() - started
+    return Summary(len(source), skipped, done, errors, seconds, None, None, None)
+
+
+def _dataset(ray, todo, model, device, call, window, concurrency, batch_size, progress):
+    """Rows of (image, line) in input order, from a pool of SkillActors."""
+    context = ray.data.DataContext.get_current()
+    context.execution_options.preserve_order = True  # the file is in input order, as a local run's
+    if progress is False:
+        context.enable_progress_bars = False
+    gpus = 1 if ray.cluster_resources().get("GPU", 0) >= 1 and device != "cpu" else 0
+    actors = concurrency or (int(ray.cluster_resources().get("GPU", 0)) if gpus else 1)
+    dataset = ray.data.from_items(todo).map_batches(
+        SkillActor,
+        fn_constructor_args=(None if model is None else str(model), device, call, window),
+        batch_size=batch_size or window,
+        batch_format="numpy",
+        concurrency=actors,
+        num_gpus=gpus,
+    )
+    try:
+        yield from dataset.iter_rows()
+    except Exception as error:
+        cause = _root_cause(error)
+        if isinstance(cause, ValueError | TypeError):  # an actor's check refused the job
+            raise ValueError(str(cause).splitlines()[0]) from error
+        raise
+
+
+def _ray() -> Any:
+    try:
+        import ray
+        import ray.data  # noqa: F401
+    except ImportError:
+        raise ImportError("running on Ray needs Ray Data: pip install 'foveal[ray]'") from None
+    if not ray.is_initialized():
+        ray.init(address=os.environ.get("RAY_ADDRESS") or None, log_to_driver=False)
+    return ray
+
+
+def _check_settings(call: SkillCall) -> None:
+    """What the driver can check without the model: the settings' names and ranges."""
+    from foveal.settings import validate_settings
+
+    validate_settings(dict(call.settings) or None, call.skill)
+
+
+def _open(inputs: Any, column: str | None, key_column: str | None) -> Input:
+    if isinstance(inputs, str | Path):
+        return open_input(inputs, column=column, key_column=key_column)
+    return input_of_images(inputs)
+
+
+def _shippable(source: Any) -> str | bytes:
+    if isinstance(source, str | bytes):
+        return source
+    if isinstance(source, os.PathLike):
+        return os.fspath(source)
+    raise ValueError(
+        f"on Ray, images must be paths or encoded bytes (got {type(source).__name__}); "
+        "save them to files, or run locally with foveal.batch.run"
+    )
+
+
+def _root_cause(error: BaseException) -> BaseException:
+    seen = set()
+    while id(error) not in seen:
+        seen.add(id(error))
+        nested = getattr(error, "cause", None) or error.__cause__
+        if nested is None:
+            break
+        error = nested
+    return error
