@@ -137,7 +137,7 @@ def _dataset(ray, todo, model, device, call, window, concurrency, batch_size, pr
         fn_constructor_args=(None if model is None else str(model), device, call, window),
         batch_size=batch_size or window,
         batch_format="numpy",
-        concurrency=actors,
+        compute=ray.data.ActorPoolStrategy(size=actors),
         num_gpus=gpus,
     )
     try:
