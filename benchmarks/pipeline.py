@@ -43,12 +43,12 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from benchmarks import write_json
 from foveal import grammars
-from foveal.engine import Engine, EngineConfig, Request, SamplingParams
+from foveal.engine import Engine, EngineConfig, FinishReason, Request, SamplingParams
 from foveal.testing import FakeRunner
 
 VOCAB, EOS = 512, 0
 CORPUS = ["the quick brown fox jumps over the lazy dog", "a red circle left of a blue square"] * 50
-PATTERN = r"([a-z]+ )*[a-z]+"  # never ends by itself: every stream decodes max_tokens tokens
+PATTERN = r"([a-z]+ )*[a-z]+"  # ends only where the model picks EOS, which the fake runner never does
 PROMPT_LEN, PAGE_SIZE = 8, 16
 
 
@@ -96,9 +96,11 @@ def decode(runner, tokenizer, automaton, streams: int, pipelined: bool, tokens: 
         wall = time.perf_counter() - t0
         stats = engine.stats()
     token_ids = [o.token_ids for o in outs]
-    if any(len(ids) != tokens for ids in token_ids):
-        lengths = sorted({len(ids) for ids in token_ids})
-        raise RuntimeError(f"every stream must decode {tokens} tokens (EOS ignored); got lengths {lengths}")
+    # EOS is ignored, so a stream ends early only where its grammar allows EOS and the model picks it
+    # (the fake runner never does; a real model may): that is an outcome, a failure is not.
+    failed = [o for o in outs if o.finish_reason not in (FinishReason.LENGTH, FinishReason.STOP)]
+    if failed:
+        raise RuntimeError(f"{len(failed)} of {len(outs)} streams failed: {failed[0].finish_reason} {failed[0].error}")
     stats["wall_s"] = wall
     return stats, token_ids
 
