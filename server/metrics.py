@@ -4,7 +4,7 @@ Counted here (on the event loop thread only, so no locks): requests by route and
 latency as a histogram by route, admitted model calls in flight (the queue depth that --max-queue
 bounds), completion tokens answered. Read from the engine at scrape time (`engine.stats()`, since
 the engine started or its stats were last reset): decode steps, tokens, mean forward and host time
-per step, and the device's idle fraction while the engine had work.
+per step, the device's idle fraction while the engine had work, and the KV pages free.
 """
 
 from __future__ import annotations
@@ -78,6 +78,13 @@ class Metrics:
             lines.append(f"{name} {value}")
         if engine_stats is not None:
             _engine(lines, engine_stats)
+            for name, help_text in (
+                ("foveal_engine_kv_pages_free", "KV cache pages free"),
+                ("foveal_engine_kv_pages_total", "KV cache pages in the pool"),
+            ):
+                if name in engine_stats:
+                    _family(lines, name, "gauge", help_text)
+                    lines.append(f"{name} {engine_stats[name]}")
         return "\n".join(lines) + "\n"
 
 

@@ -26,7 +26,14 @@ async def health(request: Request) -> JSONResponse:
 @router.get("/metrics")
 async def metrics(request: Request) -> PlainTextResponse:
     state = state_of(request)
-    stats = state.model.engine.stats() if state.model is not None else None
+    stats = None
+    if state.model is not None:
+        engine = state.model.engine
+        stats = {
+            **engine.stats(),
+            "foveal_engine_kv_pages_free": engine.free_pages(),
+            "foveal_engine_kv_pages_total": engine.config.num_pages,
+        }
     return PlainTextResponse(state.metrics.render(stats), media_type=PROMETHEUS_TEXT)
 
 

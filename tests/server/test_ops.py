@@ -53,6 +53,8 @@ def test_metrics_count_requests_tokens_and_engine(server):
         "foveal_engine_tokens_total",
         "foveal_engine_step_forward_ms",
         "foveal_engine_device_idle_fraction",
+        "foveal_engine_kv_pages_free",
+        "foveal_engine_kv_pages_total",
     ):
         assert name in text
     assert httpx.get(f"{server}/metrics").headers["content-type"].startswith("text/plain; version=0.0.4")
