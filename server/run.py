@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import signal
 import sys
 import threading
@@ -61,8 +62,19 @@ def bound_port(server: uvicorn.Server) -> int:
 
 def serve(loader: Callable[[], Any], host: str, port: int, config: ServerConfig) -> int:
     """Run until SIGINT/SIGTERM; returns the process exit status (0 after a clean stop)."""
+    _log_requests()
     server = make_server(create_app(loader=loader, config=config), host, port, config)
     return asyncio.run(_run(server, host))
+
+
+def _log_requests() -> None:
+    """Request lines (observe.py) on stderr: uvicorn configures only its own loggers."""
+    logger = logging.getLogger("foveal.server")
+    if not logger.handlers:
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter("%(asctime)s foveal.server %(levelname)s %(message)s"))
+        logger.addHandler(handler)
+        logger.setLevel(logging.INFO)
 
 
 async def _run(server: uvicorn.Server, host: str) -> int:
