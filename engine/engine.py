@@ -45,7 +45,7 @@ class EngineConfig:
     pipelined: bool = True
     max_batch: int = 64  # rows per step
     max_model_len: int | None = None  # prompt + output tokens of one sequence; None: the model's, <= 4096
-    max_step_tokens: int | None = None  # query tokens per step; None: max(max_model_len, max_batch)
+    max_step_tokens: int | None = None  # query tokens per step; None: max(max_model_len, max_batch, 2048)
     page_size: int = 16
     num_pages: int | None = None  # KV pages; None: as many as kv_cache_bytes holds, <= max_batch sequences
     kv_cache_bytes: int | None = None  # None: a quarter of free device memory (RAM on CPU)

@@ -34,6 +34,11 @@ if TYPE_CHECKING:
 
 DEFAULT_MAX_MODEL_LEN = 4096  # tokens per sequence unless the model allows fewer or the caller asks
 DEFAULT_KV_FRACTION = 0.25  # of free device memory (CUDA) or available RAM (CPU)
+# Query tokens a step may carry by default: with prompts of a few hundred tokens (an image's tokens
+# and a question), a budget of one context (512 for the embedded model) admitted ~3 prompts a step, so
+# a stream of new requests kept the batch at 20-26 rows of 32; 2048 admits a batch's worth in a step
+# or two (vLLM's default budget is of the same order).
+DEFAULT_MAX_STEP_TOKENS = 2048
 
 
 def resolve(config: EngineConfig, runner: ModelRunner) -> EngineConfig:
@@ -46,7 +51,7 @@ def resolve(config: EngineConfig, runner: ModelRunner) -> EngineConfig:
     if config.max_model_len is not None and limit is not None and config.max_model_len > limit:
         raise ValueError(f"max_model_len={config.max_model_len} exceeds this model's {limit} positions; lower it")
     model_len = config.max_model_len or min(limit or DEFAULT_MAX_MODEL_LEN, DEFAULT_MAX_MODEL_LEN)
-    step_tokens = config.max_step_tokens or max(model_len, config.max_batch)
+    step_tokens = config.max_step_tokens or max(model_len, config.max_batch, DEFAULT_MAX_STEP_TOKENS)
     if step_tokens < config.max_batch:
         raise ValueError("max_step_tokens must be >= max_batch (each decode row is one token)")
     num_pages = config.num_pages or _pages_from_budget(config, runner, model_len)
