@@ -34,6 +34,7 @@ _LAZY = {
     "ImageError": "foveal.vision",
     "ModelLoadError": "foveal.engine.models",
     "GenerationError": "foveal.errors",
+    "Usage": "foveal.results",
     "IncompleteOutputError": "foveal.errors",
     "ModelClosedError": "foveal.errors",
 }

@@ -8,6 +8,8 @@ Bad input is refused before any work with the exception that fits it: `TypeError
 
 from __future__ import annotations
 
+from typing import Any
+
 
 class GenerationError(RuntimeError):
     """The engine could not finish the request (cancelled, engine closed or failed), or its
@@ -32,7 +34,9 @@ class IncompleteOutputError(RuntimeError):
     The text so far is a valid prefix of the output shape but not a whole value; `text` holds it.
     """
 
-    def __init__(self, skill: str, max_tokens: int, text: str, context_limited: bool = False) -> None:
+    def __init__(
+        self, skill: str, max_tokens: int, text: str, context_limited: bool = False, usage: Any = None
+    ) -> None:
         fix = (
             "this is all the context leaves after the prompt: shorten the prompt or load with a larger "
             "max_model_len"
@@ -44,3 +48,4 @@ class IncompleteOutputError(RuntimeError):
             f"{fix} (or lower settings['max_objects'] for detect/point)"
         )
         self.text = text
+        self.usage = usage  # foveal.Usage of the cut answer (its tokens, finish_reason "length")

@@ -40,7 +40,7 @@ import asyncio
 import copy
 import threading
 from collections import deque
-from collections.abc import AsyncIterator, Callable, Iterable, Iterator, Mapping
+from collections.abc import AsyncIterator, Callable, Generator, Iterable, Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -63,6 +63,7 @@ from foveal.results import (
     QueryResult,
     Result,
     TextStream,
+    Usage,
 )
 from foveal.settings import Settings, validate_settings
 from foveal.skills import Skills, Task, check_length, check_object, check_text, skills_for
@@ -430,16 +431,20 @@ class Model:
             return task.result.of_answer("", TextStream(self._stream(job, handle)), job.image)
         return self._result(job, handle.result())
 
-    def _stream(self, job: Job, handle: RequestHandle) -> Iterator[str]:
+    def _stream(self, job: Job, handle: RequestHandle) -> Generator[str, None, Usage]:
         try:
             yield from handle
-            self._check(job, handle.result())
+            output = handle.result()
+            self._check(job, output)
+            return _usage(output)
         finally:
             handle.cancel()  # the caller stopped early: free the sequence (no-op when finished)
 
     def _result(self, job: Job, output: RequestOutput) -> Result:
         self._check(job, output)
-        return job.task.result.of_answer(output.text, job.parse(output.text), job.image)
+        result = job.task.result.of_answer(output.text, job.parse(output.text), job.image)
+        result.usage = _usage(output)
+        return result
 
     def _submit(self, job: Job) -> RequestHandle:
         try:
@@ -459,7 +464,7 @@ class Model:
         if output.finish_reason is FinishReason.LENGTH and job.task.spec is not None:
             max_tokens = job.request.sampling.max_tokens
             context_limited = len(job.request.prompt_ids) + max_tokens >= self.config.max_model_len
-            raise IncompleteOutputError(job.task.skill, max_tokens, output.text, context_limited)
+            raise IncompleteOutputError(job.task.skill, max_tokens, output.text, context_limited, _usage(output))
 
     def _batch(
         self, task: Task, images: list, settings: Settings, explicit: bool, progress: bool | None
@@ -512,16 +517,22 @@ class Model:
             return task.result.of_answer("", AsyncTextStream(self._astream(job)), job.image)
         return self._result(job, await AsyncEngine(self.engine).generate(job.request))
 
-    async def _astream(self, job: Job) -> AsyncIterator[str]:
+    async def _astream(self, job: Job) -> AsyncIterator[str | Usage]:
         """The async twin of `_stream`: an engine error, a cancellation or a cut constrained answer
         raises at the end of the stream, as it does for the sync stream and the whole result."""
         handle = self._submit(job)
         try:
             async for delta in AsyncEngine.deltas(handle):
                 yield delta
-            self._check(job, handle.result())
+            output = handle.result()
+            self._check(job, output)
+            yield _usage(output)  # AsyncTextStream keeps it as its .usage
         finally:
             handle.cancel()  # the caller stopped early: free the sequence (no-op when finished)
+
+
+def _usage(output: RequestOutput) -> Usage:
+    return Usage(output.num_prompt_tokens, len(output.token_ids), output.finish_reason.value)
 
 
 def _settings(settings: Mapping | Settings | None, skill: str) -> tuple[Settings, bool]:

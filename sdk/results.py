@@ -21,7 +21,8 @@ import base64
 import html
 import io
 import json
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Generator, Iterator
+from dataclasses import dataclass
 from typing import Any, ClassVar
 
 from PIL import Image
@@ -33,15 +34,27 @@ from foveal.vision.draw import parse_result
 DISPLAY_MAX_SIDE = 768  # notebook previews are downscaled; normalized coordinates make this lossless
 
 
-class Result(dict):
-    """A skill's answer: a plain dict plus `.image`, the image it is about (used only for display)."""
+@dataclass(frozen=True, slots=True)
+class Usage:
+    """What a call cost: prompt tokens (image placeholders included), generated tokens (without the
+    EOS or stop token that ended them), and why generation ended ("stop" or "length")."""
 
-    __slots__ = ("image",)
+    prompt_tokens: int
+    completion_tokens: int
+    finish_reason: str
+
+
+class Result(dict):
+    """A skill's answer: a plain dict plus `.image`, the image it is about (used only for display),
+    and `.usage` (a `Usage`; None for a streamed answer, whose stream carries it once read)."""
+
+    __slots__ = ("image", "usage")
     SKILL: ClassVar[str] = ""  # the skill that answers with this type
 
     def __init__(self, data: Any = (), /, *, image: Any = None, **fields: Any) -> None:
         super().__init__(data, **fields)
         self.image = image
+        self.usage: Usage | None = None
 
     @classmethod
     def of_answer(cls, text: str, value: Any, image: Any = None) -> Result:
@@ -80,14 +93,15 @@ class TextStream:
     Read it in one loop. Leaving the loop before the end (`break`, an exception) or `close()` stops
     the generation at once and frees its place in the engine; reading on after that raises
     GenerationError. At the end of the text, a failed, cancelled or cut constrained answer raises
-    as the non-streamed call would.
+    as the non-streamed call would; a complete one sets `.usage`.
     """
 
-    __slots__ = ("_chunks", "_stopped")
+    __slots__ = ("_chunks", "_stopped", "usage")
 
-    def __init__(self, chunks: Iterator[str]) -> None:
-        self._chunks = chunks  # a generator that cancels its request when closed
+    def __init__(self, chunks: Generator[str, None, Usage | None]) -> None:
+        self._chunks = chunks  # a generator that cancels its request when closed, returning the usage
         self._stopped = False
+        self.usage: Usage | None = None
 
     def __iter__(self) -> Iterator[str]:
         self._check_open()
@@ -95,7 +109,11 @@ class TextStream:
 
     def __next__(self) -> str:
         self._check_open()
-        return next(self._chunks)
+        try:
+            return next(self._chunks)
+        except StopIteration as end:
+            self.usage = end.value
+            raise
 
     def close(self) -> None:
         """Stop the generation (a no-op once the text is complete)."""
@@ -112,7 +130,7 @@ class TextStream:
         # One iterator per loop: a loop left early drops it, CPython closes it at once, and closing
         # it closes the chunks, which cancels the request.
         try:
-            yield from self._chunks
+            self.usage = yield from self._chunks
         except GeneratorExit:
             self._stopped = True
             raise
@@ -124,13 +142,16 @@ class TextStream:
 
 class AsyncTextStream:
     """`TextStream` for the async skills: `async for chunk in stream`; leaving the loop or
-    `await stream.aclose()` stops the generation."""
+    `await stream.aclose()` stops the generation; a complete answer sets `.usage`."""
 
-    __slots__ = ("_chunks", "_stopped")
+    __slots__ = ("_chunks", "_stopped", "usage")
 
-    def __init__(self, chunks: AsyncIterator[str]) -> None:
-        self._chunks = chunks  # an async generator that cancels its request when closed
+    def __init__(self, chunks: AsyncIterator[str | Usage]) -> None:
+        # An async generator that cancels its request when closed; its last item is the Usage
+        # (async generators cannot return a value).
+        self._chunks = chunks
         self._stopped = False
+        self.usage: Usage | None = None
 
     def __aiter__(self) -> AsyncIterator[str]:
         if self._stopped:
@@ -138,7 +159,11 @@ class AsyncTextStream:
         return self._follow()
 
     async def __anext__(self) -> str:
-        return await self._chunks.__anext__()
+        chunk = await self._chunks.__anext__()
+        if isinstance(chunk, Usage):
+            self.usage = chunk
+            raise StopAsyncIteration
+        return chunk
 
     async def aclose(self) -> None:
         self._stopped = True
@@ -148,6 +173,9 @@ class AsyncTextStream:
         done = False
         try:
             async for chunk in self._chunks:
+                if isinstance(chunk, Usage):  # the last item: the generator ends right after it
+                    self.usage = chunk
+                    continue
                 yield chunk
             done = True
         finally:

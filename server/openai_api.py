@@ -5,8 +5,8 @@ stream inside the server, so that a `stop` string cancels the generation where i
 streamed response forwards each chunk as it comes. JSON answers (`generate` under the schema's
 grammar) come whole; streamed, they are sent as one content chunk. An answer cut by max_tokens is
 OpenAI's `finish_reason: "length"` with the text so far, not an error (the openai client's
-`parse()` then raises its LengthFinishReasonError). `usage` comes from usage.py (an estimate for
-the prompt side). Streams: `chat.completion.chunk` objects, a last chunk with `finish_reason`, a
+`parse()` then raises its LengthFinishReasonError). `usage` is the engine's own count (usage.py;
+estimated only where the server cut the answer at a stop string). Streams: `chat.completion.chunk` objects, a last chunk with `finish_reason`, a
 usage chunk when `stream_options.include_usage`, then `data: [DONE]`.
 """
 
@@ -21,12 +21,14 @@ import anyio
 from fastapi import APIRouter, Request
 
 from foveal.errors import IncompleteOutputError
+from foveal.results import Usage
 from foveal.server.admission import cancel_on_disconnect
 from foveal.server.chat import ChatCall, ChatRequest, chat_call
 from foveal.server.errors import api_error, error_body
 from foveal.server.state import ServerState, state_of
 from foveal.server.stops import StopCutter
 from foveal.server.streaming import EventStream, sse
+from foveal.server.usage import finish_reason
 
 router = APIRouter(prefix="/v1", tags=["openai"])
 
@@ -47,10 +49,11 @@ async def chat_completions(body: ChatRequest, request: Request) -> Any:
     released = False
     try:
         if plan.skill == "generate":
-            text, finish = await cancel_on_disconnect(request, _generate(model, plan), state.metrics)
+            text, counted = await cancel_on_disconnect(request, _generate(model, plan), state.metrics)
+            cut_at_stop = False
             if body.stream:
                 released = True
-                return _one_chunk_stream(state, body, plan, text, finish)
+                return _one_chunk_stream(state, body, plan, text, counted)
         else:
             result = await cancel_on_disconnect(
                 request, model.aquery(plan.image, plan.prompt, True, plan.settings), state.metrics
@@ -59,13 +62,14 @@ async def chat_completions(body: ChatRequest, request: Request) -> Any:
                 released = True
                 lines = _chat_events(state, body, plan, result["answer"])
                 return EventStream(lines, on_close=state.admission.release)
-            text, finish = await cancel_on_disconnect(
+            text, cut_at_stop = await cancel_on_disconnect(
                 request, _collect(result["answer"], plan), state.metrics
             )
+            counted = result["answer"].usage  # None when the server cut the answer at a stop string
     finally:
         if not released:
             state.admission.release()
-    usage = state.tokens.usage(plan.prompt, plan.image is not None, text)
+    usage = state.tokens.usage(counted, plan.prompt, plan.image is not None, text)
     state.metrics.completion_tokens += usage["completion_tokens"]
     return {
         "id": _id(),
@@ -76,7 +80,7 @@ async def chat_completions(body: ChatRequest, request: Request) -> Any:
             {
                 "index": 0,
                 "message": {"role": "assistant", "content": text, "refusal": None},
-                "finish_reason": _finish(finish, plan, usage["completion_tokens"]),
+                "finish_reason": finish_reason(cut_at_stop, counted),
                 "logprobs": None,
             }
         ],
@@ -84,35 +88,28 @@ async def chat_completions(body: ChatRequest, request: Request) -> Any:
     }
 
 
-async def _generate(model: Any, plan: ChatCall) -> tuple[str, str | None]:
+async def _generate(model: Any, plan: ChatCall) -> tuple[str, Usage | None]:
     try:
         result = await model.agenerate(plan.image, plan.prompt, plan.output_type, plan.settings)
-    except IncompleteOutputError as cut:
-        return cut.text, "length"
-    return result["text"], None
+    except IncompleteOutputError as cut:  # OpenAI's finish_reason "length", with the text so far
+        return cut.text, cut.usage
+    return result["text"], result.usage
 
 
-async def _collect(chunks: Any, plan: ChatCall) -> tuple[str, str | None]:
-    """The whole text of a streamed answer, cut at the first stop string (which cancels the rest)."""
+async def _collect(chunks: Any, plan: ChatCall) -> tuple[str, bool]:
+    """The whole text of a streamed answer, cut at the first stop string (which cancels the rest);
+    and whether it was cut there."""
     cutter = StopCutter(plan.stops)
     parts: list[str] = []
     try:
         async for chunk in chunks:
             parts.append(cutter.feed(chunk))
             if cutter.stopped:
-                return "".join(parts), "stop"
+                return "".join(parts), True
     finally:
         with anyio.CancelScope(shield=True):
             await chunks.aclose()  # after a stop: cancels the generation
-    return "".join(parts) + cutter.flush(), None
-
-
-def _finish(found: str | None, plan: ChatCall, completion_tokens: int) -> str:
-    if found is not None:
-        return found
-    if plan.max_tokens is not None and completion_tokens >= plan.max_tokens:
-        return "length"
-    return "stop"
+    return "".join(parts) + cutter.flush(), False
 
 
 def _id() -> str:
@@ -163,9 +160,10 @@ async def _chat_events(
             sent.append(rest)
             yield sse(frames.chunk({"content": rest}))
         answer = "".join(sent)
-        usage = state.tokens.usage(plan.prompt, plan.image is not None, answer)
+        counted = None if cutter.stopped else chunks.usage
+        usage = state.tokens.usage(counted, plan.prompt, plan.image is not None, answer)
         state.metrics.completion_tokens += usage["completion_tokens"]
-        finish = _finish("stop" if cutter.stopped else None, plan, usage["completion_tokens"])
+        finish = finish_reason(cutter.stopped, counted)
         yield sse(frames.chunk({}, finish))
         if frames.include_usage:
             yield sse(frames.usage(usage))
@@ -179,15 +177,15 @@ async def _chat_events(
 
 
 def _one_chunk_stream(
-    state: ServerState, body: ChatRequest, plan: ChatCall, text: str, finish: str | None
+    state: ServerState, body: ChatRequest, plan: ChatCall, text: str, counted: Usage | None
 ) -> EventStream:
     frames = _Chunks(state, body)
-    usage = state.tokens.usage(plan.prompt, plan.image is not None, text)
+    usage = state.tokens.usage(counted, plan.prompt, plan.image is not None, text)
     state.metrics.completion_tokens += usage["completion_tokens"]
 
     async def lines() -> AsyncIterator[str]:
         yield sse(frames.chunk({"role": "assistant", "content": text}))
-        yield sse(frames.chunk({}, _finish(finish, plan, usage["completion_tokens"])))
+        yield sse(frames.chunk({}, finish_reason(False, counted)))
         if frames.include_usage:
             yield sse(frames.usage(usage))
         yield sse("[DONE]")

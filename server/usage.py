@@ -1,18 +1,21 @@
-"""Token counts for OpenAI's `usage`, from the model's tokenizer (an adapter: the SDK's results do not
-carry their token counts yet).
+"""OpenAI's `usage` and `finish_reason` for a chat answer, from the engine's own counts.
 
-`completion_tokens` re-tokenizes the answer text, which gives the generated count whenever the
-model's tokens were the canonical tokenization of their text (greedy decoding nearly always is);
-`prompt_tokens` counts the text the client sent plus the image's tokens as the model's processor
-would add them, without the skill's prompt template: an estimate, documented as such in the README.
-The counter owns a private copy of the tokenizer: the Model's is used under the Model's lock by
-its own threads, and a fast tokenizer must not be shared mid-call.
+A complete answer's result (or stream) carries `foveal.Usage`: the prompt's tokens as the engine
+ran them (template and image tokens included), the tokens generated, and why generation ended. A
+constrained answer cut by max_tokens carries it on its IncompleteOutputError. Only an answer the
+server itself cut at a client's `stop` string (the request is cancelled there, so the engine
+reports no count) is estimated: its text re-tokenized, the prompt side as the engine's prompt for
+the same call would be unknown, so the text the client sent plus the image's tokens. The counter
+owns a private copy of the tokenizer: the Model's is used under the Model's lock by its threads,
+and a fast tokenizer must not be shared mid-call.
 """
 
 from __future__ import annotations
 
 import copy
 from typing import Any
+
+from foveal.results import Usage
 
 
 class TokenCounter:
@@ -31,11 +34,22 @@ class TokenCounter:
             return 0
         return len(self.tokenizer(text, add_special_tokens=False)["input_ids"])
 
-    def usage(self, prompt: str, has_image: bool, answer: str) -> dict[str, int]:
-        prompt_tokens = self.count(prompt) + (self.image_tokens if has_image else 0)
-        completion_tokens = self.count(answer)
+    def usage(self, counted: Usage | None, prompt: str, has_image: bool, answer: str) -> dict[str, int]:
+        """The engine's counts when it has them (`counted`), else the estimate of the module docstring."""
+        if counted is not None:
+            prompt_tokens, completion_tokens = counted.prompt_tokens, counted.completion_tokens
+        else:
+            prompt_tokens = self.count(prompt) + (self.image_tokens if has_image else 0)
+            completion_tokens = self.count(answer)
         return {
             "prompt_tokens": prompt_tokens,
             "completion_tokens": completion_tokens,
             "total_tokens": prompt_tokens + completion_tokens,
         }
+
+
+def finish_reason(cut_at_stop: bool, counted: Usage | None) -> str:
+    """"stop" for a client's stop string or a natural end, "length" where max_tokens ended it."""
+    if cut_at_stop or counted is None:
+        return "stop"
+    return "length" if counted.finish_reason == "length" else "stop"

@@ -543,3 +543,26 @@ def test_a_model_dropped_without_close_stops_its_engine(shapes_folder, image):
     thread.join(10)
     assert not thread.is_alive()
     assert isinstance("".join(stream), str)  # the stream holds its model: its engine still runs
+
+
+def test_results_and_streams_carry_their_usage(shapes_model, image, monkeypatch):
+    """A result's `.usage` is the engine's own count (prompt tokens with the image's, generated tokens,
+    why it ended); a stream carries it once read to the end, sync and async alike."""
+    import asyncio
+
+    spy = Spy(shapes_model, monkeypatch)
+    detect = shapes_model.detect(image, "circle", FEW)
+    assert detect.usage == foveal.Usage(len(spy.requests[0].prompt_ids), detect.usage.completion_tokens, "stop")
+    assert detect.usage.completion_tokens >= 1
+    caption = shapes_model.caption(image, settings={"max_tokens": 5, "temperature": 1.0, "seed": 3})
+    stream = shapes_model.caption(image, stream=True, settings={"max_tokens": 5, "temperature": 1.0, "seed": 3})
+    assert stream.usage is None and stream["caption"].usage is None
+    assert "".join(stream["caption"]) == caption["caption"]
+    assert stream["caption"].usage == caption.usage and caption.usage.completion_tokens <= 5
+
+    async def read_async() -> tuple[str, object]:
+        result = await shapes_model.acaption(image, stream=True, settings={"max_tokens": 5, "temperature": 1.0, "seed": 3})
+        text = "".join([chunk async for chunk in result["caption"]])
+        return text, result["caption"].usage
+
+    assert asyncio.run(read_async()) == (caption["caption"], caption.usage)
