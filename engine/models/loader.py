@@ -170,12 +170,11 @@ def _load_folder(
 
 
 def _load_gguf(path: Path, device: torch.device, dtype: torch.dtype, image_cache_bytes: int) -> LoadedModel:
-    missing = [name for name in ("gguf", "accelerate") if importlib.util.find_spec(name) is None]
-    if missing:
-        raise ModelLoadError(
-            f"loading a .gguf file needs {' and '.join(missing)}: pip install 'foveal[bench]'"
-        )
-    check_gguf(path)
+    if importlib.util.find_spec("gguf") is None:
+        raise ModelLoadError("loading a .gguf file needs gguf: pip install 'foveal[bench]'")
+    check_gguf(path)  # a broken file is refused first, whatever else is missing
+    if importlib.util.find_spec("accelerate") is None:
+        raise ModelLoadError("loading a .gguf file needs accelerate: pip install 'foveal[bench]'")
     kwargs = {"gguf_file": path.name}
     tokenizer = transformers.AutoTokenizer.from_pretrained(path.parent, **kwargs)
     config = transformers.AutoConfig.from_pretrained(path.parent, **kwargs)

@@ -206,11 +206,12 @@ def test_a_dropped_model_frees_its_weights():
     import foveal
     from foveal.vision import scenes
 
-    model = foveal.load()
-    shutdown.close_with(model, model.engine)  # idempotent if the SDK registers the model itself
+    before = set(threading.enumerate())  # engines of other tests' models may still run: not this one's
+    model = foveal.load()  # Model.__init__ registers shutdown.close_with(model, model.engine)
+    its_threads = [t for t in threading.enumerate() if t not in before and t.name.startswith("foveal-")]
     weights = [StorageWeakRef(p.untyped_storage()) for p in model.loaded.runner.model.parameters()]
     model.generate(scenes.render(scenes.generate_scene(1)), "hi", settings={"max_tokens": 4})
     model = None
     gc.collect()
     assert all(w.expired() for w in weights)
-    assert not [t for t in threading.enumerate() if t.name.startswith("foveal-")]
+    assert len(its_threads) == 2 and not [t for t in its_threads if t.is_alive()]

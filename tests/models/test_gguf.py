@@ -59,12 +59,17 @@ def test_smollm2_gguf_greedy_tokens_equal_transformers_gguf_path():
 def test_gguf_without_its_packages_says_what_to_install(tmp_path, monkeypatch):
     import importlib.util
 
-    # the dev extra has neither package, the bench extra both: fix the answer instead of reading the venv
-    monkeypatch.setattr(
-        importlib.util, "find_spec", lambda name, *a: None if name in ("gguf", "accelerate") else object()
-    )
+    # the dev extra has gguf only, the bench extra both: fix the answer instead of reading the venv
+    missing = {"gguf", "accelerate"}
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name in missing else object())
     (tmp_path / "model.gguf").write_bytes(b"GGUF")
-    with pytest.raises(ModelLoadError, match=r"needs gguf and accelerate: pip install 'foveal\[bench\]'"):
+    with pytest.raises(ModelLoadError, match=r"needs gguf: pip install 'foveal\[bench\]'"):
+        load(tmp_path / "model.gguf", device="cpu")
+    missing.discard("gguf")  # gguf present: a broken file is refused first, then accelerate is asked for
+    with pytest.raises(ModelLoadError, match="not a readable GGUF file|is truncated"):
+        load(tmp_path / "model.gguf", device="cpu")
+    _write_gguf(tmp_path / "model.gguf")
+    with pytest.raises(ModelLoadError, match=r"needs accelerate: pip install 'foveal\[bench\]'"):
         load(tmp_path / "model.gguf", device="cpu")
 
 
