@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from . import limits, shutdown, switch
 from .detokenizer import Detokenizer
 from .device import make_device
-from .kv_cache import PagePool
+from .kv_cache import PagePool, prefix_chain
 from .lanes import Lanes
 from .matcher import FillMasks, fill_masks_each
 from .pipeline import Pipeline
@@ -56,6 +56,7 @@ class EngineConfig:
     debug_hook: Callable[[str], None] | None = None  # called at each phase (tests inject delays)
     trace: bool = False
     switch_interval: float | None = 1e-4  # GIL hand-off interval while the engine runs
+    prefix_cache: bool = True  # share the K/V of full prompt pages across requests (kv_cache.py)
 
 
 class Engine:
@@ -114,6 +115,8 @@ class Engine:
     def submit(self, request: Request) -> RequestHandle:
         """Queue a request (thread-safe); raises ValueError for a request the engine can never run."""
         limits.check_request(request, self.config, self.runner.vocab_size, self.tokenizer)
+        cacheable = self.config.prefix_cache and request.prefill is None  # why: kv_cache.prefix_chain
+        chain = prefix_chain(request.prompt_ids, self.config.page_size) if cacheable else []
         with self._cond:
             if self._closing or self._error is not None:
                 raise RuntimeError("engine is closed or failed; create a new Engine")
@@ -128,6 +131,7 @@ class Engine:
                 stop_ids |= set(self.config.eos_token_ids)
             detok = Detokenizer(self.tokenizer, request.sampling.stop, request.sampling.skip_special_tokens)
             seq = Sequence(request_id, request, handle, seed_as_int64(seed), frozenset(stop_ids), detok)
+            seq.prefix_chain = chain
             self._inbox.append(seq)
             self._idle.clear()
             self._cond.notify_all()

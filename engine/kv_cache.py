@@ -1,18 +1,33 @@
-"""Bookkeeping of the paged KV cache: which page belongs to whom (the tensors live in the runner).
+"""Bookkeeping of the paged KV cache: which page belongs to whom, and which full pages can be shared
+(the tensors live in the runner).
 
 PROBLEM
     Sequences come and go every tick; a finished sequence may still be read by a step in flight
-    (a zombie), so its pages must outlive its finish, and must be freed exactly once.
+    (a zombie), so its pages must outlive its finish, and must be freed exactly once. And many
+    requests start with the same tokens (a chat template, a system prompt, one document asked many
+    questions): computing their K/V again is work the cache could skip.
 SOLUTION
-    A free list of page ids. A sequence reserves every page it can ever need at admission
-    (prompt + max_tokens - 1 positions), so a running sequence never runs out mid-flight; when the
-    pool cannot cover a new request, the request waits in the queue (admission control).
+    A free list of page ids with a reference count per page. A sequence reserves every page it can
+    ever need at admission (prompt + max_tokens - 1 positions), so a running sequence never runs
+    out mid-flight; when the pool cannot cover a new request, the request waits in the queue
+    (admission control). Full prompt pages are content-addressed (prefix cache): once its K/V is
+    written, a page is `register`ed under a hash chained over the tokens of every page up to it,
+    and a new request `lookup`s its own chain and shares the longest run of cached pages (one more
+    reference each). A cached page nobody references is not freed but kept, least recently used
+    first in line for eviction when the free list runs out.
 INVARIANTS
-    - A page is owned by at most one sequence; freeing a page that is free raises.
-    - At idle (no sequence, no step in flight) every page is free.
+    - A page's reference count is the number of sequences holding it; freeing below 0 raises.
+    - A page with references is never evicted or handed out again; a registered page's content
+      never changes (only full prompt pages are registered; writes go to pages past them).
+    - At idle (no sequence, no step in flight) every page is free or evictable: `num_free` is
+      `num_pages`.
 """
 
 from __future__ import annotations
+
+import hashlib
+from array import array
+from collections import OrderedDict
 
 
 def pages_needed(num_positions: int, page_size: int) -> int:
@@ -26,30 +41,81 @@ class PagePool:
         self.num_pages = num_pages
         self.page_size = page_size
         self._free = list(range(num_pages - 1, -1, -1))  # pop() hands out low ids first
-        self._is_free = [True] * num_pages
-        self.frees = 0  # pages returned, for leak checks
+        self._refs = [0] * num_pages
+        self._page_of: dict[bytes, int] = {}  # prefix-chain hash -> cached page
+        self._hash_of: dict[int, bytes] = {}
+        self._evictable: OrderedDict[int, None] = OrderedDict()  # cached, unreferenced; oldest first
+        self.frees = 0  # page references returned, for leak checks
 
     @property
     def num_free(self) -> int:
-        return len(self._free)
+        """Pages an allocation can take: free ones and cached ones nobody holds."""
+        return len(self._free) + len(self._evictable)
+
+    @property
+    def num_cached(self) -> int:
+        return len(self._page_of)
 
     def can_allocate(self, n: int) -> bool:
-        return n <= len(self._free)
+        return n <= self.num_free
 
     def allocate(self, n: int) -> list[int]:
-        if n > len(self._free):
-            raise RuntimeError(
-                f"page pool exhausted: asked {n}, {len(self._free)} free (check can_allocate first)"
-            )
+        if n > self.num_free:
+            raise RuntimeError(f"page pool exhausted: asked {n}, {self.num_free} free (check can_allocate first)")
+        while len(self._free) < n:  # the least recently used cached pages make room
+            page, _ = self._evictable.popitem(last=False)
+            del self._page_of[self._hash_of.pop(page)]
+            self._free.append(page)
         pages = [self._free.pop() for _ in range(n)]
-        for p in pages:
-            self._is_free[p] = False
+        for page in pages:
+            self._refs[page] = 1
         return pages
 
     def free(self, pages: list[int]) -> None:
-        for p in pages:
-            if self._is_free[p]:
-                raise RuntimeError(f"page {p} freed twice")
-            self._is_free[p] = True
-            self._free.append(p)
+        for page in pages:
+            if self._refs[page] == 0:
+                raise RuntimeError(f"page {page} freed twice")
+            self._refs[page] -= 1
+            if self._refs[page] == 0:
+                if page in self._hash_of:
+                    self._evictable[page] = None
+                else:
+                    self._free.append(page)
         self.frees += len(pages)
+
+    def lookup(self, chain: list[bytes]) -> list[int]:
+        """The cached pages of the longest prefix of `chain`, each with one more reference."""
+        pages = []
+        for digest in chain:
+            page = self._page_of.get(digest)
+            if page is None:
+                break
+            pages.append(page)
+        for page in pages:
+            if self._refs[page] == 0:
+                del self._evictable[page]
+            self._refs[page] += 1
+        return pages
+
+    def register(self, page: int, digest: bytes) -> None:
+        """Make a held page, whose K/V is written, findable by `digest` (first come, first kept)."""
+        if self._refs[page] == 0:
+            raise RuntimeError(f"page {page} is not held; only a sequence's own pages can be registered")
+        if digest not in self._page_of and page not in self._hash_of:
+            self._page_of[digest] = page
+            self._hash_of[page] = digest
+
+
+def prefix_chain(token_ids: list[int], page_size: int) -> list[bytes]:
+    """The hash of each full page of `token_ids`, chained: page i's digest covers pages 0..i.
+
+    Only prompts without prefill inputs are chained: an image's placeholder tokens say nothing of its
+    pixels, PaliGemma's bidirectional prefix makes a page's K/V depend on the tokens after it, and a
+    runner needs all of an image's placeholders in one query (their features are split by count).
+    """
+    digests, previous = [], b""
+    for start in range(0, len(token_ids) - page_size + 1, page_size):
+        page = array("q", token_ids[start : start + page_size]).tobytes()
+        previous = hashlib.blake2b(previous + page, digest_size=16).digest()
+        digests.append(previous)
+    return digests

@@ -134,6 +134,8 @@ class Pipeline:
         self.inflight.append(step)
         self.step_number += 1
         self.stats.count_step(len(prefill_rows), len(rows) - len(prefill_rows))
+        for row in prefill_rows:
+            self.stats.count_prompt(rows[row].prompt_len, rows[row].num_cached)
         self._span("launch", started)
         if not self.pipelined:  # the baseline overlaps nothing: the forward ends before the masks
             self._wait_device()
@@ -164,6 +166,8 @@ class Pipeline:
         for seq, token in zip(step.rows, tokens, strict=True):
             seq.inflight_refs -= 1
             if not seq.finalized:
+                if seq.num_committed == 0 and seq.prefix_chain:  # its prompt's K/V is written now
+                    self.scheduler.register_prefix(seq)
                 if self.sequences.append(seq, token):
                     committed.append((seq, token))
             elif seq.inflight_refs == 0:  # a zombie's last step: its token is dropped

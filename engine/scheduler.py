@@ -51,6 +51,8 @@ class Sequence:
     finalized: bool = False
     released: bool = False
     finish_reason: FinishReason | None = None
+    prefix_chain: list[bytes] = field(default_factory=list)  # hashes of its full prompt pages (kv_cache)
+    num_cached: int = 0  # prompt tokens whose K/V came from the prefix cache (prefill skips them)
 
     def __post_init__(self) -> None:
         self.prompt_len = len(self.request.prompt_ids)
@@ -81,17 +83,38 @@ class Scheduler:
         tokens = len(rows)
         while self.waiting and len(rows) < self.max_batch:
             seq = self.waiting[0]
-            need = seq.pages_to_reserve(self.pool.page_size)
-            if tokens + seq.prompt_len > self.max_step_tokens or not self.pool.can_allocate(need):
+            pages = self._reserve(seq, self.max_step_tokens - tokens)
+            if pages is None:
                 break
-            pages = self.pool.allocate(need)
-            lane = self.lanes.take(seq.prompt_len, pages, seq.request.sampling, seq.seed)
+            lane = self.lanes.take(seq.prompt_len, pages, seq.request.sampling, seq.seed, seq.num_cached)
             self.waiting.popleft()  # only now: if take() raised, shutdown finds seq where remove() looks
             seq.pages, seq.lane = pages, lane
             self.running.append(seq)
             rows.append(seq)
-            tokens += seq.prompt_len
+            tokens += seq.prompt_len - seq.num_cached
         return rows
+
+    def _reserve(self, seq: Sequence, step_tokens_left: int) -> list[int] | None:
+        """Every page `seq` can need: its cached prefix pages, shared, then fresh ones; None (nothing
+        held) when its uncached prompt does not fit the step or the pool cannot cover the rest.
+
+        At least one prompt token is always computed (its logits start the answer), so the page
+        holding the last prompt token is never taken from the cache.
+        """
+        page_size = self.pool.page_size
+        reusable = seq.prefix_chain[: (seq.prompt_len - 1) // page_size]
+        cached = self.pool.lookup(reusable) if reusable else []
+        need = seq.pages_to_reserve(page_size) - len(cached)
+        if seq.prompt_len - len(cached) * page_size > step_tokens_left or not self.pool.can_allocate(need):
+            self.pool.free(cached)
+            return None
+        seq.num_cached = len(cached) * page_size
+        return cached + self.pool.allocate(need)
+
+    def register_prefix(self, seq: Sequence) -> None:
+        """Offer `seq`'s full prompt pages to the prefix cache (their K/V has been computed)."""
+        for page, digest in zip(seq.pages, seq.prefix_chain, strict=False):
+            self.pool.register(page, digest)
 
     def remove(self, seq: Sequence) -> None:
         """Take a finished sequence out of the queues (its pages are released separately)."""

@@ -18,6 +18,8 @@ class Stats:
     prefill_rows: int = 0
     decode_rows: int = 0
     tokens: int = 0  # committed output tokens
+    prompt_tokens: int = 0  # prompt tokens of admitted requests
+    cached_tokens: int = 0  # ... of which the prefix cache held the K/V (not computed again)
     active_s: float = 0.0
     phase_s: dict[str, float] = field(
         default_factory=lambda: dict.fromkeys(("launch", "commit", "finalize", "text", "wait"), 0.0)
@@ -27,6 +29,10 @@ class Stats:
         fresh = Stats()
         for name in self.__slots__:
             setattr(self, name, getattr(fresh, name))
+
+    def count_prompt(self, prompt_tokens: int, cached_tokens: int) -> None:
+        self.prompt_tokens += prompt_tokens
+        self.cached_tokens += cached_tokens
 
     def count_step(self, prefill_rows: int, decode_rows: int) -> None:
         self.steps += 1
@@ -46,6 +52,9 @@ class Stats:
             "prefill_rows": self.prefill_rows,
             "decode_rows": self.decode_rows,
             "tokens": self.tokens,
+            "prompt_tokens": self.prompt_tokens,
+            "cached_prompt_tokens": self.cached_tokens,
+            "prefix_hit_rate": self.cached_tokens / self.prompt_tokens if self.prompt_tokens else 0.0,
             "active_s": self.active_s,
             "tokens_per_s": self.tokens / self.active_s if self.active_s else 0.0,
             "phase_ms_per_step": {k: 1e3 * v / steps for k, v in self.phase_s.items()},

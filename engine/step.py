@@ -72,8 +72,8 @@ def _stage_positions(
     """Positions, KV slots, query starts, context lengths, block tables; returns the query starts."""
     host, lane, num_rows = step.slot.np, step.lane_of_row, step.num_rows
     context = lanes.prompt_len[lane] + output_index  # a prefill's context is its prompt
-    if prefill_rows:
-        query_len = np.where(output_index > 0, 1, context)
+    if prefill_rows:  # a prefill's query is its prompt past the pages the prefix cache held
+        query_len = np.where(output_index > 0, 1, context - lanes.cached_len[lane])
         query_starts = np.zeros(num_rows + 1, dtype=np.int64)
         np.cumsum(query_len, out=query_starts[1:])
         row_of_token = np.repeat(np.arange(num_rows), query_len)
@@ -114,8 +114,9 @@ def _stage_input_sources(
     lanes.last_step[lane], lanes.last_row[lane] = step.number, row_numbers[:num_rows]
     step.num_decode = num_decode
     for row in prefill_rows:
-        request = step.rows[row].request
-        host.input_ids[query_starts[row] : query_starts[row + 1]] = request.prompt_ids
+        seq = step.rows[row]
+        request = seq.request
+        host.input_ids[query_starts[row] : query_starts[row + 1]] = request.prompt_ids[seq.num_cached :]
         if request.prefill is not None:
             step.prefill_inputs = step.prefill_inputs or [None] * num_rows
             step.prefill_inputs[row] = request.prefill

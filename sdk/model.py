@@ -113,6 +113,7 @@ def load(
     max_model_len: int | None = None,
     kv_cache_bytes: int | None = None,
     image_cache_bytes: int = engine_models.DEFAULT_IMAGE_CACHE_BYTES,
+    prefix_cache: bool = True,
 ) -> Model:
     """Load a model and start its engine.
 
@@ -125,8 +126,12 @@ def load(
     at what `max_batch_size` sequences of `max_model_len` need).
     `image_cache_bytes`: bound of the cache of image encodings, so that several calls on one image
     encode it once (0 turns the cache off).
+    `prefix_cache`: share the K/V of prompt pages that several calls start with (a chat template, a
+    system prompt, a document asked many questions), so their prefill skips them; text prompts only.
     """
     _check_load_args(pipelined, max_batch_size, max_model_len, kv_cache_bytes)
+    if not isinstance(prefix_cache, bool):
+        raise TypeError(f"prefix_cache must be True or False, got {prefix_cache!r}")
     source = _model_source(path)
     loaded = engine_models.load(source, device=device, dtype=dtype, image_cache_bytes=image_cache_bytes)
     folder = Path(source) if Path(source).is_dir() else None
@@ -134,7 +139,7 @@ def load(
     skills = skills_for(
         folder, loaded.family, loaded.tokenizer, family.image_token if family.has_vision else None
     )
-    config = engine_config(loaded, pipelined, max_batch_size, max_model_len, kv_cache_bytes)
+    config = engine_config(loaded, pipelined, max_batch_size, max_model_len, kv_cache_bytes, prefix_cache)
     return Model(loaded, skills, config)
 
 
@@ -170,6 +175,7 @@ def engine_config(
     max_batch_size: int,
     max_model_len: int | None,
     kv_cache_bytes: int | None,
+    prefix_cache: bool = True,
 ) -> EngineConfig:
     """The engine configuration of a loaded model; sizes left None are derived from its runner by the
     engine (foveal.engine.limits: the model's positions, at most 4096 tokens; a quarter of free memory)."""
@@ -178,6 +184,7 @@ def engine_config(
         max_batch=max_batch_size,
         max_model_len=max_model_len,
         kv_cache_bytes=kv_cache_bytes,
+        prefix_cache=prefix_cache,
         eos_token_ids=tuple(loaded.eos_token_ids),
         fill_masks=grammars.fill_masks,
     )

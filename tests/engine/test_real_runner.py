@@ -100,3 +100,24 @@ def test_seeded_and_constrained_pipelined_equals_blocking(llama):
                 assert out.finish_reason is FinishReason.STOP and re.fullmatch(pattern, out.text), out.text
         results.append([(o.token_ids, o.text, o.finish_reason) for o in outs])
     assert results[0] == results[1]
+
+
+@pytest.mark.parametrize("pipelined", [True, False])
+def test_prefix_cache_hits_give_transformers_greedy_tokens(llama, pipelined):
+    """Questions over one shared document: the later ones reuse its pages (prefill starts past
+    them), and every answer is still transformers' own greedy answer."""
+    loaded, reference = llama
+    document = loaded.tokenizer.encode("the quick brown fox jumps over the lazy dog " * 3, add_special_tokens=False)
+    prompts = [document + loaded.tokenizer.encode(q, add_special_tokens=False) for q in ("a", "héllo", "x y")]
+    expected = []
+    for ids in prompts:
+        with torch.no_grad():
+            out = reference.generate(torch.tensor([ids]), max_new_tokens=8, do_sample=False)
+        expected.append([t for t in out[0, len(ids) :].tolist() if t not in loaded.eos_token_ids])
+    with Engine(loaded.runner, loaded.tokenizer, _config(loaded, pipelined)) as engine:
+        first = engine.generate([Request(prompts[0], SamplingParams(max_tokens=8))], timeout=60)
+        rest = engine.generate([Request(ids, SamplingParams(max_tokens=8)) for ids in prompts[1:]], timeout=60)
+        stats = engine.stats()
+        assert engine.wait_idle(5) and engine.free_pages() == engine.config.num_pages
+    assert [o.token_ids for o in first + rest] == expected
+    assert stats["cached_prompt_tokens"] >= 2 * (len(document) // 4 - 1) * 4  # both later prompts hit

@@ -566,3 +566,19 @@ def test_results_and_streams_carry_their_usage(shapes_model, image, monkeypatch)
         return text, result["caption"].usage
 
     assert asyncio.run(read_async()) == (caption["caption"], caption.usage)
+
+
+def test_the_prefix_cache_is_on_by_default_and_answers_the_same(llama_folder):
+    """Questions over one document through foveal.load: the later calls reuse its prompt pages
+    (engine stats) and answer exactly what a model without the cache answers."""
+    document = "the quick brown fox jumps over the lazy dog. " * 6
+    questions = [f"{document} question {i}: what jumps?" for i in range(3)]
+    answers = {}
+    for cache in (True, False):
+        with foveal.load(llama_folder, device="cpu", max_model_len=256, prefix_cache=cache) as model:
+            answers[cache] = [model.query(None, q, settings={"max_tokens": 6})["answer"] for q in questions]
+            cached = model.engine.stats()["cached_prompt_tokens"]
+        assert (cached > 0) is cache
+    assert answers[True] == answers[False]
+    with pytest.raises(TypeError, match="prefix_cache must be True or False"):
+        foveal.load(llama_folder, device="cpu", prefix_cache="yes")
