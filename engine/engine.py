@@ -57,6 +57,9 @@ class EngineConfig:
     trace: bool = False
     switch_interval: float | None = 1e-4  # GIL hand-off interval while the engine runs
     prefix_cache: bool = True  # share the K/V of full prompt pages across requests (kv_cache.py)
+    # An idle engine waits this long after the latest arrival (at most 4x in all) before its first
+    # launch, so that calls arriving together (threads, a batch) are prefilled in one launch.
+    admission_window_s: float = 0.002
 
 
 class Engine:
@@ -185,6 +188,7 @@ class Engine:
         pipeline = self.pipeline
         try:
             while self._wait_for_work():
+                self._gather_arrivals()
                 self._take_inbox()
                 started = time.perf_counter()
                 pipeline.tick()
@@ -208,6 +212,25 @@ class Engine:
                 lambda: self._inbox or self._cancels or self._closing or self.pipeline.has_work()
             )
             return not self._closing
+
+    def _gather_arrivals(self) -> None:
+        """On an idle pipeline, let requests that arrive together join one prefill launch: wait while
+        they keep coming (a quiet `admission_window_s` ends it, and so does a full batch)."""
+        window = self.config.admission_window_s
+        if window <= 0 or self.pipeline.has_work():
+            return
+        give_up = time.perf_counter() + 4 * window
+        with self._cond:
+            arrived = len(self._inbox)
+            while arrived < self.config.max_batch and not (self._closing or self._cancels):
+                quiet_until = min(time.perf_counter() + window, give_up)
+                self._cond.wait_for(
+                    lambda arrived=arrived: len(self._inbox) > arrived or self._closing,
+                    timeout=max(quiet_until - time.perf_counter(), 0),
+                )
+                if len(self._inbox) == arrived or time.perf_counter() >= give_up:
+                    return
+                arrived = len(self._inbox)
 
     def _take_inbox(self) -> None:
         """Move new requests and cancels into the pipeline."""

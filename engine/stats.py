@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 class Stats:
     steps: int = 0
     prefill_rows: int = 0
+    prefill_steps: int = 0  # launches that carried at least one prefill
     decode_rows: int = 0
     tokens: int = 0  # committed output tokens
     prompt_tokens: int = 0  # prompt tokens of admitted requests
@@ -36,6 +37,7 @@ class Stats:
 
     def count_step(self, prefill_rows: int, decode_rows: int) -> None:
         self.steps += 1
+        self.prefill_steps += prefill_rows > 0
         self.prefill_rows += prefill_rows
         self.decode_rows += decode_rows
 
@@ -50,6 +52,7 @@ class Stats:
         return {
             "steps": self.steps,
             "prefill_rows": self.prefill_rows,
+            "prefill_steps": self.prefill_steps,
             "decode_rows": self.decode_rows,
             "tokens": self.tokens,
             "prompt_tokens": self.prompt_tokens,

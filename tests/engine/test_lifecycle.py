@@ -81,3 +81,29 @@ def test_bad_sampling_params_are_refused_before_work():
         SamplingParams(top_p=0)
     with pytest.raises(ValueError, match="tuple of strings"):
         SamplingParams(stop="x")
+
+
+def test_calls_arriving_together_on_an_idle_engine_are_prefilled_in_one_launch(h):
+    """Issue 18: calls arriving a little apart (the SDK prepares them one at a time) were each
+    admitted as they came. An idle engine now waits while arrivals keep coming (admission_window_s:
+    a quiet window ends it) before its first launch, so they share one prefill."""
+    import time
+
+    runner = FakeRunner(vocab_size=h.VOCAB, seed=1, delay_s=0.02)
+    with h.engine(runner=runner, max_batch=32, max_step_tokens=512, admission_window_s=0.002) as eng:
+        handles = []
+        for i in range(10):  # 0.5 ms apart: under the quiet window, over in ~5 ms (< 4 windows)
+            handles.append(eng.submit(Request([i + 1] * 8, SamplingParams(max_tokens=4, ignore_eos=True))))
+            time.sleep(0.0005)
+        assert all(hd.result(10).finish_reason is FinishReason.LENGTH for hd in handles)
+        stats = eng.stats()
+    assert stats["prefill_rows"] == 10 and stats["prefill_steps"] == 1, stats["prefill_steps"]
+
+
+def test_a_lone_request_is_not_held_past_the_admission_window(h):
+    import time
+
+    with h.engine(admission_window_s=0.05) as eng:
+        started = time.perf_counter()
+        eng.generate([Request([1], SamplingParams(max_tokens=1, ignore_eos=True))], timeout=10)
+        assert time.perf_counter() - started < 4 * 0.05 + 0.5  # the window ends it, not the limit
