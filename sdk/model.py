@@ -114,6 +114,7 @@ def load(
     kv_cache_bytes: int | None = None,
     image_cache_bytes: int = engine_models.DEFAULT_IMAGE_CACHE_BYTES,
     prefix_cache: bool = True,
+    max_step_tokens: int | None = None,
 ) -> Model:
     """Load a model and start its engine.
 
@@ -128,8 +129,10 @@ def load(
     encode it once (0 turns the cache off).
     `prefix_cache`: share the K/V of prompt pages that several calls start with (a chat template, a
     system prompt, a document asked many questions), so their prefill skips them; text prompts only.
+    `max_step_tokens`: query tokens one engine step may carry (prompts being prefilled + one per
+    decoding call; default max(2048, max_model_len)): what bounds how many new calls join a step.
     """
-    _check_load_args(pipelined, max_batch_size, max_model_len, kv_cache_bytes)
+    _check_load_args(pipelined, max_batch_size, max_model_len, kv_cache_bytes, max_step_tokens)
     if not isinstance(prefix_cache, bool):
         raise TypeError(f"prefix_cache must be True or False, got {prefix_cache!r}")
     source = _model_source(path)
@@ -139,17 +142,22 @@ def load(
     skills = skills_for(
         folder, loaded.family, loaded.tokenizer, family.image_token if family.has_vision else None
     )
-    config = engine_config(loaded, pipelined, max_batch_size, max_model_len, kv_cache_bytes, prefix_cache)
+    config = engine_config(
+        loaded, pipelined, max_batch_size, max_model_len, kv_cache_bytes, prefix_cache, max_step_tokens
+    )
     return Model(loaded, skills, config)
 
 
-def _check_load_args(pipelined: Any, max_batch_size: Any, max_model_len: Any, kv_cache_bytes: Any) -> None:
+def _check_load_args(
+    pipelined: Any, max_batch_size: Any, max_model_len: Any, kv_cache_bytes: Any, max_step_tokens: Any = None
+) -> None:
     if not isinstance(pipelined, bool):
         raise TypeError(f"pipelined must be True or False, got {pipelined!r}")
     for name, value in (
         ("max_batch_size", max_batch_size),
         ("max_model_len", max_model_len),
         ("kv_cache_bytes", kv_cache_bytes),
+        ("max_step_tokens", max_step_tokens),
     ):
         if value is None and name != "max_batch_size":
             continue
@@ -176,6 +184,7 @@ def engine_config(
     max_model_len: int | None,
     kv_cache_bytes: int | None,
     prefix_cache: bool = True,
+    max_step_tokens: int | None = None,
 ) -> EngineConfig:
     """The engine configuration of a loaded model; sizes left None are derived from its runner by the
     engine (foveal.engine.limits: the model's positions, at most 4096 tokens; a quarter of free memory)."""
@@ -185,6 +194,7 @@ def engine_config(
         max_model_len=max_model_len,
         kv_cache_bytes=kv_cache_bytes,
         prefix_cache=prefix_cache,
+        max_step_tokens=max_step_tokens,
         eos_token_ids=tuple(loaded.eos_token_ids),
         fill_masks=grammars.fill_masks,
     )

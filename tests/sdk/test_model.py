@@ -90,6 +90,8 @@ def test_load_without_path_when_the_embedded_weights_are_missing_says_what_to_do
         ({"pipelined": "yes"}, TypeError),
         ({"max_model_len": -1}, ValueError),
         ({"kv_cache_bytes": 0}, ValueError),
+        ({"max_step_tokens": 0}, ValueError),
+        ({"prefix_cache": "yes"}, TypeError),
     ],
 )
 def test_bad_load_arguments_fail_before_reading_weights(kwargs, error, shapes_folder, monkeypatch):
@@ -102,6 +104,13 @@ def test_bad_load_arguments_fail_before_reading_weights(kwargs, error, shapes_fo
     name = next(iter(kwargs))
     with pytest.raises(error, match=name):
         foveal.load(shapes_folder, **kwargs)  # a loadable folder: only the argument check can refuse
+
+
+def test_max_step_tokens_reaches_the_engine(shapes_folder):
+    with foveal.load(shapes_folder, device="cpu", max_batch_size=4, max_step_tokens=96) as model:
+        assert model.engine.config.max_step_tokens == 96
+    with pytest.raises(ValueError, match="max_step_tokens must be >= max_batch"):
+        foveal.load(shapes_folder, device="cpu", max_batch_size=8, max_step_tokens=4)
 
 
 def test_missing_folder_is_a_model_load_error(tmp_path):
@@ -580,5 +589,3 @@ def test_the_prefix_cache_is_on_by_default_and_answers_the_same(llama_folder):
             cached = model.engine.stats()["cached_prompt_tokens"]
         assert (cached > 0) is cache
     assert answers[True] == answers[False]
-    with pytest.raises(TypeError, match="prefix_cache must be True or False"):
-        foveal.load(llama_folder, device="cpu", prefix_cache="yes")
