@@ -57,6 +57,16 @@ def _config(loaded, pipelined: bool, **kw) -> EngineConfig:
     )
 
 
+def _transformers_greedy(loaded, reference, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
+    """transformers' own greedy answer to each prompt, EOS dropped."""
+    answers = []
+    for ids in prompts:
+        with torch.no_grad():
+            out = reference.generate(torch.tensor([ids]), max_new_tokens=max_new_tokens, do_sample=False)
+        answers.append([t for t in out[0, len(ids) :].tolist() if t not in loaded.eos_token_ids])
+    return answers
+
+
 def _prompt_ids(loaded) -> list[list[int]]:
     return [loaded.tokenizer.encode(p, add_special_tokens=False) for p in PROMPTS]
 
@@ -65,11 +75,7 @@ def _prompt_ids(loaded) -> list[list[int]]:
 def test_greedy_tokens_equal_transformers_generate(llama, pipelined):
     loaded, reference = llama
     prompts = _prompt_ids(loaded)
-    expected = []
-    for ids in prompts:
-        with torch.no_grad():
-            out = reference.generate(torch.tensor([ids]), max_new_tokens=10, do_sample=False)
-        expected.append([t for t in out[0, len(ids) :].tolist() if t not in loaded.eos_token_ids])
+    expected = _transformers_greedy(loaded, reference, prompts, 10)
     with Engine(loaded.runner, loaded.tokenizer, _config(loaded, pipelined)) as engine:
         outs = engine.generate([Request(ids, SamplingParams(max_tokens=10)) for ids in prompts], timeout=60)
     assert [o.token_ids for o in outs] == expected
@@ -109,11 +115,7 @@ def test_prefix_cache_hits_give_transformers_greedy_tokens(llama, pipelined):
     loaded, reference = llama
     document = loaded.tokenizer.encode("the quick brown fox jumps over the lazy dog " * 3, add_special_tokens=False)
     prompts = [document + loaded.tokenizer.encode(q, add_special_tokens=False) for q in ("a", "héllo", "x y")]
-    expected = []
-    for ids in prompts:
-        with torch.no_grad():
-            out = reference.generate(torch.tensor([ids]), max_new_tokens=8, do_sample=False)
-        expected.append([t for t in out[0, len(ids) :].tolist() if t not in loaded.eos_token_ids])
+    expected = _transformers_greedy(loaded, reference, prompts, 8)
     with Engine(loaded.runner, loaded.tokenizer, _config(loaded, pipelined)) as engine:
         first = engine.generate([Request(prompts[0], SamplingParams(max_tokens=8))], timeout=60)
         rest = engine.generate([Request(ids, SamplingParams(max_tokens=8)) for ids in prompts[1:]], timeout=60)
