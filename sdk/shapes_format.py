@@ -80,22 +80,7 @@ class ShapesFormat:
             raise ValueError(f"skill {skill!r} is unknown; use one of {sorted(self.prompts)}")
         return self.prompts[skill].format(**slots)
 
-    # ---- locations (delegated to the location format) ----
-
-    def loc_tokens(self) -> list[str]:
-        return self.locations.tokens()
-
-    def encode(self, v: float) -> int:
-        return self.locations.encode(v)
-
-    def decode(self, k: int) -> float:
-        return self.locations.decode(k)
-
-    def box_bins(self, box: tuple[float, float, float, float]) -> tuple[int, int, int, int]:
-        """(ymin, xmin, ymax, xmax) bins with strictly positive extent, as the grammar requires."""
-        return self.locations.box_bins(box)
-
-    # ---- targets ----
+    # ---- targets (bins, items, separator: self.locations, their one owner) ----
 
     def detect_target(self, scene: scenes.Scene, phrase: str) -> str:
         locations = self.locations

@@ -433,7 +433,7 @@ class Trainer:
             cfg, vocab, self.tok.convert_tokens_to_ids(IMAGE_TOKEN), self.tok.pad_token_id
         )
         self.n_image_tokens = (cfg.image_size // cfg.patch_size) ** 2
-        self.loc_ids = torch.tensor(self.tok.convert_tokens_to_ids(self.fmt.loc_tokens()))
+        self.loc_ids = torch.tensor(self.tok.convert_tokens_to_ids(self.fmt.locations.tokens()))
         if cfg.init_from and warm_start:
             self.model.load_state_dict(warm_start_weights(cfg.init_from))
         torch.manual_seed(cfg.seed + 1)

@@ -37,7 +37,7 @@ def test_tokenizer_has_the_location_tokens_of_the_format():
 
     fmt = ShapesFormat.load(EMBEDDED)
     processor = PaliGemmaProcessor.from_pretrained(EMBEDDED)
-    ids = processor.tokenizer.convert_tokens_to_ids(fmt.loc_tokens())
+    ids = processor.tokenizer.convert_tokens_to_ids(fmt.locations.tokens())
     assert ids == list(range(ids[0], ids[0] + fmt.n_bins))  # contiguous, as the grammar may assume
     config = json.loads((EMBEDDED / "config.json").read_text())
     assert len(processor.tokenizer) <= config["text_config"]["vocab_size"]

@@ -134,9 +134,9 @@ def test_soft_location_targets_cost_less_for_near_misses(tiny_cfg):
 
 def test_location_bins_encode_and_decode():
     fmt = ShapesFormat(n_bins=32)
-    assert fmt.encode(0.0) == 0 and fmt.encode(1.0) == 31 and fmt.encode(0.5) == 16
-    assert fmt.decode(31) == 1.0
-    assert all(fmt.encode(fmt.decode(k)) == k for k in range(32))
+    assert fmt.locations.encode(0.0) == 0 and fmt.locations.encode(1.0) == 31 and fmt.locations.encode(0.5) == 16
+    assert fmt.locations.decode(31) == 1.0
+    assert all(fmt.locations.encode(fmt.locations.decode(k)) == k for k in range(32))
 
 
 def test_detect_and_point_targets_parse_back_to_the_ground_truth():
@@ -161,8 +161,8 @@ def test_detect_and_point_targets_parse_back_to_the_ground_truth():
 
 def test_boxes_keep_positive_extent_in_bins():
     fmt = ShapesFormat(n_bins=8)
-    assert fmt.box_bins((0.50, 0.50, 0.52, 0.52)) == (4, 4, 5, 5)
-    assert fmt.box_bins((0.99, 0.99, 1.0, 1.0)) == (6, 6, 7, 7)
+    assert fmt.locations.box_bins((0.50, 0.50, 0.52, 0.52)) == (4, 4, 5, 5)
+    assert fmt.locations.box_bins((0.99, 0.99, 1.0, 1.0)) == (6, 6, 7, 7)
 
 
 def test_format_file_round_trips(tmp_path):
