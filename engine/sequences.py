@@ -74,8 +74,6 @@ class Sequences:
                 seq.handle._push(delta)
 
     def finish(self, seq: Sequence, reason: FinishReason, error: str | None = None) -> None:
-        if seq.finalized:
-            return
         seq.finalized = True
         seq.finish_reason = reason
         self.scheduler.remove(seq)

@@ -50,7 +50,6 @@ class TokenizerHandle:
     vocab_size: int  # the model's vocabulary (bitmask width is ceil(vocab_size / 32) words)
     source: Any  # the tokenizers.Tokenizer (for token_to_id)
     _token_bytes: list[bytes] | None = field(default=None, repr=False)
-    _special_texts: tuple[str, ...] | None = field(default=None, repr=False)
 
     @property
     def mask_words(self) -> int:
@@ -67,17 +66,6 @@ class TokenizerHandle:
                 else self.source.id_to_token(token_id) or f"<special {token_id}>"
             )
         return f"<id {token_id} outside the vocabulary>"
-
-    def special_text_in(self, text: str) -> str | None:
-        """The first special token's text found in `text` (None if none): for callers whose parser
-        reads special tokens back out of the decoded text, where plain text spelling one would be
-        ambiguous (location-token labels)."""
-        if self._special_texts is None:
-            special = self.ll.is_special_token
-            texts = (self.source.id_to_token(i) for i in range(self.ll.vocab_size) if special(i))
-            self._special_texts = tuple(t for t in texts if t)
-        found = [(text.find(t), t) for t in self._special_texts if t in text]
-        return min(found)[1] if found else None
 
     def token_bytes(self) -> list[bytes]:
         """Bytes of every token id (special tokens: b""), built once, for byte-level bookkeeping."""

@@ -122,12 +122,6 @@ def test_lark_can_still_name_a_special_token(tok):
     assert m.is_accepting()
 
 
-def test_special_text_in_finds_special_token_text(tok):
-    handle = grammars.compile(grammars.Regex("x"), tok, eos_token_id=EOS).tokenizer
-    assert handle.special_text_in("a <|im_end|> b") == "<|im_end|>"
-    assert handle.special_text_in("plain < | text") is None
-
-
 # --- refused at compile time, in our words ------------------------------------------------------
 
 
