@@ -54,6 +54,7 @@ from foveal.engine import models as engine_models
 from foveal.engine.request import RequestHandle, RequestOutput
 from foveal.errors import GenerationError, IncompleteOutputError, ModelClosedError
 from foveal.grammars import spatial
+from foveal.grammars.cache import LRUCache
 from foveal.results import (
     AsyncTextStream,
     CaptionResult,
@@ -220,6 +221,7 @@ class Model:
         shutdown.close_with(self, self.engine)
         self.config = self.engine.config  # sizes resolved from the runner
         self._lock = threading.Lock()  # processor, tokenizer and grammar compiles: one caller at a time
+        self._item_tokens_cache: LRUCache[tuple[int, int]] = LRUCache(maxsize=256)  # under _lock
         self._closed = False
 
     def __repr__(self) -> str:
@@ -385,10 +387,7 @@ class Model:
         """A spatial answer's max_objects lowered to the items `max_tokens` holds (canonical spelling,
         longest coordinates, EOS), so a complete answer always fits; ValueError when not one item does."""
         spec = task.spec
-        one, two = (
-            len(self.loaded.tokenizer(spec.example_answer(n), add_special_tokens=False)["input_ids"]) for n in (1, 2)
-        )
-        per_item = max(two - one, 1)
+        one, per_item = self._item_tokens(spec)
         fits = (max_tokens - 1 - (one - per_item)) // per_item
         if fits >= 1:
             return task if fits >= spec.max_objects else replace(task, spec=replace(spec, max_objects=fits))
@@ -402,6 +401,20 @@ class Model:
             f"one {task.skill} item takes {one + 1} tokens with this object phrase, but this model's context of "
             f"{self.config.max_model_len} leaves {room} after the prompt ({prompt_len} tokens); shorten the phrase"
         )
+
+    def _item_tokens(self, spec: spatial.SpatialSpec) -> tuple[int, int]:
+        """Tokens of a one-item answer of `spec`, and what each further item adds (memoized: the same
+        skill and phrase are asked again and again; the answer's text does not depend on max_objects)."""
+        key = replace(spec, max_objects=1).cache_key()
+        cached = self._item_tokens_cache.get(key)
+        if cached is None:
+            one, two = (
+                len(self.loaded.tokenizer(spec.example_answer(n), add_special_tokens=False)["input_ids"])
+                for n in (1, 2)
+            )
+            cached = (one, max(two - one, 1))
+            self._item_tokens_cache.put(key, cached)
+        return cached
 
     def _compile(self, spec: Any) -> grammars.Automaton | None:
         if spec is None:
