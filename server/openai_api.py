@@ -51,8 +51,7 @@ async def chat_completions(body: ChatRequest, request: Request) -> Any:
         if plan.skill == "generate":
             text, counted = await cancel_on_disconnect(request, _generate(model, plan), state.metrics)
             cut_at_stop = False
-            if body.stream:
-                released = True
+            if body.stream:  # the answer is whole: its slot is released here, not by the stream
                 return _one_chunk_stream(state, body, plan, text, counted)
         else:
             result = await cancel_on_disconnect(

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from typing import Literal
 
+import httpx
 import pytest
 from pydantic import BaseModel, Field
 
@@ -80,6 +81,18 @@ def test_json_object_is_a_json_object(client):
         assert isinstance(json.loads(choice.message.content), dict)
     else:  # cut by max tokens: OpenAI's "length", the text so far
         assert choice.finish_reason == "length" and choice.message.content.startswith("{")
+
+
+def test_streamed_json_answer_frees_its_admission_slot(client, server):
+    chunks = client.chat.completions.create(
+        model="foveal",
+        messages=ask("describe", scene(1)),
+        response_format={"type": "json_object"},
+        max_completion_tokens=30,
+        stream=True,
+    )
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices).startswith("{")
+    assert "foveal_queue_depth 0" in httpx.get(f"{server}/metrics").text
 
 
 def test_max_tokens_cuts_with_finish_reason_length(client):
