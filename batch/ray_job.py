@@ -103,7 +103,6 @@ def run_on_ray(
         output_type=output_type,
         settings=settings,
     )
-    _check_settings(call)
     check_output(Path(out), resume)
     ray = _ray()
     window = window or DEFAULT_WINDOW
@@ -158,13 +157,6 @@ def _ray() -> Any:
     if not ray.is_initialized():
         ray.init(address=os.environ.get("RAY_ADDRESS") or None, log_to_driver=False)
     return ray
-
-
-def _check_settings(call: SkillCall) -> None:
-    """What the driver can check without the model: the settings' names and ranges."""
-    from foveal.settings import validate_settings
-
-    validate_settings(dict(call.settings) or None, call.skill)
 
 
 def _open(inputs: Any, column: str | None, key_column: str | None) -> Input:

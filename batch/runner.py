@@ -1,8 +1,8 @@
 """`foveal.batch.run`: one skill over many images on this machine, as records, optionally into a results file.
 
 The order of work: resolve INPUT (folder, glob, list, table: `inputs.py`), check the skill's
-arguments, check `out` (exists without resume?), load the model, check what needs it (settings, an
-output type the grammar cannot enforce), read which images `out` already holds (resume); every
+arguments and settings, check `out` (exists without resume?), load the model, check what needs it
+(the arguments as the model takes them, an output type the grammar cannot enforce), read which images `out` already holds (resume); every
 refusal up to here raises before any image is read. Then the images not yet done go through the
 read-ahead pipeline (`readahead.py`) and each outcome becomes a `Record`, appended to `out` in
 input order and yielded to the caller. A `BatchRun` is iterable once; `summary()` tells images/s

@@ -3,7 +3,7 @@
 A job is one skill with fixed arguments: detect/point take an object phrase, query a question,
 caption a length, generate a prompt and an optional output type (a JSON schema from `--schema`).
 `SkillCall.of` refuses what can be refused without the model (unknown skill, a missing or
-misplaced argument); `check(model)` refuses, once the model is loaded and still before any image,
+misplaced argument, settings `foveal.settings.validate_settings` refuses); `check(model)` refuses, once the model is loaded and still before any image,
 what needs it: the arguments and settings as the SDK checks them (`Model.map` on no images runs
 exactly those checks), and an output type the grammar cannot enforce (compiled once here; the
 SDK caches the compile for the calls). Each image's call is then `call(model, image)`.
@@ -60,10 +60,9 @@ class SkillCall:
         argument = given[wanted] if given[wanted] is not None else OPTIONAL.get(skill)
         if argument is None:
             raise ValueError(f"{skill} needs --{wanted} (e.g. --{wanted} {_EXAMPLE[wanted]!r})")
-        if settings is not None and not isinstance(settings, Mapping):
-            raise ValueError(
-                f"settings must be a JSON object such as '{{\"max_tokens\": 64}}', got {settings!r}"
-            )
+        from foveal.settings import validate_settings
+
+        validate_settings(settings, skill)  # the SDK's own check of the settings' names and ranges
         return cls(skill, argument, output_type, dict(settings or {}))
 
     def check(self, model: Any) -> None:
