@@ -202,17 +202,17 @@ class Pipeline:
         their request with ERROR (their row allows every token; as zombies their token is dropped),
         and the others keep their masks: one broken grammar never fails its neighbours.
         """
-        rows = [row for row, seq in enumerate(step.rows) if seq.matcher is not None and not seq.finalized]
-        if not rows:
+        masked = [(row, seq) for row, seq in enumerate(step.rows) if seq.matcher is not None and not seq.finalized]
+        if not masked:
             return 0
+        rows, seqs = zip(*masked, strict=True)
         host, bitmask = step.slot.np, step.slot.host.bitmask
         host.bitmask[: len(rows)] = 0
         host.mask_rows[: len(rows)] = rows
         try:
-            self.fill_masks([step.rows[row].matcher for row in rows], bitmask[: len(rows)])
+            self.fill_masks([seq.matcher for seq in seqs], bitmask[: len(rows)])
         except Exception:
-            for index, row in enumerate(rows):
-                seq = step.rows[row]
+            for index, seq in enumerate(seqs):
                 try:
                     self.fill_masks([seq.matcher], bitmask[index : index + 1])
                 except Exception as error:

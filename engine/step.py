@@ -35,7 +35,7 @@ class Step:
     number: int
     slot: DecodeSlot
     rows: list[Sequence]
-    lane_of_row: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
+    lane_of_row: np.ndarray | None = None  # written by stage()
     num_tokens: int = 0
     num_decode: int = 0
     table_width: int = 0
