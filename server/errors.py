@@ -56,6 +56,12 @@ def error_response(error: ApiError) -> JSONResponse:
     return JSONResponse(error_body(error.message, error.type, error.param), error.status, error.headers)
 
 
+def error_event(exc: BaseException) -> dict[str, Any]:
+    """The error body of an exception raised after a stream's 200 went out (sent as one event)."""
+    problem = api_error(exc)
+    return error_body(problem.message, problem.type)
+
+
 def api_error(exc: BaseException) -> ApiError:
     """The ApiError of an exception raised by a `Model` call (order matters: subclasses first)."""
     if isinstance(exc, ApiError):

@@ -19,11 +19,10 @@ from typing import Any
 from fastapi import APIRouter, Request
 from pydantic import BaseModel, ConfigDict
 
-from foveal.server.admission import cancel_on_disconnect
-from foveal.server.errors import ApiError, api_error, error_body
+from foveal.server.errors import ApiError, error_event
 from foveal.server.images import image_bytes
-from foveal.server.state import call, state_of
-from foveal.server.streaming import EventStream, events
+from foveal.server.state import call, stream_call
+from foveal.server.streaming import events
 
 router = APIRouter(prefix="/v1", tags=["moondream"])
 
@@ -56,11 +55,12 @@ class ObjectBody(_Body):
 @router.post("/caption")
 async def caption(body: CaptionBody, request: Request) -> Any:
     image = image_bytes(body.image_url)
-    if body.stream:
-        return await _stream(
-            request, "caption", lambda m: m.acaption(image, body.length, True, body.settings)
-        )
-    return await call(request, lambda m: m.acaption(image, body.length, False, body.settings))
+    return await _text(
+        request,
+        "caption",
+        body.stream,
+        lambda m, stream: m.acaption(image, body.length, stream, body.settings),
+    )
 
 
 @router.post("/query")
@@ -74,9 +74,12 @@ async def query(body: QueryBody, request: Request) -> Any:
             400, "spatial_refs are not supported by foveal's models; remove them", param="spatial_refs"
         )
     image = image_bytes(body.image_url)
-    if body.stream:
-        return await _stream(request, "answer", lambda m: m.aquery(image, body.question, True, body.settings))
-    return await call(request, lambda m: m.aquery(image, body.question, False, body.settings))
+    return await _text(
+        request,
+        "answer",
+        body.stream,
+        lambda m, stream: m.aquery(image, body.question, stream, body.settings),
+    )
 
 
 @router.post("/detect")
@@ -91,22 +94,15 @@ async def point(body: ObjectBody, request: Request) -> Any:
     return await call(request, lambda m: m.apoint(image, body.object, body.settings))
 
 
-async def _stream(request: Request, key: str, start: Any) -> EventStream:
-    """Start a streamed skill (its input checked before the 200 goes out), then stream its chunks.
-    The call's admission slot is held until the stream ends."""
-    state = state_of(request)
-    model = state.ready_model()
-    state.admission.admit()
-    try:
-        result = await cancel_on_disconnect(request, start(model), state.metrics)
-    except BaseException:
-        state.admission.release()
-        raise
-    chunks = result[key]
-
-    def on_error(error: BaseException) -> dict:
-        problem = api_error(error)
-        return error_body(problem.message, problem.type)
-
-    lines = events(chunks, lambda chunk: {"chunk": chunk}, [{"completed": True}], on_error)
-    return EventStream(lines, on_close=state.admission.release)
+async def _text(request: Request, key: str, stream: bool, start: Any) -> Any:
+    """A caption or an answer (`start(model, stream)`): the result dict, or with `stream` its text
+    chunks as events; a streamed call holds its admission slot until the stream ends."""
+    if not stream:
+        return await call(request, lambda m: start(m, False))
+    return await stream_call(
+        request,
+        lambda m: start(m, True),
+        lambda result: events(
+            result[key], lambda chunk: {"chunk": chunk}, [{"completed": True}], error_event
+        ),
+    )

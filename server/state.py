@@ -1,9 +1,9 @@
 """`ServerState`: what every route shares (config, metrics, admission, the model once loaded), kept on
-`app.state.foveal`, and `call()`, the one path of a non-streamed model call."""
+`app.state.foveal`; `call()`, the one path of a non-streamed model call, and `stream_call()`, of a streamed one."""
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
@@ -13,6 +13,7 @@ from foveal.server.admission import Admission, cancel_on_disconnect
 from foveal.server.config import ServerConfig
 from foveal.server.errors import ApiError
 from foveal.server.metrics import Metrics
+from foveal.server.streaming import EventStream
 from foveal.server.usage import TokenCounter
 
 T = TypeVar("T")
@@ -60,3 +61,19 @@ async def call(request: Request, make: Callable[[Any], Awaitable[T]]) -> T:
     model = state.ready_model()
     async with state.admission.slot():
         return await cancel_on_disconnect(request, make(model), state.metrics)
+
+
+async def stream_call(
+    request: Request, start: Callable[[Any], Awaitable[T]], lines: Callable[[T], AsyncIterator[str]]
+) -> EventStream:
+    """Admit a streamed call and start it (`start(model)`: its input is checked before the 200 goes
+    out), then answer `lines(result)` as Server-Sent Events; the slot is held until the stream ends."""
+    state = state_of(request)
+    model = state.ready_model()
+    state.admission.admit()
+    try:
+        result = await cancel_on_disconnect(request, start(model), state.metrics)
+        return EventStream(lines(result), on_close=state.admission.release)
+    except BaseException:
+        state.admission.release()
+        raise
