@@ -22,10 +22,9 @@ from fastapi import APIRouter, Request
 
 from foveal.errors import IncompleteOutputError
 from foveal.results import Usage
-from foveal.server.admission import cancel_on_disconnect
 from foveal.server.chat import ChatCall, ChatRequest, chat_call
-from foveal.server.errors import api_error, error_body
-from foveal.server.state import ServerState, state_of
+from foveal.server.errors import error_event
+from foveal.server.state import ServerState, call, state_of, stream_call
 from foveal.server.stops import StopCutter
 from foveal.server.streaming import EventStream, sse
 from foveal.server.usage import finish_reason
@@ -44,32 +43,16 @@ async def models(request: Request) -> dict[str, Any]:
 async def chat_completions(body: ChatRequest, request: Request) -> Any:
     plan = chat_call(body)
     state = state_of(request)
-    model = state.ready_model()
-    state.admission.admit()
-    released = False
-    try:
-        if plan.skill == "generate":
-            text, counted = await cancel_on_disconnect(request, _generate(model, plan), state.metrics)
-            cut_at_stop = False
-            if body.stream:  # the answer is whole: its slot is released here, not by the stream
-                return _one_chunk_stream(state, body, plan, text, counted)
-        else:
-            result = await cancel_on_disconnect(
-                request, model.aquery(plan.image, plan.prompt, True, plan.settings), state.metrics
-            )
-            if body.stream:
-                released = True
-                lines = _chat_events(state, body, plan, result["answer"])
-                return EventStream(lines, on_close=state.admission.release)
-            text, cut_at_stop = await cancel_on_disconnect(
-                request, _collect(result["answer"], plan), state.metrics
-            )
-            counted = result["answer"].usage  # None when the server cut the answer at a stop string
-    finally:
-        if not released:
-            state.admission.release()
-    usage = state.tokens.usage(counted, plan.prompt, plan.image is not None, text)
-    state.metrics.completion_tokens += usage["completion_tokens"]
+    if plan.skill == "query" and body.stream:
+        return await stream_call(
+            request,
+            lambda m: m.aquery(plan.image, plan.prompt, True, plan.settings),
+            lambda result: _chat_events(state, body, plan, result["answer"]),
+        )
+    answer = _generate if plan.skill == "generate" else _answer
+    text, counted = await call(request, lambda m: answer(m, plan))
+    if body.stream:  # a JSON answer, whole: one content chunk
+        return _one_chunk_stream(state, body, plan, text, counted)
     return {
         "id": _id(),
         "object": "chat.completion",
@@ -79,11 +62,11 @@ async def chat_completions(body: ChatRequest, request: Request) -> Any:
             {
                 "index": 0,
                 "message": {"role": "assistant", "content": text, "refusal": None},
-                "finish_reason": finish_reason(cut_at_stop, counted),
+                "finish_reason": finish_reason(counted),
                 "logprobs": None,
             }
         ],
-        "usage": usage,
+        "usage": _usage(state, plan, counted, text),
     }
 
 
@@ -95,20 +78,28 @@ async def _generate(model: Any, plan: ChatCall) -> tuple[str, Usage | None]:
     return result["text"], result.usage
 
 
-async def _collect(chunks: Any, plan: ChatCall) -> tuple[str, bool]:
-    """The whole text of a streamed answer, cut at the first stop string (which cancels the rest);
-    and whether it was cut there."""
+async def _answer(model: Any, plan: ChatCall) -> tuple[str, Usage | None]:
+    """A text answer, read as a stream and cut at the first stop string (which cancels the rest);
+    its usage None when it was cut there (the engine counted no end)."""
+    chunks = (await model.aquery(plan.image, plan.prompt, True, plan.settings))["answer"]
     cutter = StopCutter(plan.stops)
     parts: list[str] = []
     try:
         async for chunk in chunks:
             parts.append(cutter.feed(chunk))
             if cutter.stopped:
-                return "".join(parts), True
+                return "".join(parts), None
     finally:
         with anyio.CancelScope(shield=True):
             await chunks.aclose()  # after a stop: cancels the generation
-    return "".join(parts) + cutter.flush(), False
+    return "".join(parts) + cutter.flush(), chunks.usage
+
+
+def _usage(state: ServerState, plan: ChatCall, counted: Usage | None, text: str) -> dict[str, int]:
+    """OpenAI's `usage` of an answer (usage.py), its completion tokens counted in the metrics."""
+    usage = state.tokens.usage(counted, plan.prompt, plan.image is not None, text)
+    state.metrics.completion_tokens += usage["completion_tokens"]
+    return usage
 
 
 def _id() -> str:
@@ -158,18 +149,14 @@ async def _chat_events(
         if rest:
             sent.append(rest)
             yield sse(frames.chunk({"content": rest}))
-        answer = "".join(sent)
         counted = None if cutter.stopped else chunks.usage
-        usage = state.tokens.usage(counted, plan.prompt, plan.image is not None, answer)
-        state.metrics.completion_tokens += usage["completion_tokens"]
-        finish = finish_reason(cutter.stopped, counted)
-        yield sse(frames.chunk({}, finish))
+        usage = _usage(state, plan, counted, "".join(sent))
+        yield sse(frames.chunk({}, finish_reason(counted)))
         if frames.include_usage:
             yield sse(frames.usage(usage))
         yield sse("[DONE]")
     except Exception as error:  # after the 200 went out, an error can only be an event
-        problem = api_error(error)
-        yield sse(error_body(problem.message, problem.type))
+        yield sse(error_event(error))
     finally:
         with anyio.CancelScope(shield=True):
             await chunks.aclose()  # a stop, a disconnect or an error: cancel the generation
@@ -179,12 +166,11 @@ def _one_chunk_stream(
     state: ServerState, body: ChatRequest, plan: ChatCall, text: str, counted: Usage | None
 ) -> EventStream:
     frames = _Chunks(state, body)
-    usage = state.tokens.usage(counted, plan.prompt, plan.image is not None, text)
-    state.metrics.completion_tokens += usage["completion_tokens"]
+    usage = _usage(state, plan, counted, text)
 
     async def lines() -> AsyncIterator[str]:
         yield sse(frames.chunk({"role": "assistant", "content": text}))
-        yield sse(frames.chunk({}, finish_reason(False, counted)))
+        yield sse(frames.chunk({}, finish_reason(counted)))
         if frames.include_usage:
             yield sse(frames.usage(usage))
         yield sse("[DONE]")

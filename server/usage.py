@@ -48,8 +48,7 @@ class TokenCounter:
         }
 
 
-def finish_reason(cut_at_stop: bool, counted: Usage | None) -> str:
-    """"stop" for a client's stop string or a natural end, "length" where max_tokens ended it."""
-    if cut_at_stop or counted is None:
-        return "stop"
-    return "length" if counted.finish_reason == "length" else "stop"
+def finish_reason(counted: Usage | None) -> str:
+    """ "stop" for a natural end or a client's stop string (no `counted` then), "length" where
+    max_tokens ended it."""
+    return "length" if counted is not None and counted.finish_reason == "length" else "stop"
