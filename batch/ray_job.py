@@ -25,10 +25,9 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from foveal.batch.inputs import Input, input_of_images, open_input
 from foveal.batch.readahead import pipeline
 from foveal.batch.records import Record, record_of
-from foveal.batch.runner import READ_WORKERS, Summary
+from foveal.batch.runner import READ_WORKERS, Summary, _open
 from foveal.batch.skill_call import SkillCall
 from foveal.batch.writer import ResultsWriter, check_output
 
@@ -93,7 +92,7 @@ def run_on_ray(
     or None (the embedded model), loaded by every actor."""
     if model is not None and not isinstance(model, str | Path):
         raise ValueError("on Ray, model must be a checkpoint path (or None): every actor loads its own copy")
-    source = inputs if isinstance(inputs, Input) else _open(inputs, column, key_column)
+    source = _open(inputs, column, key_column)
     call = SkillCall.of(
         skill,
         object=object,
@@ -157,12 +156,6 @@ def _ray() -> Any:
     if not ray.is_initialized():
         ray.init(address=os.environ.get("RAY_ADDRESS") or None, log_to_driver=False)
     return ray
-
-
-def _open(inputs: Any, column: str | None, key_column: str | None) -> Input:
-    if isinstance(inputs, str | Path):
-        return open_input(inputs, column=column, key_column=key_column)
-    return input_of_images(inputs)
 
 
 def _shippable(source: Any) -> str | bytes:
