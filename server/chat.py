@@ -54,7 +54,6 @@ class ChatCall:
     output_type: dict[str, Any] | None
     settings: dict[str, Any]
     stops: list[str]
-    max_tokens: int | None  # the caller's budget, to tell finish_reason "length" from "stop"
 
 
 def chat_call(body: ChatRequest) -> ChatCall:
@@ -83,7 +82,7 @@ def chat_call(body: ChatRequest) -> ChatCall:
         if value is not None
     }
     skill = "query" if output_type is None else "generate"
-    return ChatCall(skill, image, prompt, output_type, settings, stops, max_tokens)
+    return ChatCall(skill, image, prompt, output_type, settings, stops)
 
 
 def _check_unsupported(body: ChatRequest) -> None:

@@ -36,9 +36,3 @@ class StopCutter:
         out, self.pending = self.pending, ""
         return out
 
-
-def cut_at_stop(text: str, stops: list[str]) -> tuple[str, bool]:
-    """`text` before the first stop string, and whether one was found."""
-    cutter = StopCutter(stops)
-    out = cutter.feed(text)
-    return (out, True) if cutter.stopped else (out + cutter.flush(), False)
