@@ -38,17 +38,24 @@ def browser():
         launched.close()
 
 
-def test_detect_draws_the_boxes_of_its_json(browser, server, tmp_path):
+def run_in_page(browser, server, tmp_path, image, skill, object=None):
+    """The playground page after it uploaded `image` and ran `skill` on it."""
     picture = tmp_path / "scene.png"
-    scene(11, 200).save(picture)
+    image.save(picture)
     page = browser.new_page()
     page.goto(server + "/")
     page.set_input_files("#file", str(picture))
     page.wait_for_function("document.getElementById('status').textContent.startsWith('scene.png')")
-    page.select_option("#skill", "detect")
-    page.fill("#object", "shape")
+    page.select_option("#skill", skill)
+    if object is not None:
+        page.fill("#object", object)
     page.click("#run")
     page.wait_for_function("document.getElementById('status').textContent.startsWith('done')", timeout=60_000)
+    return page
+
+
+def test_detect_draws_the_boxes_of_its_json(browser, server, tmp_path):
+    page = run_in_page(browser, server, tmp_path, scene(11, 200), "detect", object="shape")
     result = json.loads(page.text_content("#json"))
     drawn = json.loads(page.get_attribute("#canvas", "data-boxes"))
     width = int(page.get_attribute("#canvas", "width"))
@@ -69,14 +76,6 @@ def test_detect_draws_the_boxes_of_its_json(browser, server, tmp_path):
 
 
 def test_caption_streams_into_the_page(browser, server, tmp_path):
-    picture = tmp_path / "scene.png"
-    scene(4, 160).save(picture)
-    page = browser.new_page()
-    page.goto(server + "/")
-    page.set_input_files("#file", str(picture))
-    page.wait_for_function("document.getElementById('status').textContent.startsWith('scene.png')")
-    page.select_option("#skill", "caption")
-    page.click("#run")
-    page.wait_for_function("document.getElementById('status').textContent.startsWith('done')", timeout=60_000)
+    page = run_in_page(browser, server, tmp_path, scene(4, 160), "caption")
     caption = json.loads(page.text_content("#json"))["caption"]
     assert caption and page.text_content("#text") == caption
