@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from foveal.batch.readahead import pipeline
-from foveal.batch.records import Record, record_of
+from foveal.batch.records import record_of
 from foveal.batch.runner import READ_WORKERS, Summary, _open
 from foveal.batch.skill_call import SkillCall
 from foveal.batch.writer import ResultsWriter, check_output
@@ -35,7 +35,8 @@ DEFAULT_WINDOW = 64  # per actor: 2 x the SDK's default max_batch_size (32)
 
 
 class SkillActor:
-    """One model per Ray actor; `__call__` turns a batch of (image, source) rows into output lines."""
+    """One model per Ray actor; `__call__` turns a batch of (image, source) rows into output lines
+    (and whether each is a result: the driver counts errors without parsing the lines again)."""
 
     def __init__(self, model: str | None, device: str, call: SkillCall, window: int) -> None:
         import foveal
@@ -61,8 +62,12 @@ class SkillActor:
             read_workers=READ_WORKERS,
             fatal=(ModelClosedError,),
         )
-        lines = [record_of(o.key, o.value).to_json() for o in outcomes]
-        return {"image": np.array(keys, dtype=object), "line": np.array(lines, dtype=object)}
+        records = [record_of(o.key, o.value) for o in outcomes]
+        return {
+            "image": np.array(keys, dtype=object),
+            "line": np.array([r.to_json() for r in records], dtype=object),
+            "ok": np.array([r.ok for r in records], dtype=bool),
+        }
 
 
 def run_on_ray(
@@ -114,16 +119,15 @@ def run_on_ray(
         done = errors = 0
         if todo:
             for row in _dataset(ray, todo, model, device, call, window, concurrency, batch_size, progress):
-                record = Record.from_json(row["line"])
-                writer.write(record.image, row["line"])
+                writer.write(row["image"], row["line"])
                 done += 1
-                errors += not record.ok
+                errors += not row["ok"]
         seconds = time.perf_counter() - started
     return Summary(len(source), skipped, done, errors, seconds, None, None, None)
 
 
 def _dataset(ray, todo, model, device, call, window, concurrency, batch_size, progress):
-    """Rows of (image, line) in input order, from a pool of SkillActors."""
+    """Rows of (image, line, ok) in input order, from a pool of SkillActors."""
     context = ray.data.DataContext.get_current()
     context.execution_options.preserve_order = True  # the file is in input order, as a local run's
     if progress is False:
