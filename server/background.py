@@ -19,12 +19,9 @@ class BackgroundServer:
     def __init__(
         self, app: Any, host: str = "127.0.0.1", port: int = 0, start_timeout_s: float = 60.0
     ) -> None:
-        grace = (
-            app.state.foveal.config.shutdown_grace_s
-            if hasattr(app.state, "foveal")
-            else ServerConfig().shutdown_grace_s
-        )
-        self.server = make_server(app, host, port, ServerConfig(shutdown_grace_s=grace), log_level="warning")
+        state = getattr(app.state, "foveal", None)  # an app of create_app's has its config there
+        config = state.config if state is not None else ServerConfig()
+        self.server = make_server(app, host, port, config, log_level="warning")
         self.host = host
         self.start_timeout_s = start_timeout_s
         self.thread = threading.Thread(target=self.server.run, name="foveal-server", daemon=True)

@@ -35,4 +35,3 @@ class StopCutter:
     def flush(self) -> str:
         out, self.pending = self.pending, ""
         return out
-
