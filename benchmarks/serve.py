@@ -48,6 +48,7 @@ KINDS = (  # (kind, weight)
     ("chat_stream", 0.07),
 )
 STREAMS = {"caption_stream", "query_stream", "chat_stream"}
+QUESTIONS = {"query": "how many shapes are there?", "chat": "what colour is the circle?"}
 TIMEOUT_S = 120.0
 
 
@@ -98,9 +99,9 @@ def request_of(job: Job) -> tuple[str, dict[str, Any]]:
     if base == "caption":
         return "/v1/caption", {"image_url": url, "length": "normal", "stream": stream}
     if base == "query":
-        return "/v1/query", {"image_url": url, "question": "how many shapes are there?", "stream": stream}
+        return "/v1/query", {"image_url": url, "question": QUESTIONS["query"], "stream": stream}
     parts = [
-        {"type": "text", "text": "what colour is the circle?"},
+        {"type": "text", "text": QUESTIONS["chat"]},
         {"type": "image_url", "image_url": {"url": url}},
     ]
     return "/v1/chat/completions", {
@@ -146,8 +147,7 @@ async def sdk_one(model: Any, job: Job) -> Outcome:
         result = await model.acaption(job.image, "normal", stream)
         left = stream and await drain(result["caption"], job.disconnect)
     else:
-        question = "how many shapes are there?" if base == "query" else "what colour is the circle?"
-        result = await model.aquery(job.image, question, stream or base == "chat")
+        result = await model.aquery(job.image, QUESTIONS[base], stream or base == "chat")
         left = (stream or base == "chat") and await drain(result["answer"], job.disconnect)
     status = 499 if base not in ("detect", "point") and left else 200
     return Outcome(job.kind, status, time.perf_counter() - started)
