@@ -55,6 +55,8 @@ def add_command(commands: Any) -> argparse.ArgumentParser:
 
 def run_command(args: argparse.Namespace) -> int:
     """Run the parsed `foveal batch` command; the exit status."""
+    from foveal.cli import _fail, _quiet_loading  # foveal.cli imports this module: not at the top
+
     try:
         options = _options(args)
     except ValueError as error:
@@ -138,14 +140,3 @@ def _json_settings(text: str | None) -> dict | None:
     if not isinstance(settings, dict):
         raise ValueError(f"--settings must be a JSON object such as '{{\"max_tokens\": 64}}', got {text}")
     return settings
-
-
-def _quiet_loading() -> None:
-    from transformers.utils import logging
-
-    logging.disable_progress_bar()
-
-
-def _fail(error: BaseException, status: int) -> int:
-    print(f"foveal: error: {error}", file=sys.stderr)
-    return status
