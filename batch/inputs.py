@@ -163,7 +163,7 @@ def _jsonl_input(path: Path, column: str | None, key_column: str | None) -> Inpu
 
     def sources() -> Iterator[Source]:
         for value in values:
-            yield _b64(value, path) if as_bytes else str(folder / value)
+            yield _b64(value) if as_bytes else str(folder / value)
 
     return Input(keys, sources, f"JSONL {path} ({len(keys)} images)")
 
@@ -253,7 +253,7 @@ def _cell(row: dict, name: str, path: Path, number: int) -> Any:
     return row[name]
 
 
-def _b64(value: str, path: Path) -> bytes:
+def _b64(value: str) -> bytes:
     try:
         return base64.b64decode(value, validate=True)
     except (binascii.Error, ValueError):
