@@ -28,6 +28,7 @@ from pathlib import Path
 import foveal
 from benchmarks import write_json
 from foveal import batch
+from foveal.batch.runner import _delta, _engine_counts
 from foveal.vision import scenes
 
 PHRASE = "shape"
@@ -42,19 +43,14 @@ def write_images(folder: Path, n: int, size: int) -> list[str]:
     return paths
 
 
-def _engine(model) -> tuple[int, int, int]:
-    stats = model.engine.stats()
-    return stats["decode_rows"], stats["prefill_rows"], stats["steps"]
-
-
 def timed(name: str, model, work) -> dict:
-    before = _engine(model) if model is not None else None
+    before = _engine_counts(model)  # None without a model (Ray's engines are in its actors)
     started = time.perf_counter()
     n = work()
     seconds = time.perf_counter() - started
     row = {"contender": name, "images": n, "seconds": seconds, "images_per_s": n / seconds}
     if before is not None:
-        decode, prefill, steps = (a - b for a, b in zip(_engine(model), before, strict=True))
+        decode, prefill, steps = _delta(before, _engine_counts(model))
         row["decode_rows_per_step"] = decode / max(steps, 1)
         row["prefill_rows_per_step"] = prefill / max(steps, 1)
     return row
