@@ -112,7 +112,7 @@ class BatchRun:
         items = (
             (key, image) for key, image in self.input.items() if key not in self._done
         )  # lazy: tables stream
-        before = _engine_counts(self.model)
+        before = engine_counts(self.model)
         bar = tqdm(
             total=len(self.input),
             initial=self.skipped,
@@ -144,7 +144,7 @@ class BatchRun:
         finally:
             bar.close()
             seconds = time.perf_counter() - started
-            decode, prefill, steps = _delta(before, _engine_counts(self.model))
+            decode, prefill, steps = counts_delta(before, engine_counts(self.model))
             self._summary = Summary(
                 len(self.input),
                 self.skipped,
@@ -241,7 +241,7 @@ def _model(model: Any, device: str) -> tuple[Any, bool]:
     return foveal.load(model, device=device), True
 
 
-def _engine_counts(model: Any) -> tuple[int, int, int] | None:
+def engine_counts(model: Any) -> tuple[int, int, int] | None:
     """The engine's running totals (decode rows, prefill rows, steps); a delta over a run is its share
     (other callers of a shared model count too: the mean is the engine's, not only this run's)."""
     engine = getattr(model, "engine", None)
@@ -251,7 +251,7 @@ def _engine_counts(model: Any) -> tuple[int, int, int] | None:
     return stats["decode_rows"], stats["prefill_rows"], stats["steps"]
 
 
-def _delta(before: tuple | None, after: tuple | None) -> tuple[int, int, int]:
+def counts_delta(before: tuple | None, after: tuple | None) -> tuple[int, int, int]:
     if before is None or after is None:
         return 0, 0, 0
     return tuple(a - b for a, b in zip(after, before, strict=True))

@@ -28,7 +28,7 @@ from pathlib import Path
 import foveal
 from benchmarks import write_json
 from foveal import batch
-from foveal.batch.runner import _delta, _engine_counts
+from foveal.batch.runner import counts_delta, engine_counts
 from foveal.vision import scenes
 
 PHRASE = "shape"
@@ -44,13 +44,13 @@ def write_images(folder: Path, n: int, size: int) -> list[str]:
 
 
 def timed(name: str, model, work) -> dict:
-    before = _engine_counts(model)  # None without a model (Ray's engines are in its actors)
+    before = engine_counts(model)  # None without a model (Ray's engines are in its actors)
     started = time.perf_counter()
     n = work()
     seconds = time.perf_counter() - started
     row = {"contender": name, "images": n, "seconds": seconds, "images_per_s": n / seconds}
     if before is not None:
-        decode, prefill, steps = _delta(before, _engine_counts(model))
+        decode, prefill, steps = counts_delta(before, engine_counts(model))
         row["decode_rows_per_step"] = decode / max(steps, 1)
         row["prefill_rows_per_step"] = prefill / max(steps, 1)
     return row
