@@ -57,6 +57,7 @@ class EngineConfig:
     trace: bool = False
     switch_interval: float | None = 1e-4  # GIL hand-off interval while the engine runs
     prefix_cache: bool = True  # share the K/V of full prompt pages across requests (kv_cache.py)
+    jump_forward: bool = True  # tokens a grammar forces go into the KV cache in one launch (pipeline.py)
     # An idle engine waits this long after the latest arrival (at most 4x in all) before its first
     # launch, so that calls arriving together (threads, a batch) are prefilled in one launch.
     admission_window_s: float = 0.002
@@ -81,6 +82,7 @@ class Engine:
             num_pages=config.num_pages,
             max_model_len=config.max_model_len,
             fill_masks=config.fill_masks,
+            jump_forward=config.jump_forward,
             debug=config.debug,
             debug_hook=config.debug_hook,
             trace=self.trace,

@@ -53,6 +53,8 @@ class Sequence:
     finish_reason: FinishReason | None = None
     prefix_chain: list[bytes] = field(default_factory=list)  # hashes of its full prompt pages (kv_cache)
     num_cached: int = 0  # prompt tokens whose K/V came from the prefix cache (prefill skips them)
+    # forced tokens pinned at finalize (pipeline.py, jump-forward) that the next launch carries as its query
+    jump: list[int] | None = None
 
     def __post_init__(self) -> None:
         self.prompt_len = len(self.request.prompt_ids)
@@ -80,7 +82,7 @@ class Scheduler:
 
     def schedule(self) -> list[Sequence]:
         rows = [s for s in self.running if s.num_scheduled < s.max_tokens]
-        tokens = len(rows)
+        tokens = len(rows) + sum(len(s.jump) - 1 for s in rows if s.jump)
         while self.waiting and len(rows) < self.max_batch:
             seq = self.waiting[0]
             pages = self._reserve(seq, self.max_step_tokens - tokens)
