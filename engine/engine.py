@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from . import limits, shutdown, switch
 from .detokenizer import Detokenizer
 from .device import make_device
-from .kv_cache import PagePool, prefix_chain
+from .kv_cache import PagePool, prefix_chain, prefix_seed
 from .lanes import Lanes
 from .matcher import FillMasks, fill_masks_each
 from .pipeline import Pipeline
@@ -120,8 +120,8 @@ class Engine:
     def submit(self, request: Request) -> RequestHandle:
         """Queue a request (thread-safe); raises ValueError for a request the engine can never run."""
         limits.check_request(request, self.config, self.runner.vocab_size, self.tokenizer)
-        cacheable = self.config.prefix_cache and request.prefill is None  # why: kv_cache.prefix_chain
-        chain = prefix_chain(request.prompt_ids, self.config.page_size) if cacheable else []
+        seed = prefix_seed(request.prompt_ids, request.prefill) if self.config.prefix_cache else None
+        chain = [] if seed is None else prefix_chain(request.prompt_ids, self.config.page_size, seed)
         with self._cond:
             if self._closing or self._error is not None:
                 raise RuntimeError("engine is closed or failed; create a new Engine")

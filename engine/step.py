@@ -24,7 +24,7 @@ INVARIANTS
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
@@ -151,4 +151,12 @@ def _stage_input_sources(
         host.input_ids[query_starts[row] : query_starts[row + 1]] = request.prompt_ids[seq.num_cached :]
         if request.prefill is not None:
             step.prefill_inputs = step.prefill_inputs or [None] * num_rows
-            step.prefill_inputs[row] = request.prefill
+            step.prefill_inputs[row] = _past_the_cache(request.prefill, request.prompt_ids, seq.num_cached)
+
+
+def _past_the_cache(prefill: PrefillInputs, prompt_ids: list[int], num_cached: int) -> PrefillInputs:
+    """The prefill inputs of a prompt whose first `num_cached` tokens the prefix cache held: the
+    runner then fills only the image tokens past them (kv_cache.prefix_seed keys such pages by image)."""
+    if not num_cached or not prefill.num_image_tokens:
+        return prefill
+    return replace(prefill, cached_image_tokens=prompt_ids[:num_cached].count(prefill.image_token_id))
