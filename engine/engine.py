@@ -46,6 +46,8 @@ class EngineConfig:
     max_batch: int = 64  # rows per step
     max_model_len: int | None = None  # prompt + output tokens of one sequence; None: the model's, <= 4096
     max_step_tokens: int | None = None  # query tokens per step; None: max(max_model_len, max_batch, 2048)
+    # a text prompt is prefilled this many tokens a launch at most (scheduler.py); None: 512
+    prefill_chunk: int | None = None
     page_size: int = 16
     num_pages: int | None = None  # KV pages; None: as many as kv_cache_bytes holds, <= max_batch sequences
     kv_cache_bytes: int | None = None  # None: a quarter of free device memory (RAM on CPU)
@@ -78,6 +80,7 @@ class Engine:
             pipelined=config.pipelined,
             max_batch=config.max_batch,
             max_step_tokens=config.max_step_tokens,
+            prefill_chunk=config.prefill_chunk,
             page_size=config.page_size,
             num_pages=config.num_pages,
             max_model_len=config.max_model_len,

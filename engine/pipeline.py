@@ -96,6 +96,7 @@ class Pipeline:
         max_model_len: int,
         fill_masks: FillMasks,
         jump_forward: bool = False,
+        prefill_chunk: int | None = None,
         debug: bool = False,
         debug_hook: Callable[[str], None] | None = None,
         trace: Trace | None = None,
@@ -114,7 +115,7 @@ class Pipeline:
         self.pool = PagePool(num_pages, page_size)
         max_pages = pages_needed(max_model_len, page_size)
         self.lanes = Lanes(2 * max_batch, max_pages)
-        self.scheduler = Scheduler(self.pool, self.lanes, max_batch, max_step_tokens)
+        self.scheduler = Scheduler(self.pool, self.lanes, max_batch, max_step_tokens, prefill_chunk)
         self.sequences = Sequences(self.scheduler, self.stats)
         self.slots = [
             DecodeSlot(i, device, max_batch, max_step_tokens, max_pages, bitmask_words(runner.vocab_size))
@@ -150,8 +151,8 @@ class Pipeline:
             raise AssertionError(f"slot {slot.index} reused before commit read it")
         step = Step(self.step_number, slot, rows)
         prefill_rows = stage(step, self.lanes, self.page_size, self._row_numbers)
-        for seq, extra in zip(rows, step.extra.tolist(), strict=True):
-            seq.num_scheduled += 1 + extra
+        for row, (seq, extra) in enumerate(zip(rows, step.extra.tolist(), strict=True)):
+            seq.num_scheduled += 0 if row in step.partial else 1 + extra  # a partial chunk samples nothing
             seq.inflight_refs += 1
         previous_slot = self.slots[(self.step_number - 1) % 2]
         self.device.run("forward", lambda: device_jobs.forward(self.runner, step, previous_slot))
@@ -160,7 +161,8 @@ class Pipeline:
         self.step_number += 1
         self.stats.count_step(len(prefill_rows), len(rows) - len(prefill_rows))
         for row in prefill_rows:
-            self.stats.count_prompt(rows[row].prompt_len, rows[row].num_cached)
+            if row not in step.partial:  # once per prompt, at its last chunk
+                self.stats.count_prompt(rows[row].prompt_len, rows[row].num_cached)
         self._span("launch", started)
         if not self.pipelined:  # the baseline overlaps nothing: the forward ends before the masks
             self._wait_device()
@@ -190,6 +192,8 @@ class Pipeline:
         committed = []
         for row, (seq, token) in enumerate(zip(step.rows, tokens, strict=True)):
             seq.inflight_refs -= 1
+            if row in step.partial and not seq.finalized:  # a prompt chunk that is not its last: no token
+                continue
             if not seq.finalized:
                 if seq.num_committed == 0 and seq.prefix_chain:  # its prompt's K/V is written now
                     self.scheduler.register_prefix(seq)
@@ -250,7 +254,11 @@ class Pipeline:
         their request with ERROR (their row allows every token; as zombies their token is dropped),
         and the others keep their masks: one broken grammar never fails its neighbours.
         """
-        masked = [(row, seq) for row, seq in enumerate(step.rows) if seq.matcher is not None and not seq.finalized]
+        masked = [
+            (row, seq)
+            for row, seq in enumerate(step.rows)
+            if seq.matcher is not None and not seq.finalized and row not in step.partial
+        ]
         if not masked:
             return 0
         rows, seqs = zip(*masked, strict=True)

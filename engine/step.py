@@ -49,6 +49,7 @@ class Step:
     prefill_inputs: list[PrefillInputs | None] = field(default_factory=list)  # per row; [] when none
     extra: np.ndarray | None = None  # per row, query tokens past one (a jump row's k - 1); by stage()
     pinned: dict[int, list[int]] = field(default_factory=dict)  # row -> forced tokens, set at finalize
+    partial: set[int] = field(default_factory=set)  # prefill rows whose chunk does not end the prompt
 
     @property
     def num_rows(self) -> int:
@@ -68,8 +69,18 @@ def stage(step: Step, lanes: Lanes, page_size: int, row_numbers: np.ndarray) -> 
     extra = step.extra = np.zeros(step.num_rows, dtype=np.int64)
     for row in jump_rows:
         extra[row] = len(step.rows[row].jump) - 1
-    query_starts = _stage_positions(step, lanes, page_size, output_index + extra, prefill_rows, row_numbers, extra)
-    _stage_input_sources(step, lanes, query_starts, prefill_rows, jump_rows, row_numbers)
+    context = lanes.prompt_len[step.lane_of_row] + output_index + extra
+    query_len = 1 + extra
+    chunk_start = {}  # prefill row -> its chunk's first prompt token
+    for row in prefill_rows:
+        seq = step.rows[row]
+        chunk_start[row] = seq.num_prefilled
+        seq.num_prefilled += seq.chunk
+        context[row], query_len[row] = seq.num_prefilled, seq.chunk
+        if seq.num_prefilled < seq.prompt_len:
+            step.partial.add(row)
+    query_starts = _stage_positions(step, lanes, page_size, output_index + extra, context, query_len, row_numbers)
+    _stage_input_sources(step, lanes, query_starts, chunk_start, jump_rows, row_numbers)
     return prefill_rows
 
 
@@ -78,20 +89,18 @@ def _stage_positions(
     lanes: Lanes,
     page_size: int,
     output_index: np.ndarray,
-    prefill_rows: list[int],
+    context: np.ndarray,
+    query_len: np.ndarray,
     row_numbers: np.ndarray,
-    extra: np.ndarray,
 ) -> np.ndarray:
     """Positions, KV slots, query starts, context lengths, block tables; returns the query starts.
 
-    `output_index` is the index of the token each row samples (a jump row's is k - 1 past its
-    scheduled count); `extra` is each row's query length past one (a jump row's forced tokens).
+    Per row: `output_index`, the index of the token it samples (a jump row's is k - 1 past its
+    scheduled count); `context`, its tokens in the KV once the launch ran; `query_len`, its query
+    (a prefill chunk, a jump's k tokens, else 1).
     """
     host, lane, num_rows = step.slot.np, step.lane_of_row, step.num_rows
-    context = lanes.prompt_len[lane] + output_index  # a prefill's context is its prompt
-    if prefill_rows or extra.any():
-        # a prefill's query is its prompt past the pages the prefix cache held; a jump row's, its k tokens
-        query_len = np.where(output_index > 0, 1 + extra, context - lanes.cached_len[lane])
+    if (query_len > 1).any():
         query_starts = np.zeros(num_rows + 1, dtype=np.int64)
         np.cumsum(query_len, out=query_starts[1:])
         row_of_token = np.repeat(np.arange(num_rows), query_len)
@@ -121,7 +130,7 @@ def _stage_input_sources(
     step: Step,
     lanes: Lanes,
     query_starts: np.ndarray,
-    prefill_rows: list[int],
+    chunk_start: dict[int, int],
     jump_rows: list[int],
     row_numbers: np.ndarray,
 ) -> None:
@@ -135,6 +144,7 @@ def _stage_input_sources(
             seq = step.rows[row]
             host.input_ids[query_starts[row] : query_starts[row + 1]] = seq.jump
             seq.jump = None
+    prefill_rows = list(chunk_start)
     host_rows = prefill_rows + jump_rows
     decode_rows = np.setdiff1d(row_numbers[:num_rows], host_rows) if host_rows else row_numbers[:num_rows]
     decode_lanes = lane[decode_rows]
@@ -148,7 +158,8 @@ def _stage_input_sources(
     for row in prefill_rows:
         seq = step.rows[row]
         request = seq.request
-        host.input_ids[query_starts[row] : query_starts[row + 1]] = request.prompt_ids[seq.num_cached :]
+        start = chunk_start[row]
+        host.input_ids[query_starts[row] : query_starts[row + 1]] = request.prompt_ids[start : start + seq.chunk]
         if request.prefill is not None:
             step.prefill_inputs = step.prefill_inputs or [None] * num_rows
             step.prefill_inputs[row] = _past_the_cache(request.prefill, request.prompt_ids, seq.num_cached)
