@@ -101,8 +101,9 @@ def peer(hf: Any, tokenizer: Any, prompts: list[list[int]], max_tokens: int, out
 def vlm_generate(hf, tokenizer, prompts, pixel_values, max_tokens, processor) -> tuple[list[str], float]:
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     width = max(len(p) for p in prompts)
-    ids = torch.tensor([[pad] * (width - len(p)) + list(p) for p in prompts])
-    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+    ids = torch.tensor([[pad] * (width - len(p)) + list(p) for p in prompts]).to(hf.device)
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts]).to(hf.device)
+    pixel_values = pixel_values.to(hf.device, hf.dtype)
     processor.reset()
     started = time.perf_counter()
     with torch.inference_mode():
@@ -170,13 +171,13 @@ def vlm_folder(folder: Path, text_source: Path | None) -> Path:
     return tiny.save(model, folder, processor=processor)
 
 
-def image_objects(folder: Path, n_images: int, per_image: int) -> list[dict]:
+def image_objects(folder: Path, n_images: int, per_image: int, device: str = "cpu") -> list[dict]:
     images = tiny.images(n_images)
     phrases = [peers.PHRASES[i % len(peers.PHRASES)] for i in range(per_image)]
     settings = {"temperature": 0.0, "max_tokens": 96, "max_objects": peers.MAX_OBJECTS}
     rows = []
     for cache in (True, False):
-        with foveal.load(folder, device="cpu", max_batch_size=n_images * per_image, image_cache_bytes=0,
+        with foveal.load(folder, device=device, max_batch_size=n_images * per_image, image_cache_bytes=0,
                          prefix_cache=cache) as model:
             calls = [lambda im=im, p=p: model.detect(im, p, settings=settings) for im in images for p in phrases]
             result = warm_and_time(lambda calls=calls: foveal_threads(calls, peers.valid_detect))
@@ -185,7 +186,7 @@ def image_objects(folder: Path, n_images: int, per_image: int) -> list[dict]:
             if cache:
                 prompts, pixels = vlm_prompts(model, images, phrases)
                 tokenizer = model.loaded.tokenizer
-    hf = transformers.LlavaForConditionalGeneration.from_pretrained(folder, dtype=torch.float32).eval()
+    hf = transformers.LlavaForConditionalGeneration.from_pretrained(folder, dtype=torch.float32).to(device).eval()
     theirs = warm_and_time(lambda: peer(hf, tokenizer, prompts, 96, peers.Detection, peers.valid_detect, pixels))
     rows.append(row("image objects", "transformers + outlines", theirs))
     return rows
@@ -202,12 +203,12 @@ def vlm_prompts(model: foveal.Model, images: list, phrases: list[str]) -> tuple[
 # ---- 3. one JSON call ------------------------------------------------------------------------------------
 
 
-def json_latency(source: Path, hf: Any, calls: int) -> list[dict]:
+def json_latency(source: Path, hf: Any, calls: int, device: str = "cpu") -> list[dict]:
     ask = peers.json_workload(1).asks[0]
     settings = {"temperature": 0.0, "max_tokens": 64}
     rows = []
     for jump in (True, False):
-        with foveal.load(source, device="cpu", max_batch_size=4, max_model_len=peers.MAX_MODEL_LEN,
+        with foveal.load(source, device=device, max_batch_size=4, max_model_len=peers.MAX_MODEL_LEN,
                          jump_forward=jump) as model:
             call = lambda: model.generate(None, ask, peers.PERSON_SCHEMA, settings)["text"]  # noqa: E731
             rows.append(row("json latency", f"foveal, jump-forward {'on' if jump else 'off'}", median_call(call, calls)))
@@ -288,17 +289,17 @@ def print_table(report: dict[str, Any]) -> None:
         print(f"  foveal {label}: {v['ratio']:.2f}x{target}")
 
 
-def run(quick: bool, calls: int = 5) -> dict[str, Any]:
+def run(quick: bool, calls: int = 5, device: str = "cpu") -> dict[str, Any]:
     n, doc_tokens, n_images, per_image = (4, 120, 2, 2) if quick else (32, 600, 4, 8)
     with tempfile.TemporaryDirectory() as tmp:
         source = peers.tiny_llama_folder(Path(tmp) / "llama") if quick else smollm2_folder()
         vlm = vlm_folder(Path(tmp) / "vlm", None if quick else source)
-        hf = peers.reference_model(source)
-        with foveal.load(source, device="cpu", max_batch_size=n, max_model_len=1024) as model:
+        hf = peers.reference_model(source, device)
+        with foveal.load(source, device=device, max_batch_size=n, max_model_len=1024) as model:
             rows = shared_prefix(model, hf, n, doc_tokens)
             rows += concurrent(model, hf, n)
-        rows += json_latency(source, hf, calls)
-        rows += image_objects(vlm, n_images, per_image)
+        rows += json_latency(source, hf, calls, device)
+        rows += image_objects(vlm, n_images, per_image, device)
     return {"model": "tiny random (--quick)" if quick else "SmolLM2-135M-Instruct", "rows": rows,
             "ratios": ratios(rows)}
 
