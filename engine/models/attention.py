@@ -54,49 +54,105 @@ class PagedContext:
 
     kv: PagedKV
     kv_index: torch.Tensor  # [T] where each query token's K/V goes
-    gather_index: torch.Tensor  # [B, L] KV row of each key position of each sequence (clamped)
-    query_seq: torch.Tensor  # [T] the sequence of each query token
-    query_row: torch.Tensor  # [T] its row in the padded query block
-    mask: torch.Tensor  # [B, 1, Q, L] bool, True = may attend
+    gather_index: torch.Tensor  # [B * L] KV row of each key position of each sequence (clamped), flat
+    query_seq: torch.Tensor | None  # [T] the sequence of each query token (None: decode, token i is sequence i)
+    query_row: torch.Tensor | None  # [T] its row in the padded query block (None: decode, always row 0)
+    mask: torch.Tensor  # [B, 1, Q, L] additive float mask in the compute dtype: 0 = may attend, -inf = not
     num_seqs: int
     max_query_len: int
+    num_keys: int  # L
 
 
-def build_context(batch: ForwardBatch, kv: PagedKV, prefix_lens: torch.Tensor | None) -> PagedContext:
-    """Derive the gather indices and the attention mask of one launch (device ops only)."""
+def build_context(
+    batch: ForwardBatch, kv: PagedKV, prefix_lens: torch.Tensor | None, dtype: torch.dtype = torch.float32
+) -> PagedContext:
+    """Derive the gather indices and the attention mask of one launch (device ops only).
+
+    The mask is additive and in the compute dtype so that no layer converts a boolean mask again
+    (SDPA turns a bool mask into a float one on every call). A decode launch (one query token per
+    sequence) needs neither the padded query block's indices nor the causal part of the mask.
+    """
     device = batch.input_ids.device
     num_seqs, max_q = batch.num_seqs, batch.max_query_len
-    num_tokens = batch.input_ids.shape[0]
-    token = torch.arange(num_tokens, device=device)
-    query_seq = torch.searchsorted(batch.query_start[1:].to(torch.int64), token, right=True)
-    query_row = token - batch.query_start.to(torch.int64)[query_seq]
-
     pages = -(-batch.max_context_len // kv.page_size)
     table = batch.block_tables[:, :pages].to(torch.int64)
     table = torch.where(table < 0, kv.scratch_page, table)
     offsets = torch.arange(kv.page_size, device=device)
-    gather_index = (table[:, :, None] * kv.page_size + offsets).reshape(num_seqs, -1)
-
-    query_pos = torch.zeros(num_seqs, max_q, dtype=torch.int64, device=device)
-    query_pos[query_seq, query_row] = batch.positions
-    real_row = torch.zeros(num_seqs, max_q, dtype=torch.bool, device=device)
-    real_row[query_seq, query_row] = True
-    key_pos = torch.arange(gather_index.shape[1], device=device)
-    visible = key_pos[None, None, :] <= query_pos[:, :, None]
-    if prefix_lens is not None:
-        visible |= key_pos[None, None, :] < prefix_lens.to(device)[:, None, None]
-    visible &= key_pos[None, None, :] < batch.context_lens.to(torch.int64)[:, None, None]
-    visible[:, :, 0] |= ~real_row  # padded query rows: keep SDPA finite
+    gather_index = (table[:, :, None] * kv.page_size + offsets).reshape(-1)
+    num_keys = pages * kv.page_size
+    key_pos = torch.arange(num_keys, device=device)
+    in_context = key_pos[None, None, :] < batch.context_lens.to(torch.int64)[:, None, None]  # [B, 1, L]
+    query_seq = query_row = None
+    if max_q == 1 and prefix_lens is None:
+        visible = in_context
+    else:
+        num_tokens = batch.input_ids.shape[0]
+        token = torch.arange(num_tokens, device=device)
+        query_seq = torch.searchsorted(batch.query_start[1:].to(torch.int64), token, right=True)
+        query_row = token - batch.query_start.to(torch.int64)[query_seq]
+        query_pos = torch.zeros(num_seqs, max_q, dtype=torch.int64, device=device)
+        query_pos[query_seq, query_row] = batch.positions
+        real_row = torch.zeros(num_seqs, max_q, dtype=torch.bool, device=device)
+        real_row[query_seq, query_row] = True
+        visible = key_pos[None, None, :] <= query_pos[:, :, None]
+        if prefix_lens is not None:
+            visible |= key_pos[None, None, :] < prefix_lens.to(device)[:, None, None]
+        visible &= in_context
+        visible[:, :, 0] |= ~real_row  # padded query rows: keep SDPA finite
+    mask = torch.zeros(visible.shape, dtype=dtype, device=device).masked_fill_(~visible, float("-inf"))
     return PagedContext(
         kv=kv,
         kv_index=batch.kv_index,
         gather_index=gather_index,
         query_seq=query_seq,
         query_row=query_row,
-        mask=visible[:, None],
+        mask=mask[:, None],
         num_seqs=num_seqs,
         max_query_len=max_q,
+        num_keys=num_keys,
     )
+
+
+def paged_attention(
+    ctx: PagedContext, index: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scaling: float | None
+) -> torch.Tensor:
+    """One layer's attention over the paged cache: query [T, H, D], key/value [T, Hkv, D] -> [T, H, D].
+
+    Writes the launch's K/V at `ctx.kv_index` first, then attends over each sequence's gathered pages.
+    """
+    k_cache, v_cache = ctx.kv.k[index], ctx.kv.v[index]
+    k_cache.index_copy_(0, ctx.kv_index, key.to(k_cache.dtype))
+    v_cache.index_copy_(0, ctx.kv_index, value.to(v_cache.dtype))
+
+    # index_select over the flat KV rows, not k_cache[gather_index]: same rows, ~5x faster on CPU
+    # (advanced indexing takes a generic path; 32 x 128 keys: 49 vs 243 us per tensor).
+    num_seqs, kv_heads, dim = ctx.num_seqs, k_cache.shape[1], k_cache.shape[2]
+    gathered = (num_seqs, ctx.num_keys, kv_heads, dim)
+    keys = k_cache.index_select(0, ctx.gather_index).view(gathered).transpose(1, 2)  # [B, Hkv, L, D]
+    values = v_cache.index_select(0, ctx.gather_index).view(gathered).transpose(1, 2)
+    heads = query.shape[1]
+    if ctx.query_seq is None:
+        # Decode: sequence i's one query is token i. The query heads that share a KV head become that
+        # head's query rows ([B, Hkv, H / Hkv, D]), so GQA needs no repeated K/V and no padding.
+        out = F.scaled_dot_product_attention(
+            query.reshape(num_seqs, kv_heads, heads // kv_heads, dim),
+            keys.to(query.dtype),
+            values.to(query.dtype),
+            attn_mask=ctx.mask,
+            scale=scaling,
+        )
+        return out.reshape(num_seqs, heads, dim)
+    padded = query.new_zeros(num_seqs, ctx.max_query_len, heads, dim)
+    padded[ctx.query_seq, ctx.query_row] = query
+    out = F.scaled_dot_product_attention(
+        padded.transpose(1, 2),
+        keys.to(query.dtype),
+        values.to(query.dtype),
+        attn_mask=ctx.mask,
+        scale=scaling,
+        enable_gqa=heads > kv_heads,
+    )
+    return out.transpose(1, 2)[ctx.query_seq, ctx.query_row]
 
 
 def paged_attention_forward(
@@ -120,28 +176,10 @@ def paged_attention_forward(
         raise NotImplementedError(
             "attention logit soft-capping (Gemma 2) is not supported by foveal's runner"
         )
-    k_cache, v_cache = ctx.kv.k[index], ctx.kv.v[index]
-    k_cache.index_copy_(0, ctx.kv_index, key[0].transpose(0, 1).to(k_cache.dtype))
-    v_cache.index_copy_(0, ctx.kv_index, value[0].transpose(0, 1).to(v_cache.dtype))
-
-    # index_select over the flat KV rows, not k_cache[gather_index]: same rows, ~5x faster on CPU
-    # (advanced indexing takes a generic path; 32 x 128 keys: 49 vs 243 us per tensor).
-    gathered = (ctx.num_seqs, ctx.gather_index.shape[1], *k_cache.shape[1:])
-    rows = ctx.gather_index.flatten()
-    keys = k_cache.index_select(0, rows).view(gathered).transpose(1, 2)  # [B, Hkv, L, D]
-    values = v_cache.index_select(0, rows).view(gathered).transpose(1, 2)
-    heads, dim = query.shape[1], query.shape[3]
-    padded = query.new_zeros(ctx.num_seqs, ctx.max_query_len, heads, dim)
-    padded[ctx.query_seq, ctx.query_row] = query[0].transpose(0, 1)
-    out = F.scaled_dot_product_attention(
-        padded.transpose(1, 2),
-        keys.to(query.dtype),
-        values.to(query.dtype),
-        attn_mask=ctx.mask,
-        scale=scaling,
-        enable_gqa=getattr(module, "num_key_value_groups", 1) > 1,
+    out = paged_attention(
+        ctx, index, query[0].transpose(0, 1), key[0].transpose(0, 1), value[0].transpose(0, 1), scaling
     )
-    return out.transpose(1, 2)[ctx.query_seq, ctx.query_row][None], None
+    return out[None], None
 
 
 AttentionInterface.register(ATTN_NAME, paged_attention_forward)

@@ -1,8 +1,10 @@
 """`load(path_or_hub_id)`: a checkpoint -> `LoadedModel` (runner, tokenizer, input processor, eos ids, family).
 
 Sources: a local Hugging Face folder (config, safetensors, tokenizer, image processor), a hub id
-resolved through huggingface_hub's cache (`hub.py`), or a `.gguf` file (dequantized by
-transformers). Nothing from the folder is executed (no trust_remote_code) and nothing is
+resolved through huggingface_hub's cache (`hub.py`), or a `.gguf` file: on CPU a llama-architecture
+file is read quantized straight from the mapped file (`gguf.py`, int4/int8 weight-only kernels of
+`quant.py`); other architectures, or CUDA, go through transformers, which dequantizes. `quantize=`
+("int8" | "int4", CPU only) quantizes a folder's decoder weights at load (`quant.quantize_model`). Nothing from the folder is executed (no trust_remote_code) and nothing is
 unpickled (safetensors only). Every check runs before the weights are read, so a bad folder fails
 in milliseconds with a message that says what to do.
 """
@@ -24,6 +26,7 @@ from foveal.engine.models.families import Family, ModelLoadError, family_for
 from foveal.engine.models.hub import looks_like_hub_id, resolve_hub_id
 from foveal.engine.models.image_cache import DEFAULT_IMAGE_CACHE_BYTES
 from foveal.engine.models.processor import InputProcessor
+from foveal.engine.models.quant import QUANT_MODES, quantize_model
 from foveal.engine.models.runner import HFRunner
 
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
@@ -47,28 +50,45 @@ def load(
     device: str | torch.device = "auto",
     dtype: str | torch.dtype | None = None,
     image_cache_bytes: int = DEFAULT_IMAGE_CACHE_BYTES,
+    quantize: str | None = None,
 ) -> LoadedModel:
     """Load a checkpoint for the engine. device "auto": CUDA when available; dtype None: bf16 on CUDA, fp32 on CPU.
 
     `image_cache_bytes`: bound of the runner's cache of image features by image key (0: off).
+    `quantize`: None, "int8" or "int4" (CPU): weight-only quantization of the text decoder's linear
+    layers (the LM head is int8 in both modes; quant.py). A GGUF file keeps its own Q4 blocks as
+    int4 and its vocabulary matrix as int8 whatever the mode; the mode applies to its other layers.
     """
     if isinstance(image_cache_bytes, bool) or not isinstance(image_cache_bytes, int) or image_cache_bytes < 0:
         raise ModelLoadError(
             f"image_cache_bytes must be an int >= 0 (0 turns the cache off), got {image_cache_bytes!r}"
         )
+    check_quantize(quantize)
     dev = resolve_device(device)
     torch_dtype = resolve_dtype(dtype, dev)
+    if quantize is not None and dev.type != "cpu":
+        raise ModelLoadError(
+            f"quantize={quantize!r} uses torch's CPU weight-only kernels; on {dev.type} load without quantize "
+            "(dtype='bfloat16' halves the weights)"
+        )
     source = str(path_or_hub_id)
     path = Path(source)
     if path.suffix == ".gguf":
         if not path.is_file():
             raise ModelLoadError(f"no such GGUF file: {path}")
-        return _load_gguf(path, dev, torch_dtype, image_cache_bytes)
+        return _load_gguf(path, dev, torch_dtype, image_cache_bytes, quantize)
     if not path.exists():
         if not looks_like_hub_id(source):
             raise ModelLoadError(f"{source!r} is neither a folder nor a hub id of the form 'org/name'")
         path = resolve_hub_id(source)
-    return _load_folder(path, dev, torch_dtype, source, image_cache_bytes)
+    return _load_folder(path, dev, torch_dtype, source, image_cache_bytes, quantize)
+
+
+def check_quantize(quantize: object) -> None:
+    if quantize is not None and quantize not in QUANT_MODES:
+        raise ModelLoadError(
+            f"quantize={quantize!r} is not supported; use None (the checkpoint's own weights), 'int8' or 'int4'"
+        )
 
 
 def resolve_device(device: str | torch.device) -> torch.device:
@@ -149,7 +169,7 @@ def check_attention(text_config: dict) -> None:
 
 
 def _load_folder(
-    path: Path, device: torch.device, dtype: torch.dtype, source: str, image_cache_bytes: int
+    path: Path, device: torch.device, dtype: torch.dtype, source: str, image_cache_bytes: int, quantize: str | None
 ) -> LoadedModel:
     check_folder(path)
     # The architecture is checked from the raw JSON: AutoConfig would ask for trust_remote_code first.
@@ -166,17 +186,31 @@ def _load_folder(
     model = getattr(transformers, arch).from_pretrained(
         path, dtype=dtype, attn_implementation=_attn_implementation(family), use_safetensors=True
     )
+    if quantize is not None:
+        try:
+            quantize_model(model, quantize)
+        except ValueError as error:
+            raise ModelLoadError(str(error)) from None
     return _assemble(model.to(device), family, tokenizer, hf_processor, source, image_cache_bytes)
 
 
-def _load_gguf(path: Path, device: torch.device, dtype: torch.dtype, image_cache_bytes: int) -> LoadedModel:
+def _load_gguf(
+    path: Path, device: torch.device, dtype: torch.dtype, image_cache_bytes: int, quantize: str | None
+) -> LoadedModel:
     if importlib.util.find_spec("gguf") is None:
         raise ModelLoadError("loading a .gguf file needs gguf: pip install 'foveal[bench]'")
-    check_gguf(path)  # a broken file is refused first, whatever else is missing
+    header = check_gguf(path)  # a broken file is refused first, whatever else is missing
+    from foveal.engine.models import gguf as direct
+
+    if device.type == "cpu" and direct.is_direct(header):
+        config = direct.llama_config(path, header)
+        config._attn_implementation = ATTN_NAME
+        family, _ = family_for(config.architectures)
+        model = direct.load_quantized(header, config, dtype, quantize)
+        return _assemble(model, family, direct.tokenizer(path), None, str(path), image_cache_bytes)
     if importlib.util.find_spec("accelerate") is None:
-        raise ModelLoadError("loading a .gguf file needs accelerate: pip install 'foveal[bench]'")
+        raise ModelLoadError("loading this .gguf file needs accelerate: pip install 'foveal[bench]'")
     kwargs = {"gguf_file": path.name}
-    tokenizer = transformers.AutoTokenizer.from_pretrained(path.parent, **kwargs)
     config = transformers.AutoConfig.from_pretrained(path.parent, **kwargs)
     family, arch = family_for(
         getattr(config, "architectures", None) or [f"{config.model_type.capitalize()}ForCausalLM"]
@@ -184,32 +218,36 @@ def _load_gguf(path: Path, device: torch.device, dtype: torch.dtype, image_cache
     model = getattr(transformers, arch).from_pretrained(
         path.parent, dtype=dtype, attn_implementation=ATTN_NAME, **kwargs
     )
+    if quantize is not None:
+        quantize_model(model, quantize)
+    tokenizer = transformers.AutoTokenizer.from_pretrained(path.parent, **kwargs)
     return _assemble(model.to(device), family, tokenizer, None, str(path), image_cache_bytes)
 
 
-def check_gguf(path: Path) -> None:
-    """Refuse a truncated or corrupt GGUF file in one line, before transformers parses it.
+def check_gguf(path: Path) -> Any:
+    """Refuse a truncated or corrupt GGUF file in one line, before anything else parses it; returns its header.
 
-    gguf's reader maps the file and parses its header, metadata and tensor table (no tensor data is
-    read); a file cut short fails there with a bare struct.error or numpy ValueError, or, cut inside
-    the tensor data, parses but ends before its last tensor.
+    The header parse maps the file and reads its metadata and tensor table (no tensor data); a file
+    cut short fails there with a bare struct.error or ValueError, or, cut inside the tensor data,
+    parses but ends before its last tensor.
     """
-    from gguf import GGUFReader
+    from foveal.engine.models.gguf import read_header
 
     size = path.stat().st_size
     try:
-        reader = GGUFReader(path)
-    except Exception as error:  # struct.error, ValueError, IndexError: whatever the cut hits
+        header = read_header(path)
+    except Exception as error:  # struct.error, ValueError, IndexError, UnicodeDecodeError: whatever the cut hits
         detail = f"{type(error).__name__}: {error}".splitlines()[0]
         raise ModelLoadError(
             f"{path} ({size} bytes) is not a readable GGUF file, probably truncated or corrupt ({detail}); "
             "download it again"
         ) from None
-    end = max((int(t.data_offset) + int(t.n_bytes) for t in reader.tensors), default=0)
+    end = max((header.data_start + t.offset + t.nbytes for t in header.tensors), default=0)
     if end > size:
         raise ModelLoadError(
             f"{path} is truncated: its tensors end at byte {end} but the file has {size}; download it again"
         )
+    return header
 
 
 def _load_processor(family: Family, path: Path) -> tuple[Any, Any]:

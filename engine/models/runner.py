@@ -27,6 +27,9 @@ INVARIANTS
       reused for another image can never be scattered silently). Only the rows past the image tokens
       whose K/V the prefix cache held (`PrefillInputs.cached_image_tokens`) are scattered.
     - On CPU, decode launches replay a traced graph per bucket (traced.py) with the same logits.
+    - Launches without images run `LeanDecoder` (lean.py) when the text model's layers are of a
+      shape it reproduces (`self.lean` is then set), transformers' forward otherwise; both give the
+      same logits (tested per family through greedy parity).
 """
 
 from __future__ import annotations
@@ -39,6 +42,7 @@ from transformers.modeling_outputs import BaseModelOutputWithPooling
 from foveal.engine.models.attention import PagedKV, build_context
 from foveal.engine.models.families import Family
 from foveal.engine.models.image_cache import DEFAULT_IMAGE_CACHE_BYTES, ImageFeatureCache
+from foveal.engine.models.lean import LeanDecoder
 from foveal.engine.models.traced import DecodeGraphs
 from foveal.engine.request import PrefillInputs
 from foveal.engine.runner import ForwardBatch
@@ -53,6 +57,7 @@ class HFRunner:
         family: Family,
         trace_decode: bool | None = None,
         image_cache_bytes: int = DEFAULT_IMAGE_CACHE_BYTES,
+        lean: bool = True,
     ) -> None:
         self.model = model.eval().requires_grad_(False)
         self.family = family
@@ -62,7 +67,7 @@ class HFRunner:
         self.vocab_size: int = text.vocab_size
         self.max_positions: int | None = getattr(text, "max_position_embeddings", None)
         self.device: torch.device = next(model.parameters()).device
-        self.dtype: torch.dtype = next(model.parameters()).dtype
+        self.dtype: torch.dtype = _compute_dtype(model)
         self.num_layers: int = text.num_hidden_layers
         self.kv_heads: int = text.num_key_value_heads
         self.head_dim: int = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
@@ -73,6 +78,8 @@ class HFRunner:
         self.decode_graphs = DecodeGraphs(self._eager) if trace_decode else None
         for index, layer in enumerate(model.get_decoder().layers):
             layer.self_attn.foveal_kv_index = index
+        # lean=False keeps transformers' forward for every launch (the reference the lean one is tested against).
+        self.lean: LeanDecoder | None = LeanDecoder(model) if lean and LeanDecoder.supports(model) else None
 
     def kv_bytes_per_token(self) -> int:
         return 2 * self.num_layers * self.kv_heads * self.head_dim * self.dtype.itemsize
@@ -101,18 +108,21 @@ class HFRunner:
     def _eager(self, batch: ForwardBatch, ks: list[torch.Tensor], vs: list[torch.Tensor]) -> torch.Tensor:
         kv = PagedKV(ks, vs, self.kv.page_size, self.kv.scratch_page)
         prefix_lens = self._prefix_lens(batch) if self.family.prefix_attention else None
-        context = build_context(batch, kv, prefix_lens)
+        context = build_context(batch, kv, prefix_lens, self.dtype)
         # images whose tokens the prefix cache held entirely need no features (nor an encoder run)
-        image_kwargs = self._image_inputs(
-            [p for p in batch.prefill if p is not None and p.num_image_tokens > p.cached_image_tokens]
-        )
+        images = [p for p in batch.prefill if p is not None and p.num_image_tokens > p.cached_image_tokens]
+        positions = batch.positions + self.family.position_offset
+        # A decode launch has one query token per sequence: every row is a last row.
+        last = None if batch.is_decode else batch.query_start[1:].to(torch.int64) - 1
+        if self.lean is not None and not images:
+            return self.lean(batch.input_ids, positions, last, context)
         out = self.model(
             input_ids=batch.input_ids[None],
-            position_ids=(batch.positions + self.family.position_offset)[None],
+            position_ids=positions[None],
             use_cache=False,
             logits_to_keep=batch.query_start[1:].to(torch.int64) - 1,
             foveal_context=context,
-            **image_kwargs,
+            **self._image_inputs(images),
         )
         return out.logits[0].float()
 
@@ -169,3 +179,11 @@ class HFRunner:
             return None
         lens = [0 if p is None else p.prefix_len for p in batch.prefill]
         return torch.tensor(lens, dtype=torch.int64).to(self.device, non_blocking=True)
+
+
+def _compute_dtype(model: torch.nn.Module) -> torch.dtype:
+    """The dtype activations run in: the first floating parameter's or buffer's (quantized layers hold int8/uint8)."""
+    for tensor in (*model.parameters(), *model.buffers()):
+        if tensor.is_floating_point():
+            return tensor.dtype
+    return torch.float32

@@ -68,15 +68,22 @@ def test_gguf_without_its_packages_says_what_to_install(tmp_path, monkeypatch):
     missing.discard("gguf")  # gguf present: a broken file is refused first, then accelerate is asked for
     with pytest.raises(ModelLoadError, match="not a readable GGUF file|is truncated"):
         load(tmp_path / "model.gguf", device="cpu")
-    _write_gguf(tmp_path / "model.gguf")
+    # foveal reads llama files itself (engine/models/gguf.py); other architectures go through transformers
+    _write_gguf(tmp_path / "model.gguf", "gemma")
     with pytest.raises(ModelLoadError, match=r"needs accelerate: pip install 'foveal\[bench\]'"):
         load(tmp_path / "model.gguf", device="cpu")
 
 
-def _write_gguf(path):
+def test_an_incomplete_llama_gguf_says_what_is_missing(tmp_path):
+    _write_gguf(tmp_path / "model.gguf")
+    with pytest.raises(ModelLoadError, match=r"has no .*llama\.feed_forward_length.*not a complete llama model"):
+        load(tmp_path / "model.gguf", device="cpu")
+
+
+def _write_gguf(path, arch="llama"):
     """A small valid GGUF file (header, metadata, two float32 tensors); returns its bytes."""
     gguf = pytest.importorskip("gguf")
-    writer = gguf.GGUFWriter(str(path), "llama")
+    writer = gguf.GGUFWriter(str(path), arch)
     writer.add_block_count(1)
     writer.add_context_length(64)
     writer.add_token_list(["a", "b", "c", "d"])

@@ -1,0 +1,253 @@
+"""A llama-architecture GGUF file loaded quantized, straight from the memory-mapped file.
+
+PROBLEM
+    transformers loads a GGUF by dequantizing every tensor to fp32 in numpy and building the model
+    from those: SmolLM2-135M's 98 MB Q4_1 file took 32.5 s to load and became 540 MB of fp32 weights
+    (issue 19), which a memory-bound CPU decode then reads in full at every step.
+
+SOLUTION
+    The file is memory-mapped and its header parsed by transformers' GGUF reader
+    (`transformers.integrations.gguf.reader`: 0.04 s here; the `gguf` package's `GGUFReader` takes
+    3-10 s on this file, walking its 98,000 vocabulary strings one numpy view at a time), so each
+    tensor's raw blocks are a numpy view of the mapped file. The config is read from the metadata
+    (`llama_config`), the tokenizer built by transformers' GGUF tokenizer conversion. The blocks are
+    unpacked with a few vectorised numpy ops into foveal's `QuantLinear` (quant.py):
+      - Q4_0 / Q4_1 (blocks of 32: an f16 scale d, for Q4_1 an f16 minimum m, 16 bytes of nibbles)
+        become int4 with the same groups, exactly: scale d, zero 0 (Q4_0: w = d (q - 8)) or m + 8 d.
+      - Q8_0 (blocks of 32: an f16 scale, 32 int8) becomes per-row int8 (requantized; see quant.py),
+        kept when `quantize` is "int8" or None, and requantized to int4 for "int4" layers;
+        a tied vocabulary matrix stays int8 and serves both the embedding lookup and the head.
+      - F32 / F16 / BF16 tensors (norms) are read as they are; any other type (K-quants, Q5_*) is
+        dequantized by `gguf.quants.dequantize` and quantized like a safetensors weight.
+    The model is built on the meta device from the config transformers derives from the file's
+    metadata, and every weight is set from the file, so nothing is allocated twice. llama.cpp
+    stores Q and K rows permuted for its interleaved rotary; the rows are permuted back (rows are
+    whole quantization blocks, so this is exact on the packed data), as transformers does.
+
+INVARIANTS
+    - Every parameter and buffer of the model comes from the file or from the config (rotary
+      frequencies); a tensor left on the meta device raises before the model is returned.
+    - Greedy tokens match transformers' dequantized fp32 GGUF model on the parity prompts where the
+      quantized weights are exact (Q4_0/Q4_1); measured agreement and logit error: tests/models/test_gguf.py.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+
+from foveal.engine.models.families import ModelLoadError
+from foveal.engine.models.quant import GROUP_SIZE, QuantEmbedding, QuantLinear
+
+# GGUF tensor name (per block) -> (module path in LlamaDecoderLayer, rows permuted for rotary as "q"/"k")
+LAYER_LINEARS = {
+    "attn_q": ("self_attn.q_proj", "q"),
+    "attn_k": ("self_attn.k_proj", "k"),
+    "attn_v": ("self_attn.v_proj", None),
+    "attn_output": ("self_attn.o_proj", None),
+    "ffn_gate": ("mlp.gate_proj", None),
+    "ffn_up": ("mlp.up_proj", None),
+    "ffn_down": ("mlp.down_proj", None),
+}
+LAYER_NORMS = {"attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm"}
+DIRECT_ARCHITECTURES = ("llama",)
+REQUIRED_METADATA = ("block_count", "embedding_length", "feed_forward_length", "attention.head_count")
+
+
+def read_header(path: Path) -> Any:
+    """The file's metadata and tensor table (transformers' `GgufHeader`); raises on a malformed file."""
+    from transformers.integrations.gguf.reader import GgufHeader
+
+    return GgufHeader.from_file(str(path))
+
+
+def tensor_data(header: Any, info: Any) -> np.ndarray:
+    """A tensor's raw bytes: a view of the mapped file, nothing read until used."""
+    blob = np.memmap(header.path, mode="r", dtype=np.uint8)
+    start = header.data_start + info.offset
+    return blob[start : start + info.nbytes]
+
+
+def is_direct(header: Any) -> bool:
+    """Whether this module loads the file (a llama-architecture model with plain rotary)."""
+    names = {t.name for t in header.tensors}
+    return header.architecture in DIRECT_ARCHITECTURES and "rope_freqs.weight" not in names
+
+
+def llama_config(path: Path, header: Any) -> Any:
+    """A LlamaConfig from the file's `llama.*` metadata (what transformers' GGUF path derives too)."""
+    import transformers
+    from transformers.integrations.gguf.reader import read_gguf_metadata
+
+    meta, names = read_gguf_metadata(str(path))
+    if any(key.startswith("llama.rope.scaling") for key in meta):
+        raise ModelLoadError("rope scaling in a GGUF file is not supported by foveal's direct GGUF loader")
+    arch = "llama"
+    missing = [key for key in REQUIRED_METADATA if f"{arch}.{key}" not in meta]
+    if missing:
+        raise ModelLoadError(
+            f"{path} has no {', '.join(f'{arch}.{key}' for key in missing)} in its metadata; it is not a complete "
+            "llama model file"
+        )
+    heads = meta[f"{arch}.attention.head_count"]
+    hidden = meta[f"{arch}.embedding_length"]
+    head_dim = meta.get(f"{arch}.rope.dimension_count", hidden // heads)
+    config = transformers.LlamaConfig(
+        vocab_size=meta.get(f"{arch}.vocab_size") or meta["tokenizer.ggml.tokens"],
+        hidden_size=hidden,
+        intermediate_size=meta[f"{arch}.feed_forward_length"],
+        num_hidden_layers=meta[f"{arch}.block_count"],
+        num_attention_heads=heads,
+        num_key_value_heads=meta.get(f"{arch}.attention.head_count_kv", heads),
+        head_dim=head_dim,
+        max_position_embeddings=meta.get(f"{arch}.context_length", 2048),
+        rms_norm_eps=meta.get(f"{arch}.attention.layer_norm_rms_epsilon", 1e-5),
+        rope_parameters={"rope_type": "default", "rope_theta": meta.get(f"{arch}.rope.freq_base", 10000.0)},
+        bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
+        eos_token_id=meta.get("tokenizer.ggml.eos_token_id"),
+        pad_token_id=meta.get("tokenizer.ggml.padding_token_id"),
+        tie_word_embeddings="output.weight" not in names,
+    )
+    config.architectures = ["LlamaForCausalLM"]
+    return config
+
+
+def tokenizer(path: Path) -> Any:
+    """The file's tokenizer, through transformers' GGUF conversion (what `AutoTokenizer(gguf_file=)` builds)."""
+    import transformers
+    from transformers.integrations.gguf.gguf_tokenizer_mapping import (
+        convert_gguf_tokenizer,
+        get_gguf_tokenizer,
+    )
+
+    arch, tokenizer_dict, tokenizer_config = get_gguf_tokenizer(str(path))
+    backend, extra = convert_gguf_tokenizer(arch, tokenizer_dict)
+    return transformers.PreTrainedTokenizerFast(tokenizer_object=backend, **tokenizer_config, **extra)
+
+
+def load_quantized(header: Any, config: Any, dtype: torch.dtype, quantize: str | None) -> nn.Module:
+    """A LlamaForCausalLM whose decoder linears are QuantLinears read from the file's tensors.
+
+    `quantize`: the mode of layers stored unquantized or in another type (None: int8 for those;
+    the file's own Q4 blocks are kept as int4 either way).
+    """
+    import transformers
+
+    tensors = {t.name: t for t in header.tensors}
+    with torch.device("meta"):
+        model = transformers.LlamaForCausalLM(config)
+    decoder = model.model
+    heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
+    mode = quantize or "int8"
+    read = lambda name: (_need(tensors, name), tensor_data(header, _need(tensors, name)))  # noqa: E731
+    for index, layer in enumerate(decoder.layers):
+        for name, (path, rotary) in LAYER_LINEARS.items():
+            permute = {"q": heads, "k": kv_heads}.get(rotary) if rotary else None
+            _set(layer, path, linear_from_gguf(*read(f"blk.{index}.{name}.weight"), dtype, mode, permute))
+        for name, attr in LAYER_NORMS.items():
+            getattr(layer, attr).weight = _param(_float(*read(f"blk.{index}.{name}.weight"), dtype))
+    decoder.norm.weight = _param(_float(*read("output_norm.weight"), dtype))
+    vocab = linear_from_gguf(*read("token_embd.weight"), dtype, "int8", None, head=True)
+    # No output.weight: the head is tied to the embeddings, and one int8 matrix serves both.
+    model.lm_head = vocab if "output.weight" not in tensors else linear_from_gguf(
+        *read("output.weight"), dtype, "int8", None, head=True
+    )
+    decoder.embed_tokens = QuantEmbedding(vocab, config.pad_token_id)
+    decoder.rotary_emb = type(decoder.rotary_emb)(config=config)
+    left = [name for name, t in (*model.named_parameters(), *model.named_buffers()) if t.is_meta]
+    if left:
+        raise ModelLoadError(f"the GGUF file did not provide {', '.join(left[:5])}; it is not a complete llama model")
+    return model.eval()
+
+
+def linear_from_gguf(
+    info: Any, data: np.ndarray, dtype: torch.dtype, mode: str, permute_heads: int | None, head: bool = False
+) -> QuantLinear:
+    """One GGUF weight [N, K] as a QuantLinear.
+
+    Decoder layers (`head=False`): Q4_0/Q4_1 blocks are kept exactly as int4 whatever `mode`; Q8_0
+    becomes per-row int8 ("int8") or int4 ("int4"); anything else is dequantized, then quantized to
+    `mode`. The vocabulary matrix (`head=True`) is per-row int8 whatever its type.
+    """
+    from gguf import GGMLQuantizationType as Q
+
+    kind = Q(info.ggml_type)
+    n, k = info.shape  # torch order: [out, in]
+    raw = data.reshape(n, -1)
+    if permute_heads is not None:
+        raw = _unpermute_rows(raw, permute_heads)
+    if kind in (Q.Q4_0, Q.Q4_1) and not head:
+        codes, scale, zero = _q4_blocks(raw, kind == Q.Q4_1, k)
+        return QuantLinear.int4_from_codes(codes, scale, zero, None, dtype, GROUP_SIZE)
+    if kind == Q.Q8_0:
+        blocks = raw.reshape(n, k // 32, 34)
+        d = blocks[..., :2].copy().view(np.float16).astype(np.float32)  # [N, K/32, 1]
+        weight = torch.from_numpy(blocks[..., 2:].view(np.int8).astype(np.float32) * d).reshape(n, k)
+    else:
+        weight = _dequantize(kind, raw, n, k)
+    if head or mode == "int8":
+        return QuantLinear.int8_from_float(weight, None, dtype)
+    return QuantLinear.int4_from_float(weight, None, dtype)
+
+
+def _q4_blocks(raw: np.ndarray, has_min: bool, k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Q4_0/Q4_1 rows -> int4 codes [N, K] (0..15), scale and zero [N, K/32] for w = (q - 8) scale + zero."""
+    n = raw.shape[0]
+    width = 20 if has_min else 18
+    blocks = raw.reshape(n, k // 32, width)
+    d = blocks[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
+    nibbles = blocks[..., width - 16 :]
+    # Element j of a block is the low nibble of byte j, element j + 16 its high nibble.
+    codes = np.concatenate([nibbles & 0x0F, nibbles >> 4], axis=-1).reshape(n, k)
+    if has_min:
+        m = blocks[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32)
+        zero = m + 8 * d
+    else:
+        zero = np.zeros_like(d)
+    return torch.from_numpy(codes), torch.from_numpy(d), torch.from_numpy(zero)
+
+
+def _unpermute_rows(rows: np.ndarray, heads: int) -> np.ndarray:
+    """Undo llama.cpp's Q/K row order (per head: pairs interleaved) on whole rows of raw blocks."""
+    n = rows.shape[0]
+    dim = n // heads // 2
+    return np.ascontiguousarray(rows.reshape(heads, dim, 2, -1).swapaxes(1, 2).reshape(rows.shape))
+
+
+def _dequantize(kind: Any, raw: np.ndarray, n: int, k: int) -> torch.Tensor:
+    from gguf import GGMLQuantizationType as Q
+    from gguf import quants
+
+    if kind in (Q.F32, Q.F16):
+        values = raw.view(np.float32 if kind == Q.F32 else np.float16)
+    else:
+        values = quants.dequantize(raw, kind)
+    return torch.from_numpy(np.ascontiguousarray(values).astype(np.float32)).reshape(n, k)
+
+
+def _float(info: Any, data: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
+    """A small float tensor (a norm's weight), whatever its stored type."""
+    from gguf import GGMLQuantizationType as Q
+
+    n = int(np.prod(info.shape))
+    return _dequantize(Q(info.ggml_type), data.reshape(1, -1), 1, n).reshape(-1).to(dtype)
+
+
+def _need(tensors: dict[str, Any], name: str) -> Any:
+    if name not in tensors:
+        raise ModelLoadError(f"the GGUF file has no tensor {name!r}; it is not a complete llama model")
+    return tensors[name]
+
+
+def _param(t: torch.Tensor) -> nn.Parameter:
+    return nn.Parameter(t, requires_grad=False)
+
+
+def _set(root: nn.Module, path: str, module: nn.Module) -> None:
+    parent, _, name = path.rpartition(".")
+    setattr(root.get_submodule(parent), name, module)
+
