@@ -104,13 +104,18 @@ class HFRunner:
         image_kwargs = self._image_inputs([p for p in batch.prefill if p is not None and p.num_image_tokens])
         out = self.model(
             input_ids=batch.input_ids[None],
-            position_ids=(batch.positions + self.family.position_offset)[None],
+            position_ids=self.position_ids(batch),
             use_cache=False,
             logits_to_keep=batch.query_start[1:].to(torch.int64) - 1,
             foveal_context=context,
             **image_kwargs,
         )
         return out.logits[0].float()
+
+    def position_ids(self, batch: ForwardBatch) -> torch.Tensor:
+        """The model's `position_ids`: [1, T], the batch's positions shifted by the family's offset.
+        Families with multimodal positions override it (qwen_vl.py: M-RoPE, [3, 1, T])."""
+        return (batch.positions + self.family.position_offset)[None]
 
     def _image_inputs(self, images: list[PrefillInputs]) -> dict[str, Any]:
         """`mm_encoder_outputs` for the launch's images in sequence order: cached features, misses encoded at once.
