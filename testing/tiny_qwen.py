@@ -33,11 +33,15 @@ SPECIALS = [
     "<|image_pad|>",
     "<|video_pad|>",
 ]
-QWEN_CORPUS = CORPUS + [
-    '```json\n[\n\t{"bbox_2d": [12, 345, 678, 901], "label": "red circle"}\n]\n```',
-    '{"point_2d": [12, 34], "label": "blue square"}',
-    "user assistant system You are a helpful assistant.",
-] * 10
+QWEN_CORPUS = (
+    CORPUS
+    + [
+        '```json\n[\n\t{"bbox_2d": [12, 345, 678, 901], "label": "red circle"}\n]\n```',
+        '{"point_2d": [12, 34], "label": "blue square"}',
+        "user assistant system You are a helpful assistant.",
+    ]
+    * 10
+)
 
 # Qwen2.5-VL's template writes a default system turn; Qwen3-VL's does not. Image parts become
 # <|vision_start|><|image_pad|><|vision_end|>, which the processor expands to the image's tokens.

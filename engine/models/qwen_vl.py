@@ -86,7 +86,9 @@ def check_config(raw: Mapping[str, Any], path: Path) -> None:
     """Refuse a folder this module cannot run, before any weights are read (the message names what is missing)."""
     arch = (raw.get("architectures") or ["?"])[0]
     if not isinstance(raw.get("vision_config"), Mapping):
-        raise ModelLoadError(f"{path}: config.json of {arch} has no vision_config; foveal runs Qwen-VL on images")
+        raise ModelLoadError(
+            f"{path}: config.json of {arch} has no vision_config; foveal runs Qwen-VL on images"
+        )
     if raw.get("image_token_id") is None:
         raise ModelLoadError(
             f"{path}: config.json of {arch} has no image_token_id (a video-only checkpoint?); "
@@ -129,7 +131,9 @@ def images_only(processor_class: type) -> type:
     """
 
     def __init__(self, image_processor=None, tokenizer=None, chat_template=None, **kwargs):
-        processor_class.__init__(self, image_processor, tokenizer, None, chat_template=chat_template, **kwargs)
+        processor_class.__init__(
+            self, image_processor, tokenizer, None, chat_template=chat_template, **kwargs
+        )
 
     return type(f"{processor_class.__name__}ImagesOnly", (processor_class,), {"__init__": __init__})
 
@@ -156,7 +160,9 @@ def load_processor(family: Family, path: Path, image_options: Mapping[str, Any] 
     image_processor.size = size
     tokenizer = transformers.AutoTokenizer.from_pretrained(path)
     if tokenizer.convert_tokens_to_ids(IMAGE_PAD) in (None, tokenizer.unk_token_id):
-        raise ModelLoadError(f"{path}: the tokenizer has no {IMAGE_PAD} token; save the checkpoint's own tokenizer")
+        raise ModelLoadError(
+            f"{path}: the tokenizer has no {IMAGE_PAD} token; save the checkpoint's own tokenizer"
+        )
     processor = images_only(getattr(transformers, family.processor_class))(image_processor, tokenizer)
     return processor, tokenizer
 
@@ -164,8 +170,12 @@ def load_processor(family: Family, path: Path, image_options: Mapping[str, Any] 
 class QwenInputProcessor(InputProcessor):
     """Text + one image or a list of images -> prompt ids and PrefillInputs with the M-RoPE position table."""
 
-    def __init__(self, family: Family, tokenizer: Any, hf_processor: Any, model: Any, runner: HFRunner) -> None:
-        super().__init__(family, tokenizer, hf_processor, runner.device, runner.dtype, model.config.image_token_id)
+    def __init__(
+        self, family: Family, tokenizer: Any, hf_processor: Any, model: Any, runner: HFRunner
+    ) -> None:
+        super().__init__(
+            family, tokenizer, hf_processor, runner.device, runner.dtype, model.config.image_token_id
+        )
         # The model's own rope-index computation: it reads the config only, so it runs here on CPU tensors.
         self.rope_index = model.model.get_rope_index
         image_processor = hf_processor.image_processor
@@ -214,7 +224,9 @@ class QwenInputProcessor(InputProcessor):
 class QwenVLRunner(HFRunner):
     """HFRunner with M-RoPE positions (see the module docstring) and, for Qwen3-VL, DeepStack features."""
 
-    def __init__(self, model: torch.nn.Module, family: Family, image_cache_bytes: int = DEFAULT_IMAGE_CACHE_BYTES):
+    def __init__(
+        self, model: torch.nn.Module, family: Family, image_cache_bytes: int = DEFAULT_IMAGE_CACHE_BYTES
+    ):
         super().__init__(model, family, trace_decode=False, image_cache_bytes=image_cache_bytes)
         self.hidden: int = model.config.get_text_config().hidden_size
         self.deepstack: int = len(getattr(model.config.vision_config, "deepstack_visual_indexes", None) or ())
@@ -237,7 +249,9 @@ class QwenVLRunner(HFRunner):
         prior = torch.where(first > 0, self.row_delta[page * page_size + prev % page_size], 0)
         positions = (batch.positions + prior[seq]).expand(3, num_tokens)
         token_delta = prior[seq]
-        tables = [(i, p) for i, p in enumerate(batch.prefill) if p is not None and POSITIONS in p.image_tensors]
+        tables = [
+            (i, p) for i, p in enumerate(batch.prefill) if p is not None and POSITIONS in p.image_tensors
+        ]
         if tables:  # prompts with images: their own positions, looked up by token index in one flat table
             flat = torch.cat([p.image_tensors[POSITIONS] for _, p in tables], dim=1)
             flat_delta = torch.cat([p.image_tensors[NEXT_DELTA] for _, p in tables])
@@ -268,7 +282,9 @@ class QwenVLRunner(HFRunner):
         (joined,) = inputs["mm_encoder_outputs"]["image"].pooler_output
         main, *maps = joined.split(self.hidden, dim=-1)
         # Qwen3VLModel.forward concatenates each list (one entry per image batch; here the launch's)
-        outputs = BaseModelOutputWithDeepstackFeatures(pooler_output=[main], deepstack_features=[[m] for m in maps])
+        outputs = BaseModelOutputWithDeepstackFeatures(
+            pooler_output=[main], deepstack_features=[[m] for m in maps]
+        )
         return {"mm_encoder_outputs": {"image": outputs}}
 
 
@@ -276,5 +292,7 @@ def make_runner(model: Any, family: Family, image_cache_bytes: int) -> QwenVLRun
     return QwenVLRunner(model, family, image_cache_bytes=image_cache_bytes)
 
 
-def make_input_processor(family: Family, tokenizer: Any, hf_processor: Any, model: Any, runner: HFRunner) -> QwenInputProcessor:
+def make_input_processor(
+    family: Family, tokenizer: Any, hf_processor: Any, model: Any, runner: HFRunner
+) -> QwenInputProcessor:
     return QwenInputProcessor(family, tokenizer, hf_processor, model, runner)

@@ -34,7 +34,9 @@ def test_runner_matches_transformers(family, qwen):
     loaded = load(qwen[family], device="cpu")
     assert loaded.family == family
     prompts = tiny.family_prompts(loaded)
-    grids = [tuple(g) for p in prompts if p.prefill for g in p.prefill.image_tensors["image_grid_thw"].tolist()]
+    grids = [
+        tuple(g) for p in prompts if p.prefill for g in p.prefill.image_tensors["image_grid_thw"].tolist()
+    ]
     assert len(set(grids)) == 5  # five images, five resized sizes
     assert [p.prefill is None for p in prompts] == [False] * 4 + [True]
     assert prompts[2].prefill.image_tensors["image_grid_thw"].shape[0] == 2
@@ -75,7 +77,9 @@ def test_engine_matches_transformers(family, pipelined, qwen):
         pipelined=pipelined, page_size=4, num_pages=256, max_model_len=256, eos_token_ids=loaded.eos_token_ids
     )
     with Engine(loaded.runner, loaded.tokenizer, config) as engine:
-        requests = [Request(p.token_ids, SamplingParams(max_tokens=MAX_NEW), prefill=p.prefill) for p in prompts]
+        requests = [
+            Request(p.token_ids, SamplingParams(max_tokens=MAX_NEW), prefill=p.prefill) for p in prompts
+        ]
         first = engine.generate(requests, timeout=60)
         # again, with the same text prompt (prefix cache) and the images' features cached by key
         keyed = [
@@ -98,8 +102,14 @@ def _with_key(prefill, key):
 def test_min_and_max_pixels_set_the_resolution(qwen):
     big = tiny.images(6)[1].resize((256, 256))
     default = load(qwen["qwen2_5_vl"], device="cpu").processor("look", big)
-    small = load(qwen["qwen2_5_vl"], device="cpu", image_options={"max_pixels": 56 * 56}).processor("look", big)
-    large = load(qwen["qwen2_5_vl"], device="cpu", image_options={"min_pixels": 28 * 28 * 36, "max_pixels": 28 * 28 * 64})
+    small = load(qwen["qwen2_5_vl"], device="cpu", image_options={"max_pixels": 56 * 56}).processor(
+        "look", big
+    )
+    large = load(
+        qwen["qwen2_5_vl"],
+        device="cpu",
+        image_options={"min_pixels": 28 * 28 * 36, "max_pixels": 28 * 28 * 64},
+    )
     assert default.prefill.num_image_tokens == 16  # the folder's max_pixels: 28 * 28 * 16
     assert small.prefill.num_image_tokens == 4
     assert large.processor("look", big).prefill.num_image_tokens == 64
@@ -108,7 +118,11 @@ def test_min_and_max_pixels_set_the_resolution(qwen):
     with pytest.raises(ModelLoadError, match="not understood"):
         load(qwen["qwen2_5_vl"], device="cpu", image_options={"fps": 2})
     with pytest.raises(ModelLoadError, match="not supported for llama"):
-        load(tiny.build("llama", qwen["qwen2_5_vl"].parent / "llama"), device="cpu", image_options={"max_pixels": 10})
+        load(
+            tiny.build("llama", qwen["qwen2_5_vl"].parent / "llama"),
+            device="cpu",
+            image_options={"max_pixels": 10},
+        )
 
 
 def test_placeholders_must_match_the_images(qwen):
