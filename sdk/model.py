@@ -141,7 +141,11 @@ def load(
     folder = Path(source) if Path(source).is_dir() else None
     family = loaded.runner.family
     skills = skills_for(
-        folder, loaded.family, loaded.tokenizer, family.image_token if family.has_vision else None
+        folder,
+        loaded.family,
+        loaded.tokenizer,
+        family.image_token if family.has_vision else None,
+        processor=loaded.processor,
     )
     config = engine_config(
         loaded, pipelined, max_batch_size, max_model_len, kv_cache_bytes, prefix_cache, max_step_tokens
@@ -362,6 +366,8 @@ class Model:
         decoded, key = self._image(image, task.skill)
         with self._lock:
             prompt = self.loaded.processor(task.prompt_for(decoded is not None), decoded, image_key=key)
+            if task.for_prompt is not None:  # the answer's scale is the processed image's (Qwen2.5-VL)
+                task = task.for_prompt(task, prompt)
             max_tokens = self._budget(len(prompt.token_ids), settings.max_tokens, explicit)
             if spatial_answer:  # its item count is sized to the budget, then compiled
                 task = self._fit_items(task, len(prompt.token_ids), max_tokens)
