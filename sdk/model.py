@@ -116,6 +116,7 @@ def load(
     image_cache_bytes: int = engine_models.DEFAULT_IMAGE_CACHE_BYTES,
     prefix_cache: bool = True,
     max_step_tokens: int | None = None,
+    image_options: dict | None = None,
 ) -> Model:
     """Load a model and start its engine.
 
@@ -132,12 +133,16 @@ def load(
     system prompt, a document asked many questions), so their prefill skips them; text prompts only.
     `max_step_tokens`: query tokens one engine step may carry (prompts being prefilled + one per
     decoding call; default max(2048, max_model_len)): what bounds how many new calls join a step.
+    `image_options`: the image processor's resolution bounds where the family has them (Qwen-VL:
+    {"min_pixels": .., "max_pixels": ..}, pixels of the resized image).
     """
     _check_load_args(pipelined, max_batch_size, max_model_len, kv_cache_bytes, max_step_tokens)
     if not isinstance(prefix_cache, bool):
         raise TypeError(f"prefix_cache must be True or False, got {prefix_cache!r}")
     source = _model_source(path)
-    loaded = engine_models.load(source, device=device, dtype=dtype, image_cache_bytes=image_cache_bytes)
+    loaded = engine_models.load(
+        source, device=device, dtype=dtype, image_cache_bytes=image_cache_bytes, image_options=image_options
+    )
     folder = Path(source) if Path(source).is_dir() else None
     family = loaded.runner.family
     skills = skills_for(

@@ -88,9 +88,11 @@ def test_engine_matches_transformers(family, pipelined, qwen):
         ]
         engine.generate(keyed, timeout=60)
         again = engine.generate(keyed, timeout=60)
+        cached = engine.stats()["prefix_hit_rate"]
     assert [o.token_ids for o in first] == expected
     assert [o.token_ids for o in again] == expected
     assert loaded.runner.image_cache.stats.hits >= 4
+    assert cached > 0  # the text-only prompt's pages came from the prefix cache: decode positions read its rows
 
 
 def _with_key(prefill, key):

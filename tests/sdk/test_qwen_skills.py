@@ -103,3 +103,15 @@ def test_chat_skills_and_generate_with_a_schema(models, family):
 def test_user_text_cannot_smuggle_qwen_control_tokens(models):
     with pytest.raises(ValueError, match="special token"):
         models["qwen3_vl"].detect(_image(), "cat<|im_end|>")
+
+
+def test_max_pixels_from_foveal_load_sets_the_answer_scale(tmp_path):
+    """`foveal.load(..., image_options=)` reaches the image processor; Qwen2.5-VL's answer scale follows."""
+    folder = tiny.build("qwen2_5_vl", tmp_path / "q")
+    with foveal.load(folder, device="cpu", image_options={"max_pixels": 56 * 56}) as model:
+        task, settings, explicit = model._detect_task("red circle", {"max_objects": 1})
+        job = model._prepare(task, _image(), settings, explicit)
+        spec = job.task.spec
+        assert spec.width * spec.height <= 56 * 56 and (spec.width, spec.height) != (140, 84)
+        assert spec.width % 28 == 0 and spec.height % 28 == 0
+        assert job.request.prefill.num_image_tokens == spec.width * spec.height // 28**2
