@@ -204,7 +204,8 @@ def qwen_throughput(new_tokens: int, reps: int) -> list[dict]:
                     hf_generate_prompt(reference, prompt, new_tokens)
                 if rep:
                     hf.append(time.perf_counter() - start)
-            rows.append({"family": family, **row(len(prompts), "transformers generate, one at a time", tokens, hf)})
+            hf_row = row(len(prompts), "transformers generate, one at a time", tokens, hf)
+            rows.append({"family": family, **hf_row})
             for name, pipelined in (("foveal engine, pipelined", True), ("foveal engine, blocking", False)):
                 times = []
                 with Engine(loaded.runner, loaded.tokenizer, engine_config(loaded, pipelined)) as engine:

@@ -68,7 +68,9 @@ def load(
         if not path.is_file():
             raise ModelLoadError(f"no such GGUF file: {path}")
         if image_options:
-            raise ModelLoadError("image_options apply to Qwen-VL folders only; a .gguf file has no image processor")
+            raise ModelLoadError(
+                "image_options apply to Qwen-VL folders; a .gguf file has no image processor"
+            )
         return _load_gguf(path, dev, torch_dtype, image_cache_bytes)
     if not path.exists():
         if not looks_like_hub_id(source):
@@ -170,7 +172,9 @@ def _load_folder(
     family, arch = family_for(raw.get("architectures"))
     adapter = _adapter(family)
     if image_options and adapter is None:
-        raise ModelLoadError(f"image_options are not supported for {family.name}; its image processor has fixed sizes")
+        raise ModelLoadError(
+            f"image_options are not supported for {family.name}; its image processor has fixed sizes"
+        )
     check_attention(raw.get("text_config") or raw)
     if adapter is not None:
         adapter.check_config(raw, path)
@@ -268,7 +272,8 @@ def _assemble(
     if adapter is not None:
         processor = adapter.make_input_processor(family, tokenizer, hf_processor, model, runner)
     else:
-        processor = InputProcessor(family, tokenizer, hf_processor, runner.device, runner.dtype, image_token_id)
+        device, dtype = runner.device, runner.dtype
+        processor = InputProcessor(family, tokenizer, hf_processor, device, dtype, image_token_id)
     return LoadedModel(runner, tokenizer, processor, _eos_ids(model, tokenizer), family.name, source)
 
 

@@ -92,7 +92,7 @@ def test_engine_matches_transformers(family, pipelined, qwen):
     assert [o.token_ids for o in first] == expected
     assert [o.token_ids for o in again] == expected
     assert loaded.runner.image_cache.stats.hits >= 4
-    assert cached > 0  # the text-only prompt's pages came from the prefix cache: decode positions read its rows
+    assert cached > 0  # the text-only prompt came from the prefix cache: its decode positions read those rows
 
 
 def _with_key(prefill, key):
