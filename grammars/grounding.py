@@ -46,6 +46,7 @@ import numpy as np
 
 from .automaton import Automaton, compile_template
 from .bitmask import row_view
+from .cache import LRUCache
 from .errors import GrammarViolation, SchemaError
 from .matcher import Matcher
 from .spatial import SpatialSpec
@@ -160,7 +161,7 @@ class GroundingSpec(SpatialSpec):
             )
         lark = self.lark()
         source = GrammarSource("lark", key, llguidance.LLMatcher.grammar_from_lark(lark))
-        extra = (GroundingTables(handle), self.width, self.height) if self.kind == "boxes" else None
+        extra = (tables_for(handle), self.width, self.height) if self.kind == "boxes" else None
         return Automaton(
             key=key,
             kind=f"grounding-{self.kind}",
@@ -262,6 +263,19 @@ class GroundingTables:
 
     def allows(self, mask: np.ndarray, token_id: int) -> bool:
         return bool((int(mask[token_id >> 5]) >> (token_id & 31)) & 1)
+
+
+# One GroundingTables per tokenizer: Qwen2.5-VL compiles one automaton per resized image size, and
+# grouping a 150k-token vocabulary takes longer than compiling the grammar.
+_TABLES: LRUCache[GroundingTables] = LRUCache(maxsize=16)
+
+
+def tables_for(handle: TokenizerHandle) -> GroundingTables:
+    tables = _TABLES.get(handle.key)
+    if tables is None:
+        tables = GroundingTables(handle)
+        _TABLES.put(handle.key, tables)
+    return tables
 
 
 _OPEN = b'"bbox_2d": ['
