@@ -165,7 +165,27 @@ def test_unsupported_variants_are_refused_at_load(qwen, tmp_path, edit_config, e
         load(folder, device="cpu")
 
 
-def test_unused_sliding_window_is_accepted(qwen, tmp_path):
-    """Real Qwen2.5-VL configs name sliding_window with use_sliding_window false: that loads."""
-    folder = _copy(qwen["qwen2_5_vl"], tmp_path, lambda c: c["text_config"].update(sliding_window=32768))
-    assert load(folder, device="cpu").family == "qwen2_5_vl"
+def _legacy_layout(config: dict) -> None:
+    """config.json as the published Qwen2.5-VL folders write it: text fields at the top level,
+    rope_scaling {"type": "mrope", ...}, a sliding_window that use_sliding_window turns off."""
+    text = config.pop("text_config")
+    rope = text.pop("rope_parameters")
+    for key, value in text.items():
+        if key not in ("architectures", "model_type", "dtype"):
+            config.setdefault(key, value)
+    config.update(
+        rope_scaling={"type": "mrope", "mrope_section": rope["mrope_section"]},
+        rope_theta=rope["rope_theta"],
+        sliding_window=32768,
+        use_sliding_window=False,
+    )
+
+
+def test_published_config_layout_loads_and_matches(qwen, tmp_path):
+    folder = _copy(qwen["qwen2_5_vl"], tmp_path, _legacy_layout)
+    assert "text_config" not in json.loads((folder / "config.json").read_text())
+    loaded = load(folder, device="cpu")
+    worst, equal = parity.compare(
+        loaded, parity.reference_model(qwen["qwen2_5_vl"]), tiny.family_prompts(loaded)
+    )
+    assert equal and worst < TOLERANCE
