@@ -10,7 +10,8 @@
    GGUF model.
 3. Qwen2.5-VL and Qwen3-VL (tiny random checkpoints: no real weights offline): the five parity
    prompts (images of five sizes, one prompt with two, one text-only), `--new-tokens` each with EOS
-   ignored, through foveal's engine (pipelined, blocking) and transformers' `generate` one prompt at
+   ignored, through foveal's engine (pipelined, blocking, pipelined with eager decode) and
+   transformers' `generate` one prompt at
    a time (their images differ in size); tok/s median and best of `--reps`.
 4. Decode throughput at batch 1 and 16 (the same prompts, `--new-tokens` each, EOS ignored), median
    and best of `--reps` timed runs after an untimed one: transformers `generate` (batch 16
@@ -206,7 +207,13 @@ def qwen_throughput(new_tokens: int, reps: int) -> list[dict]:
                     hf.append(time.perf_counter() - start)
             hf_row = row(len(prompts), "transformers generate, one at a time", tokens, hf)
             rows.append({"family": family, **hf_row})
-            for name, pipelined in (("foveal engine, pipelined", True), ("foveal engine, blocking", False)):
+            graphs = loaded.runner.decode_graphs
+            for name, pipelined, traced in (
+                ("foveal engine, pipelined", True, True),
+                ("foveal engine, blocking", False, True),
+                ("foveal engine, pipelined, eager", True, False),
+            ):
+                loaded.runner.decode_graphs = graphs if traced else None
                 times = []
                 with Engine(loaded.runner, loaded.tokenizer, engine_config(loaded, pipelined)) as engine:
                     for rep in range(reps + 1):

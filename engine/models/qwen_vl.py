@@ -30,8 +30,9 @@ SOLUTION
        engine, the scheduler and the attention mask keep token indices and never learn of M-RoPE.
        Why per row and not per request: a token's M-RoPE position depends only on the tokens before
        it, so per-row state stays right under page sharing (prefix cache), zombies and preemption,
-       and needs no request identity in the batch. Decode runs eager (no traced graph): a trace
-       would bake `row_delta` in as a constant; the per-family cost is the trace's speed-up on CPU.
+       and needs no request identity in the batch. `row_delta` rides after the K tensors into the
+       launch (and into traced decode graphs, traced.py, as an input like the KV tensors: a trace
+       would otherwise bake it in as a constant), so CPU decode replays graphs as every family does.
     2. `images_only(cls)`: a subclass of the family's real processor whose constructor takes only
        the image processor and the tokenizer. transformers derives a processor's parts from its
        `__init__` signature (`ProcessorMixin.get_attributes`), so the subclass has no video part to
@@ -48,6 +49,8 @@ INVARIANTS (tests/models/test_qwen_vl.py)
       with images of different sizes, two images in one prompt, and text only, batched together.
     - No host synchronisation in `position_ids`: the prefill tables' offsets are host ints from
       tensor shapes, copied to the device without a wait.
+    - Traced decode replays give the logits of the eager forward (parity tests: every decode launch
+      on CPU is a replay).
     - A row's delta is written by the launch that writes its K/V, before any later token reads it.
     - A checkpoint this module cannot run (no vision tower, no image placeholder token, a rope type
       other than M-RoPE's default, a video-only processor config) is refused at load, naming what is
@@ -225,12 +228,35 @@ class QwenVLRunner(HFRunner):
     """HFRunner with M-RoPE positions (see the module docstring) and, for Qwen3-VL, DeepStack features."""
 
     def __init__(
-        self, model: torch.nn.Module, family: Family, image_cache_bytes: int = DEFAULT_IMAGE_CACHE_BYTES
+        self,
+        model: torch.nn.Module,
+        family: Family,
+        image_cache_bytes: int = DEFAULT_IMAGE_CACHE_BYTES,
+        trace_decode: bool | None = None,
     ):
-        super().__init__(model, family, trace_decode=False, image_cache_bytes=image_cache_bytes)
+        super().__init__(model, family, trace_decode=trace_decode, image_cache_bytes=image_cache_bytes)
         self.hidden: int = model.config.get_text_config().hidden_size
         self.deepstack: int = len(getattr(model.config.vision_config, "deepstack_visual_indexes", None) or ())
         self.row_delta: torch.Tensor | None = None
+        self._launch_delta: torch.Tensor | None = None  # the row deltas this launch reads and writes
+
+    def forward(self, batch: ForwardBatch) -> torch.Tensor:
+        """HFRunner.forward with `row_delta` riding after the K tensors: an input of a traced decode
+        graph like the KV tensors (traced.py), never a constant baked into it."""
+        kv = self.kv
+        if kv is None:
+            raise RuntimeError("allocate_kv(num_pages, page_size) must be called before forward()")
+        ks = [*kv.k, self.row_delta]
+        if batch.is_decode and self.decode_graphs is not None and not batch.prefill:
+            return self.decode_graphs(batch, ks, kv.v, kv.page_size, kv.scratch_page)
+        return self._eager(batch, ks, kv.v)
+
+    def _eager(self, batch: ForwardBatch, ks: list[torch.Tensor], vs: list[torch.Tensor]) -> torch.Tensor:
+        *ks, self._launch_delta = ks
+        try:
+            return super()._eager(batch, ks, vs)
+        finally:
+            self._launch_delta = None
 
     def allocate_kv(self, num_pages: int, page_size: int) -> None:
         super().allocate_kv(num_pages, page_size)
@@ -238,7 +264,7 @@ class QwenVLRunner(HFRunner):
 
     def position_ids(self, batch: ForwardBatch) -> torch.Tensor:
         """[3, 1, T] M-RoPE positions of the launch's tokens; writes each token's row delta (device ops only)."""
-        device, page_size = self.device, self.kv.page_size
+        device, page_size, row_delta = self.device, self.kv.page_size, self._launch_delta
         num_tokens = batch.input_ids.shape[0]
         starts = batch.query_start.to(torch.int64)
         seq = torch.searchsorted(starts[1:], torch.arange(num_tokens, device=device), right=True)
@@ -246,7 +272,7 @@ class QwenVLRunner(HFRunner):
         first = batch.positions[starts[:-1]]
         prev = (first - 1).clamp(min=0)
         page = batch.block_tables.to(torch.int64).gather(1, (prev // page_size)[:, None])[:, 0].clamp(min=0)
-        prior = torch.where(first > 0, self.row_delta[page * page_size + prev % page_size], 0)
+        prior = torch.where(first > 0, row_delta[page * page_size + prev % page_size], 0)
         positions = (batch.positions + prior[seq]).expand(3, num_tokens)
         token_delta = prior[seq]
         tables = [
@@ -264,7 +290,7 @@ class QwenVLRunner(HFRunner):
             index = (offsets_t[seq] + batch.positions).clamp(max=flat.shape[1] - 1)
             positions = torch.where(has_t, flat[:, index], positions)
             token_delta = torch.where(has_t, flat_delta[index], token_delta)
-        self.row_delta.index_copy_(0, batch.kv_index, token_delta)
+        row_delta.index_copy_(0, batch.kv_index, token_delta)
         return positions[:, None, :]
 
     def encode_images(self, images: list[PrefillInputs]) -> list[torch.Tensor]:

@@ -50,6 +50,7 @@ def test_runner_matches_transformers(family, qwen):
             worst = max(worst, float((a - b).abs().max()))
     assert worst < TOLERANCE, f"{family}: max logit difference {worst:.2e}"
     assert len({tuple(t) for t in ours.tokens}) > 1  # the prompts do lead to different answers
+    assert loaded.runner.decode_graphs.graphs  # the decode launches were replays of traced graphs
 
 
 @pytest.mark.parametrize("family", FAMILIES)
