@@ -190,3 +190,22 @@ def test_published_config_layout_loads_and_matches(qwen, tmp_path):
         loaded, parity.reference_model(qwen["qwen2_5_vl"]), tiny.family_prompts(loaded)
     )
     assert equal and worst < TOLERANCE
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_cached_image_features_give_identical_results_without_the_vision_tower(family, qwen):
+    """A second call with the same image keys does not run the vision tower (Qwen3-VL: its DeepStack
+    maps come back from the cache too) and gives the same logits, bit for bit."""
+    loaded = load(qwen[family], device="cpu")
+    calls = []
+    loaded.runner.model.model.visual.register_forward_hook(lambda *_: calls.append(1))
+    prompts = [
+        type(p)(p.token_ids, _with_key(p.prefill, f"k{i}")) for i, p in enumerate(tiny.family_prompts(loaded))
+    ]
+    miss = parity.greedy(loaded.runner, prompts, 4)
+    assert len(calls) == 1  # the four image prompts' five images in one encoder call
+    hit = parity.greedy(loaded.runner, prompts, 4)
+    assert len(calls) == 1 and loaded.runner.image_cache.stats.hits == 4
+    assert hit.tokens == miss.tokens
+    for a, b in zip(hit.logits, miss.logits, strict=True):
+        assert all(torch.equal(x, y) for x, y in zip(a, b, strict=True))
