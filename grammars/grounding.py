@@ -325,6 +325,17 @@ class GroundingBoxMatcher(Matcher):
         self._text += data
         self._lengths.append(len(data))
 
+    def forced_tokens(self) -> list[int]:
+        """llguidance's forced tokens (jump-forward), cut before the first that holds a digit: llguidance
+        does not know the x2 / y2 bounds (in practice no coordinate is forced: every range has several
+        values; a digit in the label only loses its jump)."""
+        forced = super().forced_tokens()
+        texts = self._tables.token_bytes
+        for index, token in enumerate(forced):
+            if token >= len(texts) or _DIGITS.intersection(texts[token]):
+                return forced[:index]
+        return forced
+
     def _refine(self, ptr: int, row: int, words: int) -> None:
         mask = self._constraint()
         if mask is not None:

@@ -126,3 +126,15 @@ def test_conversion_qwen3_relative_thousandths():
 def test_an_unbound_spec_cannot_compile(tok):
     with pytest.raises(SchemaError, match="bind it to the image"):
         grammars.compile(GroundingSpec("boxes", label="car"), tok, eos_token_id=EOS)
+
+
+def test_forced_tokens_stop_before_any_digit(tok):
+    """Jump-forward: the fence and the label are forced, cut before a digit (llguidance does not know
+    the bounds; here the label's own "2" loses its jump)."""
+    spec = GroundingSpec("boxes", max_objects=2, label="car 2", width=57, height=31)
+    automaton = grammars.compile(spec, tok, eos_token_id=EOS)
+    matcher = automaton.matcher()
+    assert tok.decode(matcher.forced_tokens()) == "```json\n["
+    _commit_text(matcher, tok, '```json\n[\n\t{"bbox_2d": [30, 5, 31, 6]')
+    assert tok.decode(matcher._ll.compute_ff_tokens()) == ', "label": "car 2'
+    assert tok.decode(matcher.forced_tokens()) == ', "label": "car '
