@@ -209,3 +209,10 @@ def test_cached_image_features_give_identical_results_without_the_vision_tower(f
     assert hit.tokens == miss.tokens
     for a, b in zip(hit.logits, miss.logits, strict=True):
         assert all(torch.equal(x, y) for x, y in zip(a, b, strict=True))
+
+
+def test_a_folder_with_only_a_video_processor_is_refused(qwen, tmp_path):
+    folder = _copy(qwen["qwen3_vl"], tmp_path)
+    (folder / "preprocessor_config.json").rename(folder / "video_preprocessor_config.json")
+    with pytest.raises(ModelLoadError, match="no preprocessor_config.json; save the image processor"):
+        load(folder, device="cpu")
