@@ -213,7 +213,8 @@ class QwenInputProcessor(InputProcessor):
             "mm_token_type_ids": out["mm_token_type_ids"].to(self.device),
         }
         num_image_tokens = int((ids[0] == self.image_token_id).sum())
-        return PromptInputs(ids[0].tolist(), PrefillInputs(tensors, num_image_tokens, image_key))
+        prefill = PrefillInputs(tensors, num_image_tokens, image_key, image_token_id=self.image_token_id)
+        return PromptInputs(ids[0].tolist(), prefill)
 
     def resized_sizes(self, prefill: PrefillInputs) -> list[tuple[int, int]]:
         """(width, height) in pixels of each image as the model saw it (after the processor's resizing)."""
