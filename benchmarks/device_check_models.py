@@ -46,6 +46,8 @@ def cuda_parity(tmp: Path) -> list[dict]:
                 if prompt.prefill
                 else {}
             )
+            if prompt.prefill and "mm_token_type_ids" in prompt.prefill.image_tensors:  # Qwen-VL's M-RoPE
+                kwargs["mm_token_type_ids"] = prompt.prefill.image_tensors["mm_token_type_ids"]
             if prompt.prefill and loaded.runner.family.prefix_attention:
                 n = len(prompt.token_ids)
                 kwargs["token_type_ids"] = torch.tensor([[0] * prompt.prefill.prefix_len], device="cuda")[

@@ -8,7 +8,12 @@
    load time through foveal (.gguf, and the fp32 folder `smollm2_folder()` caches) and through
    transformers; greedy tokens of five chat prompts through foveal's engine vs transformers' own
    GGUF model.
-3. Decode throughput at batch 1 and 16 (the same prompts, `--new-tokens` each, EOS ignored), median
+3. Qwen2.5-VL and Qwen3-VL (tiny random checkpoints: no real weights offline): the five parity
+   prompts (images of five sizes, one prompt with two, one text-only), `--new-tokens` each with EOS
+   ignored, through foveal's engine (pipelined, blocking, pipelined with eager decode) and
+   transformers' `generate` one prompt at
+   a time (their images differ in size); tok/s median and best of `--reps`.
+4. Decode throughput at batch 1 and 16 (the same prompts, `--new-tokens` each, EOS ignored), median
    and best of `--reps` timed runs after an untimed one: transformers `generate` (batch 16
    left-padded) and foveal's engine: pipelined, blocking, and pipelined with eager (untraced)
    decode. All measured in this one run; the load average is recorded, since the CPU is shared.
@@ -28,7 +33,7 @@ import transformers
 from benchmarks import write_json
 from foveal.engine import Engine, EngineConfig, Request, SamplingParams
 from foveal.engine.models import load
-from foveal.testing import parity, tiny
+from foveal.testing import parity, tiny, tiny_qwen
 from foveal.testing.smollm2 import smollm2_folder, smollm2_gguf
 
 QUESTIONS = [
@@ -182,6 +187,62 @@ def smollm2(new_tokens: int, reps: int) -> dict:
     return result
 
 
+def qwen_throughput(new_tokens: int, reps: int) -> list[dict]:
+    """Tokens/s of the tiny Qwen-VL checkpoints: foveal's engine vs transformers' generate per prompt."""
+    rows = []
+    sampling = SamplingParams(max_tokens=new_tokens, ignore_eos=True)
+    with tempfile.TemporaryDirectory() as tmp:
+        for family in tiny_qwen.FAMILIES:
+            folder = tiny.build(family, Path(tmp) / family)
+            loaded = load(folder, device="cpu")
+            prompts = tiny.family_prompts(loaded)
+            reference = parity.reference_model(folder)
+            tokens = len(prompts) * new_tokens
+            hf = []
+            for rep in range(reps + 1):
+                start = time.perf_counter()
+                for prompt in prompts:
+                    hf_generate_prompt(reference, prompt, new_tokens)
+                if rep:
+                    hf.append(time.perf_counter() - start)
+            hf_row = row(len(prompts), "transformers generate, one at a time", tokens, hf)
+            rows.append({"family": family, **hf_row})
+            graphs = loaded.runner.decode_graphs
+            for name, pipelined, traced in (
+                ("foveal engine, pipelined", True, True),
+                ("foveal engine, blocking", False, True),
+                ("foveal engine, pipelined, eager", True, False),
+            ):
+                loaded.runner.decode_graphs = graphs if traced else None
+                times = []
+                with Engine(loaded.runner, loaded.tokenizer, engine_config(loaded, pipelined)) as engine:
+                    for rep in range(reps + 1):
+                        start = time.perf_counter()
+                        engine.generate([Request(p.token_ids, sampling, prefill=p.prefill) for p in prompts])
+                        if rep:
+                            times.append(time.perf_counter() - start)
+                rows.append({"family": family, **row(len(prompts), name, tokens, times)})
+    return rows
+
+
+def hf_generate_prompt(model, prompt, new_tokens: int) -> None:
+    """transformers' generate on one prompt (with its images and the token types its M-RoPE reads), EOS ignored."""
+    ids = torch.tensor([prompt.token_ids])
+    kwargs = {}
+    if prompt.prefill is not None:
+        keys = ("pixel_values", "image_grid_thw", "mm_token_type_ids")
+        kwargs = {key: prompt.prefill.image_tensors[key] for key in keys}
+    with torch.inference_mode():
+        model.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=new_tokens,
+            min_new_tokens=new_tokens,
+            do_sample=False,
+            **kwargs,
+        )
+
+
 def row(batch: int, runner: str, tokens: int, seconds: list[float]) -> dict:
     rates = sorted(tokens / s for s in seconds)
     return {"batch": batch, "runner": runner, "tok_s_median": rates[len(rates) // 2], "tok_s_best": rates[-1]}
@@ -199,11 +260,17 @@ def main() -> None:
         torch.set_num_threads(args.threads)
     report = {"torch_threads": torch.get_num_threads(), "load_average_at_start": os.getloadavg()}
     report["parity"] = parity_table()
-    print(f"{'family':<10} {'prompts':>7} {'max |logit diff|':>17} {'tokens equal':>12} {'KV B/token':>10}")
+    print(f"{'family':<11} {'prompts':>7} {'max |logit diff|':>17} {'tokens equal':>12} {'KV B/token':>10}")
     for r in report["parity"]:
         print(
-            f"{r['family']:<10} {r['prompts']:>7} {r['max_logit_diff']:>17.2e} {r['tokens_equal']!s:>12}"
+            f"{r['family']:<11} {r['prompts']:>7} {r['max_logit_diff']:>17.2e} {r['tokens_equal']!s:>12}"
             f" {r['kv_bytes_per_token']:>10}"
+        )
+    report["qwen_vl"] = qwen_throughput(args.new_tokens, args.reps)
+    print(f"\n{'family':<11} {'prompts':>7} {'runner':<38} {'tok/s median':>12} {'tok/s best':>10}")
+    for r in report["qwen_vl"]:
+        print(
+            f"{r['family']:<11} {r['batch']:>7} {r['runner']:<38} {r['tok_s_median']:>12.1f} {r['tok_s_best']:>10.1f}"
         )
     if not args.skip_gguf:
         report["smollm2"] = s = smollm2(args.new_tokens, args.reps)

@@ -117,6 +117,7 @@ def load(
     prefix_cache: bool = True,
     max_step_tokens: int | None = None,
     jump_forward: bool = True,
+    image_options: dict | None = None,
 ) -> Model:
     """Load a model and start its engine.
 
@@ -130,24 +131,33 @@ def load(
     `image_cache_bytes`: bound of the cache of image encodings, so that several calls on one image
     encode it once (0 turns the cache off).
     `prefix_cache`: share the K/V of prompt pages that several calls start with (a chat template, a
-    system prompt, a document asked many questions), so their prefill skips them; text prompts only.
+    system prompt, a document asked many questions, an image asked several questions), so their
+    prefill skips them (and the vision encoder, when an image's tokens are all in shared pages).
     `max_step_tokens`: query tokens one engine step may carry (prompts being prefilled + one per
     decoding call; default max(2048, max_model_len)): what bounds how many new calls join a step.
     `jump_forward`: where a call's output grammar forces the next tokens (JSON keys, punctuation),
     write them into the KV cache in one launch instead of one decode step each. The forced text
     is the grammar's, tokenized canonically, so a greedy answer's text is the model's own; its
     token ids may differ where the model would have spelled the same text with other tokens.
+    `image_options`: the image processor's resolution bounds where the family has them (Qwen-VL:
+    {"min_pixels": .., "max_pixels": ..}, pixels of the resized image).
     """
     _check_load_args(pipelined, max_batch_size, max_model_len, kv_cache_bytes, max_step_tokens)
     for name, flag in (("prefix_cache", prefix_cache), ("jump_forward", jump_forward)):
         if not isinstance(flag, bool):
             raise TypeError(f"{name} must be True or False, got {flag!r}")
     source = _model_source(path)
-    loaded = engine_models.load(source, device=device, dtype=dtype, image_cache_bytes=image_cache_bytes)
+    loaded = engine_models.load(
+        source, device=device, dtype=dtype, image_cache_bytes=image_cache_bytes, image_options=image_options
+    )
     folder = Path(source) if Path(source).is_dir() else None
     family = loaded.runner.family
     skills = skills_for(
-        folder, loaded.family, loaded.tokenizer, family.image_token if family.has_vision else None
+        folder,
+        loaded.family,
+        loaded.tokenizer,
+        family.image_token if family.has_vision else None,
+        processor=loaded.processor,
     )
     config = engine_config(
         loaded, pipelined, max_batch_size, max_model_len, kv_cache_bytes, prefix_cache, max_step_tokens, jump_forward
@@ -370,6 +380,8 @@ class Model:
         decoded, key = self._image(image, task.skill)
         with self._lock:
             prompt = self.loaded.processor(task.prompt_for(decoded is not None), decoded, image_key=key)
+            if task.for_prompt is not None:  # the answer's scale is the processed image's (Qwen2.5-VL)
+                task = task.for_prompt(task, prompt)
             max_tokens = self._budget(len(prompt.token_ids), settings.max_tokens, explicit)
             if spatial_answer:  # its item count is sized to the budget, then compiled
                 task = self._fit_items(task, len(prompt.token_ids), max_tokens)

@@ -63,6 +63,9 @@ class Task:
     parse: Callable[[str], Any] | None = None  # the model's text -> the value; None: the compiled spec's own
     keep_special: bool = False  # parse the text with special tokens kept (location tokens may be special)
     prompt_without_image: str | None = None  # the prompt when the call has no image (None: `prompt`)
+    # (task, processed prompt) -> the task for that prompt, where the answer's scale depends on the
+    # processed image (Qwen2.5-VL answers in pixels of the resized input: qwen_skills.py); None: as is
+    for_prompt: Callable[[Task, Any], Task] | None = None
 
     @property
     def skill(self) -> str:
@@ -323,8 +326,11 @@ class _LockedRenderer:
             return _render_turn(self._tokenizer, text)
 
 
-def skills_for(folder: Path | None, family: str, tokenizer: Any, image_token: str | None) -> Skills:
-    """The skills of a loaded model: shapes (folder has foveal.json), PaliGemma, or chat."""
+def skills_for(
+    folder: Path | None, family: str, tokenizer: Any, image_token: str | None, processor: Any = None
+) -> Skills:
+    """The skills of a loaded model: shapes (folder has foveal.json), PaliGemma, Qwen-VL, or chat.
+    `processor`: the model's input processor (Qwen2.5-VL's answers are on its resized image sizes)."""
     if folder is not None and (folder / FORMAT_FILE).is_file():
         fmt = ShapesFormat.load(folder)
         if fmt.family != family:
@@ -335,6 +341,11 @@ def skills_for(folder: Path | None, family: str, tokenizer: Any, image_token: st
         return ShapesSkills(fmt, special_texts(tokenizer))
     if family == "paligemma":
         return PaliGemmaSkills(special_texts(tokenizer))
+    if family in ("qwen2_5_vl", "qwen3_vl"):
+        from foveal.qwen_skills import QwenSkills  # it builds on ChatSkills, below
+
+        absolute = family == "qwen2_5_vl"
+        return QwenSkills(tokenizer, image_token, absolute, processor.resized_sizes if absolute else None)
     return ChatSkills(tokenizer, image_token)
 
 

@@ -107,6 +107,8 @@ def reference_greedy(
     kwargs = {}
     if prompt.prefill is not None:
         kwargs = {key: prompt.prefill.image_tensors[key].to(device) for key in family.image_keys}
+        if "mm_token_type_ids" in prompt.prefill.image_tensors:  # Qwen-VL: what its rope index reads
+            kwargs["mm_token_type_ids"] = prompt.prefill.image_tensors["mm_token_type_ids"].to(device)
         if family.prefix_attention:
             prefix = prompt.prefill.prefix_len
             kwargs["token_type_ids"] = torch.tensor([[0] * prefix + [1] * (len(prompt.token_ids) - prefix)], device=device)

@@ -220,6 +220,11 @@ BUILDERS = {
     "llava": build_llava,
 }
 
+# Qwen2.5-VL and Qwen3-VL: their own module (Qwen's tokenizer layout, M-RoPE prompts); it imports this one.
+from foveal.testing import tiny_qwen  # noqa: E402
+
+BUILDERS.update(qwen2_5_vl=tiny_qwen.build_qwen2_5_vl, qwen3_vl=tiny_qwen.build_qwen3_vl)
+
 
 def build(family: str, folder: str | Path) -> Path:
     """Write the tiny random checkpoint of `family` (a key of BUILDERS) to `folder`; returns the folder."""
@@ -230,7 +235,10 @@ def build(family: str, folder: str | Path) -> Path:
 
 def family_prompts(loaded: Any) -> list[PromptInputs]:
     """Five prompts of different lengths (with five different images for vision families); vision
-    families that can also take a text-only prompt get a sixth one without an image."""
+    families that can also take a text-only prompt get a sixth one without an image. Qwen-VL: chat
+    prompts with images of four sizes, one prompt with two images, one without (tiny_qwen.prompts)."""
+    if loaded.family in tiny_qwen.FAMILIES:
+        return tiny_qwen.prompts(loaded)
     if loaded.runner.family.processor_class is None:
         return [loaded.processor(p) for p in PROMPTS]
     prompts = [loaded.processor(p, im) for p, im in zip(PROMPTS, images(), strict=True)]

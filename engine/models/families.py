@@ -33,6 +33,9 @@ class Family:
     # How the model's forward takes precomputed features (`mm_encoder_outputs["image"].pooler_output`):
     # a list of [tokens, hidden] tensors (LLaVA, Idefics3 concatenate it) or one tensor (PaliGemma).
     features_as_list: bool = False
+    # A module (dotted path) with the family's own loading code where data is not enough (qwen_vl.py:
+    # check_config, load_processor, make_runner, make_input_processor); None: the generic runner.
+    adapter: str | None = None
 
     @property
     def has_vision(self) -> bool:
@@ -81,6 +84,25 @@ FAMILIES: tuple[Family, ...] = (
         image_token="<image>",
         image_keys=("pixel_values",),
         features_as_list=True,
+    ),
+    # M-RoPE, their processors without the video part, Qwen3-VL's DeepStack: engine/models/qwen_vl.py.
+    Family(
+        "qwen2_5_vl",
+        ("Qwen2_5_VLForConditionalGeneration",),
+        processor_class="Qwen2_5_VLProcessor",
+        image_token="<|vision_start|><|image_pad|><|vision_end|>",
+        image_keys=("pixel_values", "image_grid_thw"),
+        features_as_list=True,
+        adapter="foveal.engine.models.qwen_vl",
+    ),
+    Family(
+        "qwen3_vl",
+        ("Qwen3VLForConditionalGeneration",),
+        processor_class="Qwen3VLProcessor",
+        image_token="<|vision_start|><|image_pad|><|vision_end|>",
+        image_keys=("pixel_values", "image_grid_thw"),
+        features_as_list=True,
+        adapter="foveal.engine.models.qwen_vl",
     ),
 )
 

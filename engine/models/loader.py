@@ -11,6 +11,7 @@ in milliseconds with a message that says what to do.
 
 from __future__ import annotations
 
+import importlib
 import importlib.util
 import json
 import os
@@ -51,6 +52,7 @@ def load(
     dtype: str | torch.dtype | None = None,
     image_cache_bytes: int = DEFAULT_IMAGE_CACHE_BYTES,
     quantize: str | None = None,
+    image_options: dict[str, Any] | None = None,
 ) -> LoadedModel:
     """Load a checkpoint for the engine. device "auto": CUDA when available; dtype None: bf16 on CUDA, fp32 on CPU.
 
@@ -58,6 +60,8 @@ def load(
     `quantize`: None, "int8" or "int4" (CPU): weight-only quantization of the text decoder's linear
     layers (the LM head is int8 in both modes; quant.py). A GGUF file keeps its own Q4 blocks as
     int4 and its vocabulary matrix as int8 whatever the mode; the mode applies to its other layers.
+    `image_options`: the image processor's resolution bounds where the family has them (Qwen-VL:
+    {"min_pixels": .., "max_pixels": ..}); refused for families without.
     """
     if isinstance(image_cache_bytes, bool) or not isinstance(image_cache_bytes, int) or image_cache_bytes < 0:
         raise ModelLoadError(
@@ -76,12 +80,16 @@ def load(
     if path.suffix == ".gguf":
         if not path.is_file():
             raise ModelLoadError(f"no such GGUF file: {path}")
+        if image_options:
+            raise ModelLoadError(
+                "image_options apply to Qwen-VL folders; a .gguf file has no image processor"
+            )
         return _load_gguf(path, dev, torch_dtype, image_cache_bytes, quantize)
     if not path.exists():
         if not looks_like_hub_id(source):
             raise ModelLoadError(f"{source!r} is neither a folder nor a hub id of the form 'org/name'")
         path = resolve_hub_id(source)
-    return _load_folder(path, dev, torch_dtype, source, image_cache_bytes, quantize)
+    return _load_folder(path, dev, torch_dtype, source, image_cache_bytes, quantize, image_options)
 
 
 def check_quantize(quantize: object) -> None:
@@ -161,6 +169,8 @@ def check_folder(path: Path) -> None:
 def check_attention(text_config: dict) -> None:
     """Refuse attention variants the paged attention does not implement (they would run, wrongly)."""
     for key in ("attn_logit_softcapping", "sliding_window"):
+        if key == "sliding_window" and text_config.get("use_sliding_window") is False:
+            continue  # Qwen2-style configs name a window they do not use
         if text_config.get(key) is not None:
             raise ModelLoadError(
                 f"the text model sets {key}={text_config[key]!r}, which foveal's paged attention does not "
@@ -169,20 +179,36 @@ def check_attention(text_config: dict) -> None:
 
 
 def _load_folder(
-    path: Path, device: torch.device, dtype: torch.dtype, source: str, image_cache_bytes: int, quantize: str | None
+    path: Path,
+    device: torch.device,
+    dtype: torch.dtype,
+    source: str,
+    image_cache_bytes: int,
+    quantize: str | None = None,
+    image_options: dict[str, Any] | None = None,
 ) -> LoadedModel:
     check_folder(path)
     # The architecture is checked from the raw JSON: AutoConfig would ask for trust_remote_code first.
     raw = json.loads((path / "config.json").read_text())
     family, arch = family_for(raw.get("architectures"))
+    adapter = _adapter(family)
+    if image_options and adapter is None:
+        raise ModelLoadError(
+            f"image_options are not supported for {family.name}; its image processor has fixed sizes"
+        )
     check_attention(raw.get("text_config") or raw)
+    if adapter is not None:
+        adapter.check_config(raw, path)
     if family.has_vision and not any(
         (path / n).is_file() for n in ("preprocessor_config.json", "processor_config.json")
     ):
         raise ModelLoadError(
             f"{path} has no preprocessor_config.json; save the image processor with the model"
         )
-    hf_processor, tokenizer = _load_processor(family, path)
+    if adapter is not None:
+        hf_processor, tokenizer = adapter.load_processor(family, path, image_options)
+    else:
+        hf_processor, tokenizer = _load_processor(family, path)
     model = getattr(transformers, arch).from_pretrained(
         path, dtype=dtype, attn_implementation=_attn_implementation(family), use_safetensors=True
     )
@@ -192,6 +218,11 @@ def _load_folder(
         except ValueError as error:
             raise ModelLoadError(str(error)) from None
     return _assemble(model.to(device), family, tokenizer, hf_processor, source, image_cache_bytes)
+
+
+def _adapter(family: Family) -> Any:
+    """The module with a family's own loading code (Family.adapter), or None."""
+    return importlib.import_module(family.adapter) if family.adapter else None
 
 
 def _load_gguf(
@@ -266,14 +297,22 @@ def _attn_implementation(family: Family) -> str | dict[str, str]:
 def _assemble(
     model: Any, family: Family, tokenizer: Any, hf_processor: Any, source: str, image_cache_bytes: int
 ) -> LoadedModel:
-    runner = HFRunner(model, family, image_cache_bytes=image_cache_bytes)
+    adapter = _adapter(family)
+    if adapter is not None:
+        runner = adapter.make_runner(model, family, image_cache_bytes)
+    else:
+        runner = HFRunner(model, family, image_cache_bytes=image_cache_bytes)
     if len(tokenizer) > runner.vocab_size:
         raise ModelLoadError(
             f"the tokenizer has {len(tokenizer)} tokens but the model's vocabulary has {runner.vocab_size}: "
             "they do not belong together; save the checkpoint's own tokenizer into the folder"
         )
     image_token_id = getattr(model.config, "image_token_id", None) if family.has_vision else None
-    processor = InputProcessor(family, tokenizer, hf_processor, runner.device, runner.dtype, image_token_id)
+    if adapter is not None:
+        processor = adapter.make_input_processor(family, tokenizer, hf_processor, model, runner)
+    else:
+        device, dtype = runner.device, runner.dtype
+        processor = InputProcessor(family, tokenizer, hf_processor, device, dtype, image_token_id)
     return LoadedModel(runner, tokenizer, processor, _eos_ids(model, tokenizer), family.name, source)
 
 

@@ -111,20 +111,24 @@ class HFRunner:
         context = build_context(batch, kv, prefix_lens, self.dtype)
         # images whose tokens the prefix cache held entirely need no features (nor an encoder run)
         images = [p for p in batch.prefill if p is not None and p.num_image_tokens > p.cached_image_tokens]
-        positions = batch.positions + self.family.position_offset
         # A decode launch has one query token per sequence: every row is a last row.
         last = None if batch.is_decode else batch.query_start[1:].to(torch.int64) - 1
         if self.lean is not None and not images:
-            return self.lean(batch.input_ids, positions, last, context)
+            return self.lean(batch.input_ids, self.position_ids(batch)[0], last, context)
         out = self.model(
             input_ids=batch.input_ids[None],
-            position_ids=positions[None],
+            position_ids=self.position_ids(batch),
             use_cache=False,
             logits_to_keep=batch.query_start[1:].to(torch.int64) - 1,
             foveal_context=context,
             **self._image_inputs(images),
         )
         return out.logits[0].float()
+
+    def position_ids(self, batch: ForwardBatch) -> torch.Tensor:
+        """The model's `position_ids`: [1, T], the batch's positions shifted by the family's offset.
+        Families with multimodal positions override it (qwen_vl.py: M-RoPE, [3, 1, T])."""
+        return (batch.positions + self.family.position_offset)[None]
 
     def _image_inputs(self, images: list[PrefillInputs]) -> dict[str, Any]:
         """`mm_encoder_outputs` for the launch's images in sequence order: cached features, misses encoded at once.

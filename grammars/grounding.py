@@ -1,0 +1,354 @@
+"""Native grounding answers with integer coordinates (Qwen-VL's `bbox_2d` / `point_2d` JSON), geometry enforced.
+
+Shape (the layout Qwen2.5-VL and Qwen3-VL answer in), with at most `max_objects` items:
+
+    ```json
+    [
+    \t{"bbox_2d": [x1, y1, x2, y2], "label": "car"},
+    \t{"bbox_2d": [x1, y1, x2, y2], "label": "car"}
+    ]
+    ```
+
+points as `{"point_2d": [x, y], "label": ...}`, no items as `[]`. Coordinates are decimal integers
+(no leading zeros) on a `width` x `height` scale: x in [0, width], y in [0, height]. Qwen2.5-VL's scale
+is the resized input image in pixels (the spec is made per image), Qwen3-VL's is 1000 x 1000. A box
+has x1 < x2 and y1 < y2, so x1 <= width - 1 and y1 <= height - 1 (room for a larger max: the mask is
+never empty). The label is the literal object phrase. `parse_answer` maps the text to foveal's
+normalized result, `{"objects": [{"x_min": x1 / width, ...}]}` / `{"points": [{"x": x / width, ...}]}`:
+the resize maps the whole original image onto the whole input, so fractions of the input are
+fractions of the original.
+
+PROBLEM: x2 > x1 and y2 > y1 relate two numbers that a context-free grammar cannot compare compactly
+(bounded.py explains it for 3-decimal JSON numbers).
+SOLUTION: llguidance enforces the shape (a Lark grammar: fence, keys, each field's own range); a
+composite matcher (`GroundingBoxMatcher`) refines the mask while x2 or y2 is written, from the
+committed text: with the digits so far p and the bound (lo, hi] = (x1, width], a token whose bytes
+are digits d followed by nothing may come if some integer in the range starts with p + d; digits d
+followed by other bytes only if int(p + d) is in the range. Tokens are grouped by their leading
+digits once per automaton, so a mask costs one pass over the groups (Qwen's tokenizer has one digit
+per token: 11 groups), cached per (p, lo, hi). Inside a box array, a token that holds digits after
+other bytes (`, 4`) would start the next number unchecked; such tokens are refused there.
+INVARIANTS (tests/grammars/test_grounding.py):
+1. Every answer a random walk under the mask reaches parses, with every box x1 < x2 <= width,
+   y1 < y2 <= height, and at most max_objects items; the mask is never empty before termination.
+2. commit() of a token that breaks a bound raises GrammarViolation and changes nothing.
+3. `int_range(lo, hi)` matches exactly the decimal integers in [lo, hi].
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+import llguidance
+import numpy as np
+
+from .automaton import Automaton, compile_template
+from .bitmask import row_view
+from .cache import LRUCache
+from .errors import GrammarViolation, SchemaError
+from .matcher import Matcher
+from .spatial import SpatialSpec
+from .specs import GrammarSource
+from .tokenizer import TokenizerHandle
+
+FENCE_OPEN, FENCE_CLOSE = "```json\n[", "]\n```"
+ITEM_OPEN, ITEM_SEP, ITEMS_CLOSE = "\n\t", ",\n\t", "\n"
+KEYS = {"boxes": "bbox_2d", "points": "point_2d"}
+_DIGITS = frozenset(b"0123456789")
+
+
+def int_range(lo: int, hi: int) -> str:
+    """Regex of the decimal integers in [lo, hi] (0 <= lo <= hi), without leading zeros."""
+    if not 0 <= lo <= hi:
+        raise ValueError(f"empty or negative range [{lo}, {hi}]")
+    alternatives = []
+    for width in range(len(str(lo)), len(str(hi)) + 1):
+        first = max(lo, 10 ** (width - 1) if width > 1 else 0)
+        last = min(hi, 10**width - 1)
+        if first <= last:
+            alternatives.append(_same_width(str(first), str(last)))
+    return "(" + "|".join(alternatives) + ")"
+
+
+def _same_width(a: str, b: str) -> str:
+    """Regex of the digit strings of len(a) == len(b) between a and b inclusive."""
+    if not a:
+        return ""
+    if set(a) == {"0"} and set(b) == {"9"}:
+        return f"[0-9]{{{len(a)}}}"
+    if a[0] == b[0]:
+        return a[0] + _same_width(a[1:], b[1:])
+    rest = len(a) - 1
+    parts = [a[0] + _same_width(a[1:], "9" * rest)]
+    if int(b[0]) - int(a[0]) > 1:
+        parts.append(f"[{int(a[0]) + 1}-{int(b[0]) - 1}]" + (f"[0-9]{{{rest}}}" if rest else ""))
+    parts.append(b[0] + _same_width("0" * rest, b[1:]))
+    return "(" + "|".join(parts) + ")"
+
+
+@dataclass(frozen=True, slots=True)
+class GroundingSpec(SpatialSpec):
+    """Qwen-VL grounding answers on a width x height integer scale; pass to `grammars.compile`.
+
+    `width` / `height` None: not yet bound to an image (Qwen2.5-VL's scale is the resized input);
+    such a spec cannot be compiled.
+    """
+
+    encoding: str = "grounding"
+    width: int | None = None
+    height: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.kind not in KEYS:
+            raise SchemaError(f"grounding kind {self.kind!r} is unknown; use 'points' or 'boxes'")
+        if self.encoding != "grounding":
+            raise SchemaError("a GroundingSpec's encoding is 'grounding'")
+        if self.max_objects < 1:
+            raise SchemaError(f"max_objects={self.max_objects}; it must be at least 1")
+        for name in ("width", "height"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or value < 1):
+                raise SchemaError(f"{name}={value!r}; the coordinate scale must be a positive integer")
+
+    @property
+    def bound(self) -> bool:
+        return self.width is not None and self.height is not None
+
+    def item(self, coords: list[int]) -> str:
+        return f'{{"{KEYS[self.kind]}": [{", ".join(map(str, coords))}], "label": {json.dumps(self.label)}}}'
+
+    def example_answer(self, items: int) -> str:
+        """An answer of `items` items with the longest coordinates (what a token budget must hold)."""
+        w, h = self.width or 1000, self.height or 1000
+        coords = [w - 1, h - 1, w, h] if self.kind == "boxes" else [w, h]
+        body = ITEM_SEP.join([self.item(coords)] * items)
+        return FENCE_OPEN + (ITEM_OPEN + body + ITEMS_CLOSE if items else "") + FENCE_CLOSE
+
+    def cache_key(self) -> str:
+        return f"grounding:{self.kind}:{self.max_objects}:{self.width}x{self.height}:{json.dumps(self.label)}"
+
+    def lark(self) -> str:
+        key, w, h = KEYS[self.kind], self.width, self.height
+        open_item = json.dumps(f'{{"{key}": [')
+        close_item = json.dumps(f'], "label": {json.dumps(self.label)}}}')
+        if self.kind == "boxes":
+            fields = 'XLO ", " YLO ", " XHI ", " YHI'
+            terminals = [
+                f"XLO: /{int_range(0, w - 1)}/",
+                f"YLO: /{int_range(0, h - 1)}/",
+                f"XHI: /{int_range(1, w)}/",
+                f"YHI: /{int_range(1, h)}/",
+            ]
+        else:
+            fields = 'X ", " Y'
+            terminals = [f"X: /{int_range(0, w)}/", f"Y: /{int_range(0, h)}/"]
+        more = f" ({json.dumps(ITEM_SEP)} item){{0,{self.max_objects - 1}}}" if self.max_objects > 1 else ""
+        return "\n".join(
+            [
+                f"start: {json.dumps(FENCE_OPEN)} items? {json.dumps(FENCE_CLOSE)}",
+                f"items: {json.dumps(ITEM_OPEN)} item{more} {json.dumps(ITEMS_CLOSE)}",
+                f"item: {open_item} {fields} {close_item}",
+                *terminals,
+            ]
+        )
+
+    def build(self, handle: TokenizerHandle, key: str) -> Automaton:
+        if not self.bound:
+            raise SchemaError(
+                "this grounding spec has no coordinate scale yet (width/height None): bind it to the image first"
+            )
+        lark = self.lark()
+        source = GrammarSource("lark", key, llguidance.LLMatcher.grammar_from_lark(lark))
+        extra = (tables_for(handle), self.width, self.height) if self.kind == "boxes" else None
+        return Automaton(
+            key=key,
+            kind=f"grounding-{self.kind}",
+            grammar=lark,
+            tokenizer=handle,
+            template=compile_template(handle, source),
+            extra=extra,
+            **({"matcher_class": GroundingBoxMatcher} if self.kind == "boxes" else {}),
+        )
+
+    def parse_answer(self, text: str) -> dict:
+        """foveal's normalized result of an answer: boxes as x_min..y_max, points as x, y, fractions of the scale."""
+        if not self.bound:
+            raise SchemaError("cannot parse a grounding answer without its coordinate scale (width/height)")
+        body = text.strip()
+        if not (body.startswith("```json") and body.endswith("```")):
+            raise ValueError(f"not a fenced JSON answer: {text[:80]!r}")
+        items = json.loads(body[len("```json") : -len("```")])
+        w, h = self.width, self.height
+        if self.kind == "points":
+            return {"points": [_point(item["point_2d"], w, h) for item in items]}
+        return {"objects": [_box(item["bbox_2d"], w, h) for item in items]}
+
+
+def _box(coords: list[int], w: int, h: int) -> dict[str, float]:
+    x1, y1, x2, y2 = coords
+    return {"x_min": x1 / w, "y_min": y1 / h, "x_max": x2 / w, "y_max": y2 / h}
+
+
+def _point(coords: list[int], w: int, h: int) -> dict[str, float]:
+    x, y = coords
+    return {"x": x / w, "y": y / h}
+
+
+# ---- the x2 > x1, y2 > y1 refinement ----------------------------------------------------------------------------
+
+
+def _viable(prefix: str, lo: int, hi: int) -> bool:
+    """Some integer in [lo, hi], written without leading zeros, starts with `prefix` (digits)."""
+    if not prefix:
+        return lo <= hi
+    if prefix[0] == "0" and prefix != "0":
+        return False
+    if prefix == "0":
+        return lo <= 0
+    head = int(prefix)
+    for extra in range(len(str(hi)) - len(prefix) + 1):
+        first, last = head * 10**extra, (head + 1) * 10**extra - 1
+        if first <= hi and last >= lo:
+            return True
+    return False
+
+
+@dataclass(slots=True)
+class GroundingTables:
+    """Per automaton: tokens grouped by their leading digits, and the cached refinement masks."""
+
+    handle: TokenizerHandle
+    token_bytes: list[bytes] = field(init=False)
+    # (leading digits, more bytes after them) -> token ids
+    groups: dict[tuple[str, bool], np.ndarray] = field(init=False)
+    free: np.ndarray = field(init=False)  # every token but the straddling ones
+    _masks: dict[tuple[str, int, int], np.ndarray] = field(init=False, default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self.token_bytes = self.handle.token_bytes()
+        groups: dict[tuple[str, bool], list[int]] = {}
+        for token_id, data in enumerate(self.token_bytes):
+            digits = len(data) - len(data.lstrip(b"0123456789"))
+            rest = data[digits:]
+            if any(b in _DIGITS for b in rest):
+                continue  # digits after other bytes: refused inside a box (see the module docstring)
+            groups.setdefault((data[:digits].decode(), bool(rest)), []).append(token_id)
+        self.groups = {k: np.asarray(v, dtype=np.int64) for k, v in groups.items()}
+        bits = np.zeros(self.handle.mask_words * 32, dtype=bool)
+        for ids in self.groups.values():
+            bits[ids] = True
+        self.free = np.packbits(bits, bitorder="little").view(np.int32)
+
+    def mask(self, partial: str, lo: int, hi: int) -> np.ndarray:
+        """Allowed tokens while a number in [lo, hi] is written and `partial` holds its digits so far."""
+        key = (partial, lo, hi)
+        cached = self._masks.get(key)
+        if cached is None:
+            bits = np.zeros(self.handle.mask_words * 32, dtype=bool)
+            for (digits, more), ids in self.groups.items():
+                number = partial + digits
+                if more:
+                    ok = bool(number) and lo <= int(number) <= hi and _viable(number, lo, hi)
+                else:
+                    ok = _viable(number, lo, hi)
+                if ok:
+                    bits[ids] = True
+            cached = np.packbits(bits, bitorder="little").view(np.int32)
+            if len(self._masks) > 4096:
+                self._masks.clear()
+            self._masks[key] = cached
+        return cached
+
+    def allows(self, mask: np.ndarray, token_id: int) -> bool:
+        return bool((int(mask[token_id >> 5]) >> (token_id & 31)) & 1)
+
+
+# One GroundingTables per tokenizer: Qwen2.5-VL compiles one automaton per resized image size, and
+# grouping a 150k-token vocabulary takes longer than compiling the grammar.
+_TABLES: LRUCache[GroundingTables] = LRUCache(maxsize=16)
+
+
+def tables_for(handle: TokenizerHandle) -> GroundingTables:
+    tables = _TABLES.get(handle.key)
+    if tables is None:
+        tables = GroundingTables(handle)
+        _TABLES.put(handle.key, tables)
+    return tables
+
+
+_OPEN = b'"bbox_2d": ['
+_UNBOUNDED = 10**12  # x1, y1: their ranges are llguidance's; here only straddling tokens are refused
+
+
+class GroundingBoxMatcher(Matcher):
+    """Boxes as [x1, y1, x2, y2]: while x2 (y2) is written, its value is held in (x1, width] ((y1, height])."""
+
+    __slots__ = ("_tables", "_w", "_h", "_text", "_lengths")
+    refines = True
+
+    def __init__(self, automaton: Automaton, ll: llguidance.LLMatcher) -> None:
+        super().__init__(automaton, ll)
+        self._tables, self._w, self._h = automaton.extra
+        self._text = bytearray()
+        self._lengths: list[int] = []  # bytes each committed token added
+
+    def _constraint(self) -> np.ndarray | None:
+        """The refinement mask inside a box array (None outside one)."""
+        text = self._text
+        start = text.rfind(_OPEN)
+        if start < 0:
+            return None
+        body = bytes(text[start + len(_OPEN) :])
+        if b"]" in body:
+            return None
+        fields = body.split(b", ")
+        partial = fields[-1]
+        if partial and not partial.isdigit():  # a separator is being written: no number in progress
+            return self._tables.free
+        digits = partial.decode()
+        if len(fields) == 3:
+            return self._tables.mask(digits, int(fields[0]) + 1, self._w)
+        if len(fields) == 4:
+            return self._tables.mask(digits, int(fields[1]) + 1, self._h)
+        return self._tables.mask(digits, 0, _UNBOUNDED)
+
+    def commit(self, token_id: int) -> None:
+        mask = self._constraint()
+        if mask is not None and not self._tables.allows(mask, token_id):
+            raise GrammarViolation(
+                token_id, self.automaton.tokenizer.token_text(token_id), "a box's max must exceed its min"
+            )
+        super().commit(token_id)
+        data = self._tables.token_bytes[token_id] if token_id < len(self._tables.token_bytes) else b""
+        self._text += data
+        self._lengths.append(len(data))
+
+    def forced_tokens(self) -> list[int]:
+        """llguidance's forced tokens (jump-forward), cut before the first that holds a digit: llguidance
+        does not know the x2 / y2 bounds (in practice no coordinate is forced: every range has several
+        values; a digit in the label only loses its jump)."""
+        forced = super().forced_tokens()
+        texts = self._tables.token_bytes
+        for index, token in enumerate(forced):
+            if token >= len(texts) or _DIGITS.intersection(texts[token]):
+                return forced[:index]
+        return forced
+
+    def _refine(self, ptr: int, row: int, words: int) -> None:
+        mask = self._constraint()
+        if mask is not None:
+            row_view(ptr, row, words)[:] &= mask
+
+    def rollback(self, n: int) -> None:
+        super().rollback(n)
+        for _ in range(n):
+            cut = self._lengths.pop()
+            if cut:
+                del self._text[-cut:]
+
+
+def grounding(kind: str, **fields: Any) -> GroundingSpec:
+    """A GroundingSpec of `kind` ("boxes" or "points"): max_objects, label, width, height."""
+    return GroundingSpec(kind, **fields)
