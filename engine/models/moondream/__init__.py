@@ -1,0 +1,6 @@
+"""Moondream 2 on foveal's engine, implemented natively (no remote code from the checkpoint folder).
+
+Files: config.py (dims, special ids, templates), weights.py (the real tensor names), vision.py
+(tiling, preprocessing, encoder, stitching, projection), text.py (the decoder on paged KV),
+region.py (Fourier features, coordinate / size heads, region-value ids), layers.py.
+"""
