@@ -63,6 +63,9 @@ class Task:
     parse: Callable[[str], Any] | None = None  # the model's text -> the value; None: the compiled spec's own
     keep_special: bool = False  # parse the text with special tokens kept (location tokens may be special)
     prompt_without_image: str | None = None  # the prompt when the call has no image (None: `prompt`)
+    # Free text under the family's own decode rules: a factory of one call's matcher (Moondream masks
+    # its answer id after the first token). None: unconstrained. Used only when `spec` is None.
+    rules: Callable[[], Any] | None = None
 
     @property
     def skill(self) -> str:
@@ -324,7 +327,11 @@ class _LockedRenderer:
 
 
 def skills_for(folder: Path | None, family: str, tokenizer: Any, image_token: str | None) -> Skills:
-    """The skills of a loaded model: shapes (folder has foveal.json), PaliGemma, or chat."""
+    """The skills of a loaded model: shapes (folder has foveal.json), PaliGemma, Moondream, or chat."""
+    if family == "moondream":
+        from foveal.moondream_skills import MoondreamSkills  # lazily: it imports this module
+
+        return MoondreamSkills(tokenizer.moondream_config, tokenizer)
     if folder is not None and (folder / FORMAT_FILE).is_file():
         fmt = ShapesFormat.load(folder)
         if fmt.family != family:

@@ -154,6 +154,10 @@ def _load_folder(
     check_folder(path)
     # The architecture is checked from the raw JSON: AutoConfig would ask for trust_remote_code first.
     raw = json.loads((path / "config.json").read_text())
+    from foveal.engine.models import moondream  # lazily: it imports this module
+
+    if moondream.is_moondream(raw):  # foveal's own implementation, no transformers class
+        return moondream.load_folder(path, device, dtype, source, image_cache_bytes)
     family, arch = family_for(raw.get("architectures"))
     check_attention(raw.get("text_config") or raw)
     if family.has_vision and not any(

@@ -4,3 +4,7 @@ Files: config.py (dims, special ids, templates), weights.py (the real tensor nam
 (tiling, preprocessing, encoder, stitching, projection), text.py (the decoder on paged KV),
 region.py (Fourier features, coordinate / size heads, region-value ids), layers.py.
 """
+
+from foveal.engine.models.moondream.loader import is_moondream, load_folder
+
+__all__ = ["is_moondream", "load_folder"]

@@ -72,7 +72,11 @@ class RegionConfig:
 
 def _real_templates() -> dict[str, dict[str, list[int]]]:
     return {
-        "caption": {"short": [1, 32708, 2, 12492, 3], "normal": [1, 32708, 2, 6382, 3], "long": [1, 32708, 2, 4059, 3]},
+        "caption": {
+            "short": [1, 32708, 2, 12492, 3],
+            "normal": [1, 32708, 2, 6382, 3],
+            "long": [1, 32708, 2, 4059, 3],
+        },
         "query": {"prefix": [1, 15381, 2], "suffix": [3]},
         "detect": {"prefix": [1, 7235, 476, 2], "suffix": [3]},
         "point": {"prefix": [1, 2581, 2], "suffix": [3]},
@@ -113,10 +117,17 @@ class MoondreamConfig:
     def from_dict(cls, entry: dict[str, Any] | None) -> MoondreamConfig:
         """From the `config` entry of config.json; None or {} is the real model."""
         entry = dict(entry or {})
-        parts = {"text": TextConfig, "vision": VisionConfig, "region": RegionConfig, "tokenizer": TokenizerConfig}
+        parts = {
+            "text": TextConfig,
+            "vision": VisionConfig,
+            "region": RegionConfig,
+            "tokenizer": TokenizerConfig,
+        }
         unknown = sorted(set(entry) - set(parts))
         if unknown:
-            raise ModelLoadError(f"config.json's 'config' entry has unknown sections {unknown}; known: {sorted(parts)}")
+            raise ModelLoadError(
+                f"config.json's 'config' entry has unknown sections {unknown}; known: {sorted(parts)}"
+            )
         built = {name: _build(kind, entry.get(name) or {}, name) for name, kind in parts.items()}
         config = cls(**built)
         config.check()
@@ -131,21 +142,27 @@ class MoondreamConfig:
         if t.n_heads % t.n_kv_heads:
             raise ModelLoadError(f"text n_heads {t.n_heads} is not a multiple of n_kv_heads {t.n_kv_heads}")
         if v.enc_dim % v.enc_n_heads:
-            raise ModelLoadError(f"vision enc_dim {v.enc_dim} is not a multiple of enc_n_heads {v.enc_n_heads}")
+            raise ModelLoadError(
+                f"vision enc_dim {v.enc_dim} is not a multiple of enc_n_heads {v.enc_n_heads}"
+            )
         if v.enc_patch_size != PATCH_SIZE or v.crop_size != CROP_SIZE:
             raise ModelLoadError(
                 f"vision crop {v.crop_size} / patch {v.enc_patch_size}: the reference's crops are fixed at "
                 f"{CROP_SIZE} / {PATCH_SIZE}; a checkpoint with others is not Moondream 2"
             )
         if self.text.group_size is not None or self.region.group_size is not None:
-            raise ModelLoadError("int4 quantized Moondream checkpoints (group_size set) are not supported; use the bf16 one")
+            raise ModelLoadError(
+                "int4 quantized Moondream checkpoints (group_size set) are not supported; use the bf16 one"
+            )
 
 
 def _build(kind: type, values: dict[str, Any], section: str) -> Any:
     names = {f.name for f in dataclasses.fields(kind)}
     unknown = sorted(set(values) - names)
     if unknown:
-        raise ModelLoadError(f"config.json: config.{section} has unknown keys {unknown}; known: {sorted(names)}")
+        raise ModelLoadError(
+            f"config.json: config.{section} has unknown keys {unknown}; known: {sorted(names)}"
+        )
     if section == "tokenizer" and "templates" in values:
         templates = _real_templates()
         for skill, entry in (values["templates"] or {}).items():

@@ -89,7 +89,9 @@ class RegionHeads(nn.Module):
         logits = self.size_decoder(hidden)
         return logits.view(hidden.shape[0], 2, -1).argmax(dim=-1)
 
-    def embed_values(self, ids: torch.Tensor, vocab_size: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    def embed_values(
+        self, ids: torch.Tensor, vocab_size: int, dtype: torch.dtype
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """Embeddings of region-value ids (branch-free, so that a traced decode step takes them too):
         returns ([T, dim] embeddings, [T] bool: id is a region value). Rows that are tokens get junk."""
         offset = (ids - vocab_size).clamp(min=0)

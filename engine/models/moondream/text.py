@@ -33,7 +33,9 @@ from .layers import MLP, QKV
 
 def rotary_table(max_positions: int) -> tuple[torch.Tensor, torch.Tensor]:
     """cos, sin [max_positions, 16] in float32, built as the reference does (complex exp of t * freq)."""
-    freqs = 1.0 / (ROPE_THETA ** (torch.arange(0, ROTARY_DIM, 2, dtype=torch.float32)[: ROTARY_DIM // 2] / ROTARY_DIM))
+    freqs = 1.0 / (
+        ROPE_THETA ** (torch.arange(0, ROTARY_DIM, 2, dtype=torch.float32)[: ROTARY_DIM // 2] / ROTARY_DIM)
+    )
     angles = torch.arange(max_positions, dtype=torch.float32)[:, None] * freqs[None, :]
     rotation = torch.exp(1j * angles)
     return rotation.real.contiguous(), rotation.imag.contiguous()
@@ -82,10 +84,12 @@ class TextDecoder(nn.Module):
         num_tokens = x.shape[0]
         for index, block in enumerate(self.blocks):
             h = block.ln(x)
-            q, k, v = block.attn.qkv(h).split([heads * HEAD_DIM, kv_heads * HEAD_DIM, kv_heads * HEAD_DIM], dim=-1)
+            q, k, v = block.attn.qkv(h).split(
+                [heads * HEAD_DIM, kv_heads * HEAD_DIM, kv_heads * HEAD_DIM], dim=-1
+            )
             q = apply_rotary(q.view(num_tokens, heads, HEAD_DIM), cos, sin)
             k = apply_rotary(k.view(num_tokens, kv_heads, HEAD_DIM), cos, sin)
-            a = paged_attention(q, k, v.view(num_tokens, kv_heads, HEAD_DIM), ctx, index)
+            a = paged_attention(q, k, v.view(num_tokens, kv_heads, HEAD_DIM), ctx, index, heads != kv_heads)
             x = x + block.attn.proj(a.reshape(num_tokens, heads * HEAD_DIM)) + block.mlp(h)
         return x
 
@@ -93,7 +97,9 @@ class TextDecoder(nn.Module):
         return self.lm_head(self.post_ln(hidden))
 
 
-def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: PagedContext, layer: int) -> torch.Tensor:
+def paged_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: PagedContext, layer: int, gqa: bool = False
+) -> torch.Tensor:
     """q [T, H, D], k/v [T, Hkv, D] of the launch's tokens -> [T, H, D] attention outputs.
 
     Writes k/v at `ctx.kv_index` of this layer's cache, then attends over each sequence's pages."""
@@ -111,6 +117,6 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: Page
         keys.to(q.dtype),
         values.to(q.dtype),
         attn_mask=ctx.mask,
-        enable_gqa=q.shape[1] != k.shape[1],
+        enable_gqa=gqa,
     )
     return out.transpose(1, 2)[ctx.query_seq, ctx.query_row]

@@ -55,7 +55,9 @@ def tiling(height: int, width: int, max_crops: int = 12, overlap_margin: int = 4
     return max(1, th), max(1, tw)
 
 
-def crops(image: Image.Image, max_crops: int = 12, overlap_margin: int = 4) -> tuple[np.ndarray, tuple[int, int]]:
+def crops(
+    image: Image.Image, max_crops: int = 12, overlap_margin: int = 4
+) -> tuple[np.ndarray, tuple[int, int]]:
     """[1 + th*tw, 378, 378, 3] uint8 crops (global first, then tiles row-major) and the tiling."""
     image = image.convert("RGB")
     th, tw = tiling(image.height, image.width, max_crops, overlap_margin)

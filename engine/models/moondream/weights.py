@@ -46,7 +46,9 @@ class _Parts(nn.Module):
 class MoondreamWeights(nn.Module):
     """The whole model's parameters; `self.model` mirrors the HF wrapper's attribute of that name."""
 
-    def __init__(self, config: MoondreamConfig, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32) -> None:
+    def __init__(
+        self, config: MoondreamConfig, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32
+    ) -> None:
         super().__init__()
         self.config = config
         self.model = _Parts(config, device=device, dtype=dtype)
@@ -62,7 +64,9 @@ def describe_layout(names: list[str]) -> str:
     return f"an unknown layout (first keys: {sample})"
 
 
-def load_weights(path: Path, config: MoondreamConfig, device: torch.device, dtype: torch.dtype) -> MoondreamWeights:
+def load_weights(
+    path: Path, config: MoondreamConfig, device: torch.device, dtype: torch.dtype
+) -> MoondreamWeights:
     """Build the model on `device` in `dtype` and fill it from `path` (one safetensors file)."""
     expected = MoondreamWeights(config, device="meta")
     shapes = {name: tuple(p.shape) for name, p in expected.state_dict().items()}

@@ -14,7 +14,14 @@ from foveal.engine.models.moondream.weights import MoondreamWeights, load_weight
 
 TINY = {
     "text": {"dim": 128, "ff_dim": 256, "n_layers": 2, "vocab_size": 1024, "n_heads": 2, "n_kv_heads": 2},
-    "vision": {"enc_dim": 32, "enc_ff_dim": 64, "enc_n_heads": 2, "proj_out_dim": 128, "proj_inner_dim": 128, "enc_n_layers": 1},
+    "vision": {
+        "enc_dim": 32,
+        "enc_ff_dim": 64,
+        "enc_n_heads": 2,
+        "proj_out_dim": 128,
+        "proj_inner_dim": 128,
+        "enc_n_layers": 1,
+    },
     "region": {"dim": 128, "coord_feat_dim": 32, "size_feat_dim": 64, "inner_dim": 32},
 }
 
@@ -45,7 +52,10 @@ def test_config_refuses_unknown_keys():
 
 def _tiny_file(tmp_path, edit=None):
     config = MoondreamConfig.from_dict(TINY)
-    state = {k: torch.zeros(v.shape, dtype=torch.bfloat16) for k, v in MoondreamWeights(config, device="meta").state_dict().items()}
+    state = {
+        k: torch.zeros(v.shape, dtype=torch.bfloat16)
+        for k, v in MoondreamWeights(config, device="meta").state_dict().items()
+    }
     if edit:
         state = edit(state)
     path = tmp_path / "model.safetensors"
@@ -62,7 +72,9 @@ def test_loads_bf16_as_requested_dtype(tmp_path):
 
 
 def test_missing_tensor_is_named(tmp_path):
-    path, config = _tiny_file(tmp_path, lambda s: {k: v for k, v in s.items() if k != "model.text.post_ln.bias"})
+    path, config = _tiny_file(
+        tmp_path, lambda s: {k: v for k, v in s.items() if k != "model.text.post_ln.bias"}
+    )
     with pytest.raises(ModelLoadError, match=r"model\.text\.post_ln\.bias"):
         load_weights(path, config, torch.device("cpu"), torch.float32)
 
@@ -79,15 +91,24 @@ def test_misshapen_tensor_is_named(tmp_path):
 
 def test_older_layout_is_refused_naming_both_layouts(tmp_path):
     path = tmp_path / "model.safetensors"
-    save_file({"vision_encoder.encoder.model.visual.pos_embed": torch.zeros(1, 2),
-               "text_model.transformer.embd.wte.weight": torch.zeros(2, 2)}, path)
-    with pytest.raises(ModelLoadError, match=r"older vision_encoder\.\*.*foveal supports model\.\{vision,text,region\}"):
+    save_file(
+        {
+            "vision_encoder.encoder.model.visual.pos_embed": torch.zeros(1, 2),
+            "text_model.transformer.embd.wte.weight": torch.zeros(2, 2),
+        },
+        path,
+    )
+    with pytest.raises(
+        ModelLoadError, match=r"older vision_encoder\.\*.*foveal supports model\.\{vision,text,region\}"
+    ):
         load_weights(path, MoondreamConfig.from_dict(TINY), torch.device("cpu"), torch.float32)
 
 
 def test_config_json_format_roundtrip(tmp_path):
     """The fixture's config.json format: the dims live in the `config` entry; templates override the real ones."""
-    entry = json.loads(json.dumps({**TINY, "tokenizer": {"templates": {"query": {"prefix": [1, 21, 2], "suffix": [3]}}}}))
+    entry = json.loads(
+        json.dumps({**TINY, "tokenizer": {"templates": {"query": {"prefix": [1, 21, 2], "suffix": [3]}}}})
+    )
     config = MoondreamConfig.from_dict(entry)
     assert config.tokenizer.templates["query"]["prefix"] == [1, 21, 2]
     assert config.tokenizer.templates["detect"]["prefix"] == [1, 7235, 476, 2]  # the rest stay real

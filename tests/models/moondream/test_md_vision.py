@@ -58,7 +58,11 @@ def test_features_and_embeddings(md_dir, md_figures, md_tensors, weights, name):
         features = encoder.features(vision.normalize(crops))
         pooled = vision.pool_tiles(features[1:], tiling).view(27, 27, -1)
         (embedding,) = encoder.embed([vision.normalize(crops)], [tiling])
-    checks = [(features[0], f"{name}.vis_enc.global"), (pooled, f"{name}.vis_enc.local_pooled"), (embedding, f"{name}.img_emb")]
+    checks = [
+        (features[0], f"{name}.vis_enc.global"),
+        (pooled, f"{name}.vis_enc.local_pooled"),
+        (embedding, f"{name}.img_emb"),
+    ]
     if tiling != (1, 1):
         checks.append((vision.stitch_tiles(features[1:], tiling), f"{name}.vis_enc.local_reconstructed"))
     for got, key in checks:
