@@ -40,7 +40,10 @@ def build(folder: Path, seed: int = 0) -> Path:
     folder.mkdir(parents=True, exist_ok=True)
     raw = {
         "architectures": ["HfMoondream"],
-        "auto_map": {"AutoConfig": "hf_moondream.HfConfig", "AutoModelForCausalLM": "hf_moondream.HfMoondream"},
+        "auto_map": {
+            "AutoConfig": "hf_moondream.HfConfig",
+            "AutoModelForCausalLM": "hf_moondream.HfMoondream",
+        },
         "config": CONFIG,
         "model_type": "moondream1",
         "torch_dtype": "bfloat16",

@@ -105,7 +105,9 @@ def test_streaming_caption_and_text_only_query(models):
     chunks = list(model.caption(image, stream=True, settings={"max_tokens": 8})["caption"])
     assert len(chunks) > 1 and "".join(chunks) == whole
     answer = model.query(None, "hello there", settings={"max_tokens": 5})["answer"]
-    assert answer == "".join(model.query(None, "hello there", stream=True, settings={"max_tokens": 5})["answer"])
+    assert answer == "".join(
+        model.query(None, "hello there", stream=True, settings={"max_tokens": 5})["answer"]
+    )
     with pytest.raises(ValueError, match="needs an image"):
         model.detect(None, "car")
 
@@ -136,6 +138,10 @@ def test_eos_ends_region_answers(tmp_path):
 
 def test_older_layout_refused_at_load(tmp_path):
     folder = moondream.build(tmp_path / "old")
-    save_file({"vision_encoder.encoder.model.visual.pos_embed": torch.zeros(1, 2)}, folder / "model.safetensors")
-    with pytest.raises(ModelLoadError, match=r"older vision_encoder.*foveal supports model\.\{vision,text,region\}"):
+    save_file(
+        {"vision_encoder.encoder.model.visual.pos_embed": torch.zeros(1, 2)}, folder / "model.safetensors"
+    )
+    with pytest.raises(
+        ModelLoadError, match=r"older vision_encoder.*foveal supports model\.\{vision,text,region\}"
+    ):
         foveal.load(folder)

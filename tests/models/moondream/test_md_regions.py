@@ -101,7 +101,12 @@ def test_stage_kinds_lists_region_rows():
 
     region = RegionMatcher(True, 3, V, EOS)
     region.commit(coord_id(V, 5))
-    rows = [Seq(None), Seq(region), Seq(AnswerMatcher(3)), Seq(RegionMatcher(False, 1, V, EOS), finalized=True)]
+    rows = [
+        Seq(None),
+        Seq(region),
+        Seq(AnswerMatcher(3)),
+        Seq(RegionMatcher(False, 1, V, EOS), finalized=True),
+    ]
     kinds, listed = [9] * 4, [9] * 4
     assert stage_kinds(rows, kinds, listed) == 1
     assert kinds == [0, COORD, 0, 0] and listed[0] == 1
