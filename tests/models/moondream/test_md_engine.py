@@ -145,3 +145,26 @@ def test_older_layout_refused_at_load(tmp_path):
         ModelLoadError, match=r"older vision_encoder.*foveal supports model\.\{vision,text,region\}"
     ):
         foveal.load(folder)
+
+
+def test_cancel_mid_answer_frees_everything(models):
+    """A detect answer cancelled while its region steps are in flight ends CANCELLED; pages and lanes come back."""
+    for model in models:
+        task, settings, explicit = model._detect_task("car", {"max_objects": 300})
+        handle = model.engine.submit(model._prepare(task, images()[0], settings, explicit).request)
+        first = next(iter(handle))  # a region value has been committed and spelled
+        assert first.startswith("<coord ")
+        handle.cancel()
+        assert handle.result(10).finish_reason == "cancelled"
+        assert model.engine.wait_idle(10)
+        assert model.engine.free_pages() == model.engine.config.num_pages
+        assert model.engine.lanes.num_free == model.engine.lanes.count
+
+
+def test_bfloat16_on_cpu(folder):
+    """Stored bf16 weights used as bf16: answers are well formed (bf16 is not compared with fp32)."""
+    with foveal.load(folder, dtype="bfloat16") as model:
+        assert model.loaded.runner.dtype == torch.bfloat16
+        result = model.detect(images()[0], "car", settings={"max_objects": 2})
+        assert len(result["objects"]) == 2
+        assert model.caption(images()[0], settings={"max_tokens": 4})["caption"]
