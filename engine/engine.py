@@ -118,8 +118,9 @@ class Engine:
     def submit(self, request: Request) -> RequestHandle:
         """Queue a request (thread-safe); raises ValueError for a request the engine can never run."""
         limits.check_request(request, self.config, self.runner.vocab_size, self.tokenizer)
-        cacheable = self.config.prefix_cache and request.prefill is None  # why: kv_cache.prefix_chain
-        chain = prefix_chain(request.prompt_ids, self.config.page_size) if cacheable else []
+        key = None if request.prefill is None else request.prefill.kv_key
+        cacheable = self.config.prefix_cache and (request.prefill is None or key is not None)  # kv_cache.prefix_chain
+        chain = prefix_chain(request.prompt_ids, self.config.page_size, key) if cacheable else []
         with self._cond:
             if self._closing or self._error is not None:
                 raise RuntimeError("engine is closed or failed; create a new Engine")

@@ -106,14 +106,15 @@ class PagePool:
             self._hash_of[page] = digest
 
 
-def prefix_chain(token_ids: list[int], page_size: int) -> list[bytes]:
-    """The hash of each full page of `token_ids`, chained: page i's digest covers pages 0..i.
+def prefix_chain(token_ids: list[int], page_size: int, key: str | None = None) -> list[bytes]:
+    """The hash of each full page of `token_ids`, chained: page i's digest covers pages 0..i (and `key`).
 
-    Only prompts without prefill inputs are chained: an image's placeholder tokens say nothing of its
-    pixels, PaliGemma's bidirectional prefix makes a page's K/V depend on the tokens after it, and a
-    runner needs all of an image's placeholders in one query (their features are split by count).
+    Prompts with prefill inputs are chained only with a `PrefillInputs.kv_key`, which then seeds the
+    chain: an image's placeholder tokens say nothing of its pixels, PaliGemma's bidirectional prefix
+    makes a page's K/V depend on the tokens after it, and some runners need all of an image's
+    placeholders in one query. Moondream's prefix (BOS + image) depends on the image alone.
     """
-    digests, previous = [], b""
+    digests, previous = [], b"" if key is None else hashlib.blake2b(key.encode(), digest_size=16).digest()
     for start in range(0, len(token_ids) - page_size + 1, page_size):
         page = array("q", token_ids[start : start + page_size]).tobytes()
         previous = hashlib.blake2b(previous + page, digest_size=16).digest()

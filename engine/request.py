@@ -86,12 +86,16 @@ class PrefillInputs:
     image_key:        the image's content key (foveal.vision.image_key), by which the runner reuses
                       its encoding across requests; None: never cached.
     prefix_len:       tokens attended bidirectionally (PaliGemma's image + prompt prefix); 0: causal.
+    kv_key:           set when the prompt's K/V is a function of its token ids and this key alone (Moondream:
+                      the image key, its BOS + image prefix depends on nothing after it), so that its full
+                      pages may be shared through the prefix cache; None: never shared.
     """
 
     image_tensors: Mapping[str, torch.Tensor] = field(default_factory=dict)
     num_image_tokens: int = 0
     image_key: str | None = None
     prefix_len: int = 0
+    kv_key: str | None = None
 
 
 @dataclass(slots=True)

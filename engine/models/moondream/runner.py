@@ -10,7 +10,8 @@ SOLUTION
     region encoders (branch-free, region.py); in prefill launches the image placeholder rows
     (positions 1..729 of a sequence with an image) are replaced by the image's embeddings, taken
     from the runner's `ImageFeatureCache` by `image_key` or encoded in that launch (one vision call
-    for all misses). The decoder runs on the paged KV (text.py); logits of each sequence's last
+    for all misses); a prefill whose first pages came from the prefix cache (`kv_key`) takes only
+    the rows its query holds. The decoder runs on the paged KV (text.py); logits of each sequence's last
     token are returned, and their hidden states (before post_ln) kept as `last_hidden`, which the
     engine keeps with the step for its sample job. `sample_regions` (called by that job, on the
     device, after the token sampler) overwrites region rows' sampled ids with value ids: a GATE row
@@ -140,16 +141,16 @@ class MoondreamRunner:
         query_seq: torch.Tensor,
         images: list[tuple[int, PrefillInputs]],
     ) -> torch.Tensor:
-        features = self.image_features([p for _, p in images])
-        has_image = torch.zeros(batch.num_seqs, dtype=torch.bool)
-        has_image[[row for row, _ in images]] = True
+        """Rows at positions 1..729 of a sequence with an image take that image's embedding rows. The
+        query may start past some of them (pages from the prefix cache): rows are gathered by position."""
+        features = torch.cat(self.image_features([p for _, p in images])).to(x.dtype)
         n = self.config.image_tokens
-        at = (
-            has_image.to(x.device, non_blocking=True)[query_seq]
-            & (batch.positions >= 1)
-            & (batch.positions <= n)
-        )
-        return x.masked_scatter(at[:, None], torch.cat(features).to(x.dtype))
+        start = torch.full((batch.num_seqs,), -1, dtype=torch.int64)  # each sequence's first feature row
+        start[[row for row, _ in images]] = torch.arange(len(images)) * n
+        start = start.to(x.device, non_blocking=True)[query_seq]
+        at = (start >= 0) & (batch.positions >= 1) & (batch.positions <= n)
+        rows = (start + batch.positions - 1).clamp(0, features.shape[0] - 1)
+        return torch.where(at[:, None], features.index_select(0, rows), x)
 
     def image_features(self, images: list[PrefillInputs]) -> list[torch.Tensor]:
         """Each image's [729, dim] embeddings: cached ones by key, misses encoded in one call (a key

@@ -92,7 +92,7 @@ def test_streaming_and_image_reuse(model, md_dir, md_figures):
     image = model.encode_image(md_dir / md_figures["images"][name]["image"]["file"])
     model.caption(image, settings={"max_tokens": 2})
     runner = model.loaded.runner
-    encoded = runner.images_encoded
+    encoded, cached = runner.images_encoded, model.engine.stats()["cached_prompt_tokens"]
     chunks = list(model.query(image, QUESTION, stream=True, settings={"max_tokens": 12})["answer"])
     assert "".join(chunks) == expected(model, md_dir, md_figures, name)["answer"]
     assert (
@@ -100,3 +100,4 @@ def test_streaming_and_image_reuse(model, md_dir, md_figures):
         == expected(model, md_dir, md_figures, name)["objects"]
     )
     assert runner.images_encoded == encoded  # the vision encoder did not run again for this image
+    assert model.engine.stats()["cached_prompt_tokens"] >= cached + 2 * 720  # nor the image prefix's K/V

@@ -168,3 +168,20 @@ def test_bfloat16_on_cpu(folder):
         result = model.detect(images()[0], "car", settings={"max_objects": 2})
         assert len(result["objects"]) == 2
         assert model.caption(images()[0], settings={"max_tokens": 4})["caption"]
+
+
+def test_image_prefix_pages_shared_across_calls(folder, models):
+    """A second call on one image takes BOS + image pages from the prefix cache (kv_key = the image key),
+    and answers exactly as without the cache."""
+    image = (np.random.default_rng(11).random((300, 300, 3)) * 255).astype(np.uint8)
+    model = models[0]
+    model.query(image, "what is this?", settings={"max_tokens": 4})
+    before = model.engine.stats()["cached_prompt_tokens"]
+    cached = [model.query(image, "how many?", settings={"max_tokens": 6}), model.detect(image, "car")]
+    assert model.engine.stats()["cached_prompt_tokens"] - before >= 2 * 720  # 45 full pages of 16 each time
+    with foveal.load(folder, prefix_cache=False) as plain:
+        assert [
+            plain.query(image, "how many?", settings={"max_tokens": 6}),
+            plain.detect(image, "car"),
+        ] == cached
+        assert plain.engine.stats()["cached_prompt_tokens"] == 0
