@@ -185,3 +185,12 @@ def test_image_prefix_pages_shared_across_calls(folder, models):
             plain.detect(image, "car"),
         ] == cached
         assert plain.engine.stats()["cached_prompt_tokens"] == 0
+
+
+def test_seeded_sampling_pipelined_equals_blocking(models):
+    pipelined, blocking = models
+    settings = {"temperature": 1.0, "seed": 3, "max_tokens": 8}
+    boxes = {"temperature": 1.0, "seed": 3, "max_objects": 3}
+    for image in images():
+        assert pipelined.caption(image, settings=settings) == blocking.caption(image, settings=settings)
+        assert pipelined.detect(image, "car", settings=boxes) == blocking.detect(image, "car", settings=boxes)
