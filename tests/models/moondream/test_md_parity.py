@@ -157,3 +157,27 @@ def test_region_answers(runner, md_dir, md_figures, md_tensors, name, skill):
     close(torch.stack(coord_logits), md_tensors[f"{name}.{skill}.coord_logits"], "coordinate logits")
     if with_size:
         close(torch.stack(size_logits), md_tensors[f"{name}.{skill}.size_logits"], "size logits")
+
+
+@pytest.mark.parametrize("name", IMAGES)
+def test_prefix_hidden_rows(runner, md_dir, md_figures, md_tensors, name):
+    """Hidden states of the BOS + image prefill at the recorded rows (bidirectional prefix)."""
+    from foveal.engine.models.attention import PagedKV, build_context
+
+    processor = MoondreamProcessor(runner.config, None, runner.device, runner.dtype)
+    image = Image.open(md_dir / md_figures["images"][name]["image"]["file"])
+    inputs = processor(MoondreamPrompt(()), image)
+    ids = inputs.token_ids
+    n = len(ids)
+    positions = torch.arange(n)
+    batch = ForwardBatch(
+        torch.tensor(ids), positions, torch.tensor([0, n], dtype=torch.int32), torch.tensor([n], dtype=torch.int32),
+        torch.arange(-(-n // PAGE), dtype=torch.int32)[None], positions.clone(), n, n, [inputs.prefill],
+    )  # fmt: skip
+    kv = runner.kv
+    ctx = build_context(batch, PagedKV(kv.k, kv.v, kv.page_size, kv.scratch_page), torch.tensor([730]))
+    with torch.inference_mode():
+        x = runner._scatter_images(runner.embed(batch.input_ids), batch, ctx.query_seq, [(0, inputs.prefill)])
+        hidden = runner.text(x, positions, ctx, runner.cos, runner.sin)
+    rows = md_figures["images"][name]["vision"]["prefix_hidden_rows"]
+    close(hidden[rows], md_tensors[f"{name}.prefix_hidden.rows"], "prefix hidden rows")
