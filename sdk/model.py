@@ -130,8 +130,8 @@ def load(
     `image_cache_bytes`: bound of the cache of image encodings, so that several calls on one image
     encode it once (0 turns the cache off).
     `prefix_cache`: share the K/V of prompt pages that several calls start with (a chat template, a
-    system prompt, a document asked many questions), so their prefill skips them; text prompts, and Moondream prompts on one image
-    (its BOS + image prefix depends on the image alone).
+    system prompt, a document asked many questions), so their prefill skips them; text prompts, and
+    Moondream prompts on one image (its BOS + image prefix depends on the image alone).
     `max_step_tokens`: query tokens one engine step may carry (prompts being prefilled + one per
     decoding call; default max(2048, max_model_len)): what bounds how many new calls join a step.
     """
