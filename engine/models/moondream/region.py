@@ -27,11 +27,11 @@ COORD_BINS = 1024
 SIZE_BINS = 1024
 
 
-def coord_id(vocab_size: int, bin_: torch.Tensor | int):
+def coord_id(vocab_size: int, bin_: torch.Tensor | int) -> torch.Tensor | int:
     return vocab_size + bin_
 
 
-def size_id(vocab_size: int, w_bin: torch.Tensor | int, h_bin: torch.Tensor | int):
+def size_id(vocab_size: int, w_bin: torch.Tensor | int, h_bin: torch.Tensor | int) -> torch.Tensor | int:
     return vocab_size + COORD_BINS + w_bin * SIZE_BINS + h_bin
 
 
