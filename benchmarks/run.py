@@ -3,7 +3,7 @@
     python -m benchmarks.run [--quick] [--json out/benchmarks/run.json] [--device cpu] [--threads N]
     python -m benchmarks.run --markdown out/benchmarks/run.json     # a saved run's table, for the README
 
-Issue 8's five measurements, in this order, all in one process so that the ratios share the
+Issue 8's five measurements and issue 18's sixth, in this order, all in one process so that the ratios share the
 machine's load (the load average is recorded at the start and the end of each section):
   1. pipelining: foveal pipelined vs blocking at 1, 8 and 32 streams (`benchmarks.pipeline.measure`,
      greedy, EOS ignored, the same 8-token prompts) on the embedded model and on SmolLM2-135M:
@@ -15,7 +15,10 @@ machine's load (the load average is recorded at the start and the end of each se
   4. grammar layer: foveal's matcher vs raw llguidance (`benchmarks.grammar_layer`), and compile /
      mask times vs xgrammar and outlines-core (`benchmarks.grammar_peers`);
   5. image reuse (`benchmarks.image_reuse`): repeated detect calls on one image, raw vs
-     `model.encode_image` once.
+     `model.encode_image` once;
+  6. less work per answer (`benchmarks.less_work`): prefix cache and jump-forward against
+     transformers + outlines on a shared document, one image asked for many objects, one JSON call
+     at batch 1, and the 32-request workloads.
 The embedded model: the shipped weights in sdk/embedded when present, else the embedded
 architecture (a PaliGemma, train_shapes' default config) with untrained weights: same cost per
 token, and the report says which. `--quick`: a tiny random Llama with SmolLM2's tokenizer instead
@@ -36,7 +39,7 @@ from typing import Any
 
 import torch
 
-from benchmarks import grammar_layer, grammar_peers, image_reuse, peers, pipeline, write_json
+from benchmarks import grammar_layer, grammar_peers, image_reuse, less_work, peers, pipeline, write_json
 from foveal import grammars
 from foveal.engine import models as engine_models
 from foveal.testing.smollm2 import smollm2_folder
@@ -213,6 +216,11 @@ def run(quick: bool, device: str) -> dict:
         peers.print_table(result)
         sections["peers"] = finish(section, **result)
 
+    section = start("6. less work per answer: prefix cache, jump-forward (benchmarks.less_work)")
+    result = less_work.run(quick, device=device)
+    less_work.print_table(result)
+    sections["less_work"] = finish(section, **result)
+
     section = start("4. grammar layer")
     sections["grammar"] = finish(section, **grammar_section(2 if quick else 5, 5 if quick else 20))
     report["summary"] = summary(report)
@@ -333,6 +341,8 @@ def summary(report: dict) -> list[dict]:
                 base / r["encoded_per_call_ms"],
             )
         )
+    for label, r in s.get("less_work", {}).get("ratios", {}).items():  # absent in runs saved before it
+        rows.append(line("6 less work", f"foveal / {label}, requests/s", r["ratio"], r["target"]))
     return rows
 
 

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from . import limits, shutdown, switch
 from .detokenizer import Detokenizer
 from .device import make_device
-from .kv_cache import PagePool, prefix_chain
+from .kv_cache import PagePool, prefix_chain, prefix_seed
 from .lanes import Lanes
 from .matcher import FillMasks, fill_masks_each
 from .pipeline import Pipeline
@@ -46,6 +46,8 @@ class EngineConfig:
     max_batch: int = 64  # rows per step
     max_model_len: int | None = None  # prompt + output tokens of one sequence; None: the model's, <= 4096
     max_step_tokens: int | None = None  # query tokens per step; None: max(max_model_len, max_batch, 2048)
+    # a text prompt is prefilled this many tokens a launch at most (scheduler.py); None: 512
+    prefill_chunk: int | None = None
     page_size: int = 16
     num_pages: int | None = None  # KV pages; None: as many as kv_cache_bytes holds, <= max_batch sequences
     kv_cache_bytes: int | None = None  # None: a quarter of free device memory (RAM on CPU)
@@ -57,6 +59,7 @@ class EngineConfig:
     trace: bool = False
     switch_interval: float | None = 1e-4  # GIL hand-off interval while the engine runs
     prefix_cache: bool = True  # share the K/V of full prompt pages across requests (kv_cache.py)
+    jump_forward: bool = True  # tokens a grammar forces go into the KV cache in one launch (pipeline.py)
     # An idle engine waits this long after the latest arrival (at most 4x in all) before its first
     # launch, so that calls arriving together (threads, a batch) are prefilled in one launch.
     admission_window_s: float = 0.002
@@ -77,10 +80,12 @@ class Engine:
             pipelined=config.pipelined,
             max_batch=config.max_batch,
             max_step_tokens=config.max_step_tokens,
+            prefill_chunk=config.prefill_chunk,
             page_size=config.page_size,
             num_pages=config.num_pages,
             max_model_len=config.max_model_len,
             fill_masks=config.fill_masks,
+            jump_forward=config.jump_forward,
             debug=config.debug,
             debug_hook=config.debug_hook,
             trace=self.trace,
@@ -118,9 +123,8 @@ class Engine:
     def submit(self, request: Request) -> RequestHandle:
         """Queue a request (thread-safe); raises ValueError for a request the engine can never run."""
         limits.check_request(request, self.config, self.runner.vocab_size, self.tokenizer)
-        key = None if request.prefill is None else request.prefill.kv_key
-        cacheable = self.config.prefix_cache and (request.prefill is None or key is not None)  # kv_cache.prefix_chain
-        chain = prefix_chain(request.prompt_ids, self.config.page_size, key) if cacheable else []
+        seed = prefix_seed(request.prompt_ids, request.prefill) if self.config.prefix_cache else None
+        chain = [] if seed is None else prefix_chain(request.prompt_ids, self.config.page_size, seed)
         with self._cond:
             if self._closing or self._error is not None:
                 raise RuntimeError("engine is closed or failed; create a new Engine")

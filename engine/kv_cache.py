@@ -29,6 +29,8 @@ import hashlib
 from array import array
 from collections import OrderedDict
 
+from .request import PrefillInputs
+
 
 def pages_needed(num_positions: int, page_size: int) -> int:
     return -(-num_positions // page_size)
@@ -106,17 +108,37 @@ class PagePool:
             self._hash_of[page] = digest
 
 
-def prefix_chain(token_ids: list[int], page_size: int, key: str | None = None) -> list[bytes]:
-    """The hash of each full page of `token_ids`, chained: page i's digest covers pages 0..i (and `key`).
+def prefix_chain(token_ids: list[int], page_size: int, seed: bytes = b"") -> list[bytes]:
+    """The hash of each full page of `token_ids`, chained: page i's digest covers `seed` and pages 0..i.
 
-    Prompts with prefill inputs are chained only with a `PrefillInputs.kv_key`, which then seeds the
-    chain: an image's placeholder tokens say nothing of its pixels, PaliGemma's bidirectional prefix
-    makes a page's K/V depend on the tokens after it, and some runners need all of an image's
-    placeholders in one query. Moondream's prefix (BOS + image) depends on the image alone.
+    `seed` (`prefix_seed`) carries what the token ids do not say about the K/V: which image fills the
+    placeholder tokens, and for a bidirectional prefix the tokens after the page.
     """
-    digests, previous = [], b"" if key is None else hashlib.blake2b(key.encode(), digest_size=16).digest()
+    digests, previous = [], seed
     for start in range(0, len(token_ids) - page_size + 1, page_size):
         page = array("q", token_ids[start : start + page_size]).tobytes()
         previous = hashlib.blake2b(previous + page, digest_size=16).digest()
         digests.append(previous)
     return digests
+
+
+def prefix_seed(token_ids: list[int], prefill: PrefillInputs | None) -> bytes | None:
+    """The seed of a prompt's page chain, or None when its pages must never be shared.
+
+    Text only: no seed. With an image: its content key, so that pages are shared only between
+    prompts of the same image (all of a prompt's pages, those before the image too: simpler, and
+    in every supported template the image comes first or after a few tokens). An image without a
+    key is never shared. A bidirectional prefix (PaliGemma's image + prompt, Moondream's BOS +
+    image) makes a page's K/V depend on the prefix tokens after it, so its seed also covers the
+    whole prefix: such pages are shared only between prompts with the same image and prefix.
+    """
+    if prefill is None or not prefill.num_image_tokens:
+        seed = b""
+    elif prefill.image_key is None:
+        return None
+    else:
+        seed = hashlib.blake2b(prefill.image_key.encode(), digest_size=16).digest()
+    if prefill is not None and prefill.prefix_len:
+        prefix = array("q", token_ids[: prefill.prefix_len]).tobytes()
+        seed = hashlib.blake2b(seed + prefix, digest_size=16).digest()
+    return seed

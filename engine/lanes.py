@@ -30,7 +30,6 @@ class Lanes:
     def __init__(self, count: int, max_pages: int) -> None:
         self.count = count
         self.prompt_len = np.zeros(count, dtype=np.int64)
-        self.cached_len = np.zeros(count, dtype=np.int64)  # prompt tokens whose K/V the prefix cache held
         self.num_pages = np.zeros(count, dtype=np.int64)
         self.block_table = np.full((count, max_pages), -1, dtype=np.int32)
         self.temperature = np.zeros(count, dtype=np.float32)
@@ -47,7 +46,7 @@ class Lanes:
         return len(self._free)
 
     def take(
-        self, prompt_len: int, pages: list[int], sampling: SamplingParams, seed: int, cached_len: int = 0
+        self, prompt_len: int, pages: list[int], sampling: SamplingParams, seed: int
     ) -> int:
         """A lane for a sequence being admitted, with its fixed state written into it."""
         if not self._free:  # unreachable while the bound in the docstring holds
@@ -55,7 +54,6 @@ class Lanes:
         lane = self._free.pop()
         self._is_free[lane] = False
         self.prompt_len[lane] = prompt_len
-        self.cached_len[lane] = cached_len
         self.num_pages[lane] = len(pages)
         self.block_table[lane] = -1
         self.block_table[lane, : len(pages)] = pages

@@ -14,7 +14,9 @@ INVARIANTS
     - A resolved config has every size set: max_model_len <= the runner's positions (when known),
       max_step_tokens >= max_batch, and num_pages, when derived from a budget, holds at least one
       sequence of max_model_len tokens (an explicit num_pages is checked per request instead).
-    - A request accepted by `check_request` can always be admitted once the pool is free.
+    - A request accepted by `check_request` can always be admitted once the pool is free: a text
+      prompt of any length (it is prefilled in chunks), a prompt with an image only if it fits
+      max_step_tokens (it is prefilled in one launch).
 """
 
 from __future__ import annotations
@@ -39,11 +41,15 @@ DEFAULT_KV_FRACTION = 0.25  # of free device memory (CUDA) or available RAM (CPU
 # a stream of new requests kept the batch at 20-26 rows of 32; 2048 admits a batch's worth in a step
 # or two (vLLM's default budget is of the same order).
 DEFAULT_MAX_STEP_TOKENS = 2048
+# A text prompt's tokens per launch (chunked prefill, scheduler.py): a long prompt then costs the
+# decoding rows of the same steps a few short forwards instead of one long one.
+DEFAULT_PREFILL_CHUNK = 512
 
 
 def resolve(config: EngineConfig, runner: ModelRunner) -> EngineConfig:
     """A copy of `config` with every size the caller left None derived from the runner."""
-    for name in ("max_batch", "page_size", "max_model_len", "max_step_tokens", "num_pages", "kv_cache_bytes"):
+    names = ("max_batch", "page_size", "max_model_len", "max_step_tokens", "num_pages", "kv_cache_bytes", "prefill_chunk")
+    for name in names:
         value = getattr(config, name)
         if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
             raise ValueError(f"{name} must be a positive int, got {value!r}")
@@ -55,7 +61,10 @@ def resolve(config: EngineConfig, runner: ModelRunner) -> EngineConfig:
     if step_tokens < config.max_batch:
         raise ValueError("max_step_tokens must be >= max_batch (each decode row is one token)")
     num_pages = config.num_pages or _pages_from_budget(config, runner, model_len)
-    return dataclasses.replace(config, max_model_len=model_len, max_step_tokens=step_tokens, num_pages=num_pages)
+    chunk = config.prefill_chunk or DEFAULT_PREFILL_CHUNK
+    return dataclasses.replace(
+        config, max_model_len=model_len, max_step_tokens=step_tokens, num_pages=num_pages, prefill_chunk=chunk
+    )
 
 
 def _pages_from_budget(config: EngineConfig, runner: ModelRunner, model_len: int) -> int:
@@ -102,9 +111,10 @@ def check_request(request: Request, config: EngineConfig, vocab_size: int, token
             f"the prompt has {prompt_len} tokens, no room in this engine's context of {context} "
             "(max_model_len); shorten it or load with a larger max_model_len"
         )
-    if prompt_len > config.max_step_tokens:
+    if request.prefill is not None and prompt_len > config.max_step_tokens:  # text prompts are chunked
         raise ValueError(
-            f"the prompt has {prompt_len} tokens, more than max_step_tokens={config.max_step_tokens}; raise it"
+            f"the prompt has {prompt_len} tokens with an image, which is prefilled in one step, more than "
+            f"max_step_tokens={config.max_step_tokens}; raise it"
         )
     if prompt_len + max_tokens > context:
         raise ValueError(

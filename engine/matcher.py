@@ -2,7 +2,9 @@
 
 The engine depends on `foveal.grammars` only through this protocol (DESIGN.md, "Layout"). A matcher
 is one sequence's state in a token-mask automaton; the engine advances it at commit and asks it
-for the next token's mask at finalize.
+for the next token's mask at finalize. A matcher may also offer `forced_tokens() -> list[int]`,
+the tokens its grammar forces next (empty when there is a choice); jump-forward decoding
+(pipeline.py) uses it where present, and every token it returns must be committable in order.
 
 Masks are int32 bitmasks of shape (rows, ceil(V / 32)); bit j of word i set means token 32 * i + j
 is allowed. A whole step's masks are filled by one `FillMasks` call: `foveal.grammars.fill_masks`

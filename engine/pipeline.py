@@ -22,6 +22,25 @@ SOLUTION
     may ride in step t+1 as a zombie: its token there is dropped, its pages wait for inflight_refs 0.
     The pipeline owns no thread: `Engine` calls `tick()` from its scheduler thread, and tests call
     it directly over a device that runs queued jobs only when waited on (foveal.testing).
+JUMP-FORWARD (DESIGN.md "Less work per answer")
+    Where the grammar forces the next tokens F = f0..f(k-1) (JSON keys and punctuation, say),
+    decoding them one step each wastes k - 1 forwards. Finalize t+1 asks each live constrained
+    row's matcher, now exactly in the state step t+1's logits continue, for F (`forced_tokens`).
+    If k >= 2 and f0 is in the row's filled mask, the mask is narrowed to f0 alone (so the sample
+    of t+1 *is* f0, whatever the temperature: llguidance's canonical tokenization of the forced
+    text), F is pinned on the step (`Step.pinned`) and on the sequence (`Sequence.jump`). The next
+    launch, t+2, carries that row with the query F (all k tokens from the host: f0 is known, no
+    device gather), writing their K/V in one forward; its logits are those after f(k-1) and its
+    output index moves k on. Commit t+1 appends the sampled f0 and then f1..f(k-1), so the
+    matcher is in the right state for finalize t+2. In pipelined mode launch t+2 precedes
+    commit t+1; in blocking mode it follows it; both read their own copy of F, so the two modes
+    take the same decisions at the same steps (invariant 1).
+    Slots and zombies are untouched by this: a jump row is one row of one step like any other. It
+    holds its DecodeSlot rows as a decode row does, its forced tokens were pinned before the
+    launch, never read back from a slot. If the sequence ends at commit t+1 (cancel, error, the
+    grammar completing inside F), the t+2 row is a zombie: its tokens are dropped and its pages
+    wait for inflight_refs 0. k is capped so that the sampled token after F stays below
+    max_tokens and the next step's running rows fit max_step_tokens.
 INVARIANTS (tests/engine/test_pipeline_steps.py steps ticks one by one and checks each)
     1. Greedy or seeded outputs are token-identical in pipelined and blocking mode.
     2. Nothing is emitted after a stop; a zombie's token is dropped.
@@ -31,6 +50,8 @@ INVARIANTS (tests/engine/test_pipeline_steps.py steps ticks one by one and check
        slot only once commit has read it (FREE), and steps commit oldest first.
     6. After a tick at most one step is in flight (pipelined) or none (blocking).
     7. A sequence is never launched for an output index >= its max_tokens.
+    8. Jump-forward: a pinned row samples exactly f0; the launch after it carries F and nothing
+       else for that row; outputs are valid under the grammar and equal in both modes.
 """
 
 from __future__ import annotations
@@ -58,6 +79,7 @@ from .step import Step, stage
 from .trace import Trace
 
 Committed = list[tuple[Sequence, int]]  # (sequence, token) pairs whose text is still due
+MAX_JUMP = 64  # forced tokens one jump carries at most (a longer forced run takes several)
 
 
 class Pipeline:
@@ -73,6 +95,8 @@ class Pipeline:
         num_pages: int,
         max_model_len: int,
         fill_masks: FillMasks,
+        jump_forward: bool = False,
+        prefill_chunk: int | None = None,
         debug: bool = False,
         debug_hook: Callable[[str], None] | None = None,
         trace: Trace | None = None,
@@ -82,6 +106,8 @@ class Pipeline:
         self.pipelined = pipelined
         self.page_size = page_size
         self.fill_masks = fill_masks
+        self.jump_forward = jump_forward
+        self.max_step_tokens = max_step_tokens
         self.debug = debug
         self.debug_hook = debug_hook
         self.trace = trace or Trace(False)
@@ -89,7 +115,7 @@ class Pipeline:
         self.pool = PagePool(num_pages, page_size)
         max_pages = pages_needed(max_model_len, page_size)
         self.lanes = Lanes(2 * max_batch, max_pages)
-        self.scheduler = Scheduler(self.pool, self.lanes, max_batch, max_step_tokens)
+        self.scheduler = Scheduler(self.pool, self.lanes, max_batch, max_step_tokens, prefill_chunk)
         self.sequences = Sequences(self.scheduler, self.stats)
         self.slots = [
             DecodeSlot(i, device, max_batch, max_step_tokens, max_pages, bitmask_words(runner.vocab_size))
@@ -126,8 +152,8 @@ class Pipeline:
             raise AssertionError(f"slot {slot.index} reused before commit read it")
         step = Step(self.step_number, slot, rows)
         prefill_rows = stage(step, self.lanes, self.page_size, self._row_numbers)
-        for seq in rows:
-            seq.num_scheduled += 1
+        for row, (seq, extra) in enumerate(zip(rows, step.extra.tolist(), strict=True)):
+            seq.num_scheduled += 0 if row in step.partial else 1 + extra  # a partial chunk samples nothing
             seq.inflight_refs += 1
         previous_slot = self.slots[(self.step_number - 1) % 2]
         self.device.run("forward", lambda: device_jobs.forward(self.runner, step, previous_slot))
@@ -136,7 +162,8 @@ class Pipeline:
         self.step_number += 1
         self.stats.count_step(len(prefill_rows), len(rows) - len(prefill_rows))
         for row in prefill_rows:
-            self.stats.count_prompt(rows[row].prompt_len, rows[row].num_cached)
+            if row not in step.partial:  # once per prompt, at its last chunk
+                self.stats.count_prompt(rows[row].prompt_len, rows[row].num_cached)
         self._span("launch", started)
         if not self.pipelined:  # the baseline overlaps nothing: the forward ends before the masks
             self._wait_device()
@@ -164,17 +191,40 @@ class Pipeline:
         tokens = slot.read_sampled(step.num_rows, self.debug)
         slot.state, slot.step, slot.event = SlotState.FREE, None, None
         committed = []
-        for seq, token in zip(step.rows, tokens, strict=True):
+        for row, (seq, token) in enumerate(zip(step.rows, tokens, strict=True)):
             seq.inflight_refs -= 1
+            if row in step.partial and not seq.finalized:  # a prompt chunk that is not its last: no token
+                continue
             if not seq.finalized:
                 if seq.num_committed == 0 and seq.prefix_chain:  # its prompt's K/V is written now
                     self.scheduler.register_prefix(seq)
-                if self.sequences.append(seq, token):
+                forced = step.pinned.get(row)
+                if forced is not None and token != forced[0]:
+                    self.sequences.finish(
+                        seq, FinishReason.ERROR, f"jump-forward: sampled {token} where the mask allowed only {forced[0]}"
+                    )
+                    continue
+                if forced is not None:
+                    self._append_forced(seq, forced)
+                elif self.sequences.append(seq, token):
                     committed.append((seq, token))
             elif seq.inflight_refs == 0:  # a zombie's last step: its token is dropped
                 self.scheduler.release(seq)
         self._span("commit", started)
         return committed
+
+    def _append_forced(self, seq: Sequence, forced: list[int]) -> None:
+        """Commit the sampled f0, then f1..f(k-1) (their K/V is the next launch's work).
+
+        Their text is done here, token by token, not in the text phase: a later token of the run
+        can end the sequence (the grammar completes), and its final text must hold the earlier ones.
+        """
+        for index, token in enumerate(forced):
+            if seq.finalized:
+                break
+            self.stats.forced_tokens += index > 0
+            if self.sequences.append(seq, token):
+                self.sequences.stream([(seq, token)])
 
     # ---- 3. finalize --------------------------------------------------------------------------
     def finalize(self, step: Step) -> None:
@@ -183,6 +233,8 @@ class Pipeline:
         self._hook("finalize")
         slot, host, num_rows = step.slot, step.slot.np, step.num_rows
         num_masked = self._fill_masks(step)
+        if self.jump_forward and num_masked:
+            self._pin_forced(step, num_masked)
         lane = step.lane_of_row  # sampling parameters were written into the lanes at admission
         host.temperature[:num_rows], host.top_p[:num_rows] = self.lanes.temperature[lane], self.lanes.top_p[lane]
         host.top_k[:num_rows], host.seeds[:num_rows] = self.lanes.top_k[lane], self.lanes.seed[lane]
@@ -204,7 +256,11 @@ class Pipeline:
         their request with ERROR (their row allows every token; as zombies their token is dropped),
         and the others keep their masks: one broken grammar never fails its neighbours.
         """
-        masked = [(row, seq) for row, seq in enumerate(step.rows) if seq.matcher is not None and not seq.finalized]
+        masked = [
+            (row, seq)
+            for row, seq in enumerate(step.rows)
+            if seq.matcher is not None and not seq.finalized and row not in step.partial
+        ]
         if not masked:
             return 0
         rows, seqs = zip(*masked, strict=True)
@@ -221,6 +277,35 @@ class Pipeline:
                     host.bitmask[index] = -1
                     self.sequences.finish(seq, FinishReason.ERROR, f"the grammar failed to give a mask: {error}")
         return len(rows)
+
+    def _pin_forced(self, step: Step, num_masked: int) -> None:
+        """Jump-forward (module docstring): narrow the masks of rows whose grammar forces >= 2 tokens
+        to the first, and pin the forced tokens for the next launch."""
+        host = step.slot.np
+        budget = self.max_step_tokens - step.num_rows  # the next step's running rows need one token each
+        for index in range(num_masked):
+            row = int(host.mask_rows[index])
+            seq = step.rows[row]
+            forced_tokens = getattr(seq.matcher, "forced_tokens", None)
+            if seq.finalized or forced_tokens is None:
+                continue
+            # the sample after F must stay below max_tokens: F ends at output index num_scheduled - 1 + k - 1
+            limit = min(seq.max_tokens - seq.num_scheduled, budget + 1, MAX_JUMP)
+            if limit < 2:
+                continue
+            forced = forced_tokens()[:limit]
+            if len(forced) < 2:
+                continue
+            first = forced[0]
+            mask = host.bitmask[index]
+            if not (int(mask[first >> 5]) >> (first & 31)) & 1:
+                continue  # the row's own mask (a composite matcher's narrowing) refuses f0: no jump
+            bit = 1 << (first & 31)
+            mask[:] = 0
+            mask[first >> 5] = bit - (1 << 32) if bit >= 1 << 31 else bit  # int32 words
+            step.pinned[row] = seq.jump = forced
+            budget -= len(forced) - 1
+            self.stats.jumps += 1
 
     # ---- 4. text ------------------------------------------------------------------------------
     def text(self, committed: Committed) -> None:

@@ -86,16 +86,20 @@ class PrefillInputs:
     image_key:        the image's content key (foveal.vision.image_key), by which the runner reuses
                       its encoding across requests; None: never cached.
     prefix_len:       tokens attended bidirectionally (PaliGemma's image + prompt prefix); 0: causal.
-    kv_key:           set when the prompt's K/V is a function of its token ids and this key alone (Moondream:
-                      the image key, its BOS + image prefix depends on nothing after it), so that its full
-                      pages may be shared through the prefix cache; None: never shared.
+    image_token_id:   the placeholder id, by which the engine counts the image tokens its prefix cache
+                      holds (`cached_image_tokens`), for runners that fill placeholders in order;
+                      None: not counted (a runner that places image rows by position, Moondream's).
+    cached_image_tokens: set by the engine at launch (never by a processor): the leading image tokens
+                      whose K/V came from the prefix cache. The runner scatters features only over
+                      the rest, and encodes nothing when that is none.
     """
 
     image_tensors: Mapping[str, torch.Tensor] = field(default_factory=dict)
     num_image_tokens: int = 0
     image_key: str | None = None
     prefix_len: int = 0
-    kv_key: str | None = None
+    image_token_id: int | None = None
+    cached_image_tokens: int = 0
 
 
 @dataclass(slots=True)

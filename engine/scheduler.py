@@ -8,14 +8,24 @@ PROBLEM
 SOLUTION
     `Sequence` carries the bookkeeping: `num_scheduled` (output tokens that launched steps will
     produce), `inflight_refs` (steps in flight that include it) and `finalized` (finished; its
-    further tokens are dropped). `schedule()` takes running sequences with num_scheduled <
-    max_tokens, then admits waiting ones in FIFO order while they fit; a request that does not fit
-    the free pages waits (head of line, so a big one is not starved). Admission also gives the
-    sequence a lane (lanes.py): its fixed per-step inputs, written once into host arrays.
+    further tokens are dropped). `schedule()` takes, within the step's token budget
+    (`max_step_tokens`): running sequences that decode (num_scheduled < max_tokens; one token, or
+    a jump-forward's k), then the next chunk of running sequences still prefilling, then waiting
+    ones in FIFO order; a request that does not fit the free pages waits (head of line, so a big
+    one is not starved). Admission also gives the sequence a lane (lanes.py): its fixed per-step
+    inputs, written once into host arrays.
+    Chunked prefill: a text prompt is prefilled `prefill_chunk` tokens at a time at most (and no
+    more than the budget the step has left), so a long prompt never stalls the decoding rows for
+    a whole prompt's forward. `chunk` is the query length of its next launch; `num_prefilled`
+    counts the prompt tokens whose K/V launched steps write. A chunk that does not end the
+    prompt produces no token (its sample is dropped at commit). Prompts with prefill inputs
+    (images, PaliGemma's bidirectional prefix) are prefilled in one launch.
 INVARIANTS
     - A scheduled row's output index is `num_scheduled` before the launch; it never reaches max_tokens.
     - Pages are reserved at admission for every position the sequence can reach, so a running
       sequence never needs a page the pool does not have.
+    - A step carries at most `max_step_tokens` query tokens (decode rows come first: they always fit,
+      max_step_tokens >= max_batch, and jumps are capped to the room left).
 """
 
 from __future__ import annotations
@@ -53,6 +63,10 @@ class Sequence:
     finish_reason: FinishReason | None = None
     prefix_chain: list[bytes] = field(default_factory=list)  # hashes of its full prompt pages (kv_cache)
     num_cached: int = 0  # prompt tokens whose K/V came from the prefix cache (prefill skips them)
+    num_prefilled: int = 0  # prompt tokens whose K/V launched steps write (or the cache held)
+    chunk: int = 0  # while prefilling: the query length of its next launch (set by schedule())
+    # forced tokens pinned at finalize (pipeline.py, jump-forward) that the next launch carries as its query
+    jump: list[int] | None = None
 
     def __post_init__(self) -> None:
         self.prompt_len = len(self.request.prompt_ids)
@@ -65,13 +79,16 @@ class Sequence:
 
 
 class Scheduler:
-    def __init__(self, pool: PagePool, lanes: Lanes, max_batch: int, max_step_tokens: int) -> None:
+    def __init__(
+        self, pool: PagePool, lanes: Lanes, max_batch: int, max_step_tokens: int, prefill_chunk: int | None = None
+    ) -> None:
         if lanes.count < 2 * max_batch:
             raise ValueError(f"need 2 * max_batch = {2 * max_batch} lanes, got {lanes.count}")
         self.pool = pool
         self.lanes = lanes
         self.max_batch = max_batch
         self.max_step_tokens = max_step_tokens
+        self.prefill_chunk = prefill_chunk or max_step_tokens
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
 
@@ -79,24 +96,38 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     def schedule(self) -> list[Sequence]:
-        rows = [s for s in self.running if s.num_scheduled < s.max_tokens]
-        tokens = len(rows)
-        while self.waiting and len(rows) < self.max_batch:
+        decoding = [s for s in self.running if s.num_prefilled == s.prompt_len]
+        rows = [s for s in decoding if s.num_scheduled < s.max_tokens]
+        tokens = len(rows) + sum(len(s.jump) - 1 for s in rows if s.jump)
+        for seq in self.running:  # the next chunk of prompts still prefilling, while the budget lasts
+            if seq.num_prefilled < seq.prompt_len and tokens < self.max_step_tokens and len(rows) < self.max_batch:
+                tokens += self._chunk(seq, self.max_step_tokens - tokens)
+                rows.append(seq)
+        while self.waiting and len(rows) < self.max_batch and tokens < self.max_step_tokens:
             seq = self.waiting[0]
             pages = self._reserve(seq, self.max_step_tokens - tokens)
             if pages is None:
                 break
-            lane = self.lanes.take(seq.prompt_len, pages, seq.request.sampling, seq.seed, seq.num_cached)
+            lane = self.lanes.take(seq.prompt_len, pages, seq.request.sampling, seq.seed)
             self.waiting.popleft()  # only now: if take() raised, shutdown finds seq where remove() looks
             seq.pages, seq.lane = pages, lane
+            seq.num_prefilled = seq.num_cached
             self.running.append(seq)
             rows.append(seq)
-            tokens += seq.prompt_len - seq.num_cached
+            tokens += self._chunk(seq, self.max_step_tokens - tokens)
         return rows
+
+    def _chunk(self, seq: Sequence, step_tokens_left: int) -> int:
+        """Set the query length of `seq`'s next prefill launch; returns it. A prompt with prefill
+        inputs is never split (`_reserve` admitted it only if it fits whole)."""
+        left = seq.prompt_len - seq.num_prefilled
+        seq.chunk = left if seq.request.prefill is not None else min(left, self.prefill_chunk, step_tokens_left)
+        return seq.chunk
 
     def _reserve(self, seq: Sequence, step_tokens_left: int) -> list[int] | None:
         """Every page `seq` can need: its cached prefix pages, shared, then fresh ones; None (nothing
-        held) when its uncached prompt does not fit the step or the pool cannot cover the rest.
+        held) when the pool cannot cover the rest, or when a prompt that cannot be chunked (one with
+        prefill inputs) does not fit the step's budget whole.
 
         At least one prompt token is always computed (its logits start the answer), so the page
         holding the last prompt token is never taken from the cache.
@@ -105,7 +136,9 @@ class Scheduler:
         reusable = seq.prefix_chain[: (seq.prompt_len - 1) // page_size]
         cached = self.pool.lookup(reusable) if reusable else []
         need = seq.pages_to_reserve(page_size) - len(cached)
-        if seq.prompt_len - len(cached) * page_size > step_tokens_left or not self.pool.can_allocate(need):
+        whole = seq.request.prefill is not None  # images / a bidirectional prefix: one launch
+        too_long = whole and seq.prompt_len - len(cached) * page_size > step_tokens_left
+        if too_long or not self.pool.can_allocate(need):
             self.pool.free(cached)
             return None
         seq.num_cached = len(cached) * page_size

@@ -7,19 +7,24 @@ PROBLEM
     hide; and a decode row's input id is a token the host has not seen yet (step t's sample).
 SOLUTION
     Rows keep their fixed state in lanes (lanes.py), so staging is a few numpy gathers by the rows'
-    lanes. A row's query is its prompt (prefill: output index 0) or the one token its previous step
-    sampled (decode): the host writes only where that token sits in the previous slot's sampled ids
-    (`gather_src`) and where it goes in this step's `input_ids` (`gather_dst`); the forward gathers
-    it on the device (device_jobs.forward).
+    lanes. A row's query is one of three kinds:
+      - prefill (output index 0): its prompt past the cached prefix, from the host;
+      - decode: the one token its previous step sampled: the host writes only where that token sits
+        in the previous slot's sampled ids (`gather_src`) and where it goes in this step's
+        `input_ids` (`gather_dst`); the forward gathers it on the device (device_jobs.forward);
+      - jump (jump-forward, pipeline.py): the k tokens the grammar forced after the previous step's
+        context, from the host. The first of them is also what the previous step sampled (its mask
+        allowed nothing else), so no id is gathered; the row's logits are those after the k-th, and
+        its output index moves k on (k - 1 forced tokens, then the sampled one).
 INVARIANTS
-    - A decode row was carried by the step right before this one (it never skips a step).
+    - A decode or jump row was carried by the step right before this one (it never skips a step).
     - The block table covers the pages that hold the step's context, not every page reserved at
       admission (attention gathers, and traced decode pads, the table's width).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
@@ -42,6 +47,9 @@ class Step:
     max_query_len: int = 0
     max_context_len: int = 0
     prefill_inputs: list[PrefillInputs | None] = field(default_factory=list)  # per row; [] when none
+    extra: np.ndarray | None = None  # per row, query tokens past one (a jump row's k - 1); by stage()
+    pinned: dict[int, list[int]] = field(default_factory=dict)  # row -> forced tokens, set at finalize
+    partial: set[int] = field(default_factory=set)  # prefill rows whose chunk does not end the prompt
 
     @property
     def num_rows(self) -> int:
@@ -52,12 +60,27 @@ def stage(step: Step, lanes: Lanes, page_size: int, row_numbers: np.ndarray) -> 
     """Write the step's inputs into its slot's host buffers; returns the prefill rows.
 
     `row_numbers` is np.arange(max_batch + 1), reused so that a decode-only step allocates nothing.
+    A jump row's forced tokens (`Sequence.jump`) are consumed here: the launch owns them now.
     """
     output_index = np.array([seq.num_scheduled for seq in step.rows], dtype=np.int64)
     step.lane_of_row = np.array([seq.lane for seq in step.rows], dtype=np.int64)
     prefill_rows = np.flatnonzero(output_index == 0).tolist()
-    query_starts = _stage_positions(step, lanes, page_size, output_index, prefill_rows, row_numbers)
-    _stage_input_sources(step, lanes, query_starts, prefill_rows, row_numbers)
+    jump_rows = [row for row, seq in enumerate(step.rows) if seq.jump]
+    extra = step.extra = np.zeros(step.num_rows, dtype=np.int64)
+    for row in jump_rows:
+        extra[row] = len(step.rows[row].jump) - 1
+    context = lanes.prompt_len[step.lane_of_row] + output_index + extra
+    query_len = 1 + extra
+    chunk_start = {}  # prefill row -> its chunk's first prompt token
+    for row in prefill_rows:
+        seq = step.rows[row]
+        chunk_start[row] = seq.num_prefilled
+        seq.num_prefilled += seq.chunk
+        context[row], query_len[row] = seq.num_prefilled, seq.chunk
+        if seq.num_prefilled < seq.prompt_len:
+            step.partial.add(row)
+    query_starts = _stage_positions(step, lanes, page_size, output_index + extra, context, query_len, row_numbers)
+    _stage_input_sources(step, lanes, query_starts, chunk_start, jump_rows, row_numbers)
     return prefill_rows
 
 
@@ -66,14 +89,18 @@ def _stage_positions(
     lanes: Lanes,
     page_size: int,
     output_index: np.ndarray,
-    prefill_rows: list[int],
+    context: np.ndarray,
+    query_len: np.ndarray,
     row_numbers: np.ndarray,
 ) -> np.ndarray:
-    """Positions, KV slots, query starts, context lengths, block tables; returns the query starts."""
+    """Positions, KV slots, query starts, context lengths, block tables; returns the query starts.
+
+    Per row: `output_index`, the index of the token it samples (a jump row's is k - 1 past its
+    scheduled count); `context`, its tokens in the KV once the launch ran; `query_len`, its query
+    (a prefill chunk, a jump's k tokens, else 1).
+    """
     host, lane, num_rows = step.slot.np, step.lane_of_row, step.num_rows
-    context = lanes.prompt_len[lane] + output_index  # a prefill's context is its prompt
-    if prefill_rows:  # a prefill's query is its prompt past the pages the prefix cache held
-        query_len = np.where(output_index > 0, 1, context - lanes.cached_len[lane])
+    if (query_len > 1).any():
         query_starts = np.zeros(num_rows + 1, dtype=np.int64)
         np.cumsum(query_len, out=query_starts[1:])
         row_of_token = np.repeat(np.arange(num_rows), query_len)
@@ -100,11 +127,26 @@ def _stage_positions(
 
 
 def _stage_input_sources(
-    step: Step, lanes: Lanes, query_starts: np.ndarray, prefill_rows: list[int], row_numbers: np.ndarray
+    step: Step,
+    lanes: Lanes,
+    query_starts: np.ndarray,
+    chunk_start: dict[int, int],
+    jump_rows: list[int],
+    row_numbers: np.ndarray,
 ) -> None:
-    """Prompt tokens go up as they are; decode rows name their previous sample (gathered on the device)."""
+    """Prompt and forced tokens go up as they are; decode rows name their previous sample (gathered on the device)."""
     host, lane, num_rows = step.slot.np, step.lane_of_row, step.num_rows
-    decode_rows = np.setdiff1d(row_numbers[:num_rows], prefill_rows) if prefill_rows else row_numbers[:num_rows]
+    if jump_rows:
+        jump_lanes = lane[jump_rows]
+        if not (lanes.last_step[jump_lanes] == step.number - 1).all():
+            raise AssertionError("a jump-forward row was not carried by the step before")
+        for row in jump_rows:
+            seq = step.rows[row]
+            host.input_ids[query_starts[row] : query_starts[row + 1]] = seq.jump
+            seq.jump = None
+    prefill_rows = list(chunk_start)
+    host_rows = prefill_rows + jump_rows
+    decode_rows = np.setdiff1d(row_numbers[:num_rows], host_rows) if host_rows else row_numbers[:num_rows]
     decode_lanes = lane[decode_rows]
     if not (lanes.last_step[decode_lanes] == step.number - 1).all():
         raise AssertionError("a running sequence skipped a step")
@@ -116,7 +158,16 @@ def _stage_input_sources(
     for row in prefill_rows:
         seq = step.rows[row]
         request = seq.request
-        host.input_ids[query_starts[row] : query_starts[row + 1]] = request.prompt_ids[seq.num_cached :]
+        start = chunk_start[row]
+        host.input_ids[query_starts[row] : query_starts[row + 1]] = request.prompt_ids[start : start + seq.chunk]
         if request.prefill is not None:
             step.prefill_inputs = step.prefill_inputs or [None] * num_rows
-            step.prefill_inputs[row] = request.prefill
+            step.prefill_inputs[row] = _past_the_cache(request.prefill, request.prompt_ids, seq.num_cached)
+
+
+def _past_the_cache(prefill: PrefillInputs, prompt_ids: list[int], num_cached: int) -> PrefillInputs:
+    """The prefill inputs of a prompt whose first `num_cached` tokens the prefix cache held: the
+    runner then fills only the image tokens past them (kv_cache.prefix_seed keys such pages by image)."""
+    if not num_cached or not prefill.num_image_tokens or prefill.image_token_id is None:
+        return prefill
+    return replace(prefill, cached_image_tokens=prompt_ids[:num_cached].count(prefill.image_token_id))

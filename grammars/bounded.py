@@ -128,6 +128,14 @@ class LocBoxMatcher(Matcher):
         if k is not None:
             self._bins.append(k)
 
+    def forced_tokens(self) -> list[int]:
+        """llguidance's forced tokens up to the first loc token (whose bound llguidance does not know)."""
+        forced = super().forced_tokens()
+        for index, token in enumerate(forced):
+            if token in self._tables.bin_of:
+                return forced[:index]
+        return forced
+
     def _refine(self, ptr: int, row: int, words: int) -> None:
         bound = self._bound()
         if bound is not None:
@@ -182,6 +190,13 @@ class JsonBoxMatcher(Matcher):
         self._tokens: list[int] = []
         self._scratch = np.empty(self._words, dtype=np.int32)
         self._restart()
+
+    def forced_tokens(self) -> list[int]:
+        """llguidance's forced tokens, cut where a live bound sub-matcher stops accepting them."""
+        forced = super().forced_tokens()
+        for sub in self._subs.values():
+            forced = forced[: sub.validate_tokens(forced)] if forced else forced
+        return forced
 
     def _restart(self) -> None:
         self._text = bytearray()

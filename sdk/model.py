@@ -117,6 +117,7 @@ def load(
     image_cache_bytes: int = engine_models.DEFAULT_IMAGE_CACHE_BYTES,
     prefix_cache: bool = True,
     max_step_tokens: int | None = None,
+    jump_forward: bool = True,
 ) -> Model:
     """Load a model and start its engine.
 
@@ -134,10 +135,15 @@ def load(
     Moondream prompts on one image (its BOS + image prefix depends on the image alone).
     `max_step_tokens`: query tokens one engine step may carry (prompts being prefilled + one per
     decoding call; default max(2048, max_model_len)): what bounds how many new calls join a step.
+    `jump_forward`: where a call's output grammar forces the next tokens (JSON keys, punctuation),
+    write them into the KV cache in one launch instead of one decode step each. The forced text
+    is the grammar's, tokenized canonically, so a greedy answer's text is the model's own; its
+    token ids may differ where the model would have spelled the same text with other tokens.
     """
     _check_load_args(pipelined, max_batch_size, max_model_len, kv_cache_bytes, max_step_tokens)
-    if not isinstance(prefix_cache, bool):
-        raise TypeError(f"prefix_cache must be True or False, got {prefix_cache!r}")
+    for name, flag in (("prefix_cache", prefix_cache), ("jump_forward", jump_forward)):
+        if not isinstance(flag, bool):
+            raise TypeError(f"{name} must be True or False, got {flag!r}")
     source = _model_source(path)
     loaded = engine_models.load(source, device=device, dtype=dtype, image_cache_bytes=image_cache_bytes)
     folder = Path(source) if Path(source).is_dir() else None
@@ -146,7 +152,7 @@ def load(
         folder, loaded.family, loaded.tokenizer, family.image_token if family.has_vision else None
     )
     config = engine_config(
-        loaded, pipelined, max_batch_size, max_model_len, kv_cache_bytes, prefix_cache, max_step_tokens
+        loaded, pipelined, max_batch_size, max_model_len, kv_cache_bytes, prefix_cache, max_step_tokens, jump_forward
     )
     return Model(loaded, skills, config)
 
@@ -188,6 +194,7 @@ def engine_config(
     kv_cache_bytes: int | None,
     prefix_cache: bool = True,
     max_step_tokens: int | None = None,
+    jump_forward: bool = True,
 ) -> EngineConfig:
     """The engine configuration of a loaded model; sizes left None are derived from its runner by the
     engine (foveal.engine.limits: the model's positions, at most 4096 tokens; a quarter of free memory)."""
@@ -198,6 +205,7 @@ def engine_config(
         kv_cache_bytes=kv_cache_bytes,
         prefix_cache=prefix_cache,
         max_step_tokens=max_step_tokens,
+        jump_forward=jump_forward,
         eos_token_ids=tuple(loaded.eos_token_ids),
         # Moondream's own matchers (its decode rules, its region automata) fill their masks themselves
         fill_masks=own_masks(grammars.fill_masks) if loaded.family == "moondream" else grammars.fill_masks,

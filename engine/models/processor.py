@@ -81,7 +81,8 @@ class InputProcessor:
             tensors[key] = value.to(self.device, dtype)
         ids = out["input_ids"][0]
         prefix_len = int((out["token_type_ids"][0] == 0).sum()) if self.family.prefix_attention else 0
-        prefill = PrefillInputs(tensors, int((ids == self.image_token_id).sum()), image_key, prefix_len)
+        num_image_tokens = int((ids == self.image_token_id).sum())
+        prefill = PrefillInputs(tensors, num_image_tokens, image_key, prefix_len, self.image_token_id)
         return PromptInputs(ids.tolist(), prefill)
 
     def _text_only(self, text: str) -> PromptInputs:

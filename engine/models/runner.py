@@ -24,7 +24,8 @@ INVARIANTS
       and an image whose key is cached, or already in the launch, is not encoded again; a hit gives
       the same logits as a miss (tests/models/test_image_cache.py).
     - Cached features must fill exactly the request's image tokens, else the launch raises (a key
-      reused for another image can never be scattered silently).
+      reused for another image can never be scattered silently). Only the rows past the image tokens
+      whose K/V the prefix cache held (`PrefillInputs.cached_image_tokens`) are scattered.
     - On CPU, decode launches replay a traced graph per bucket (traced.py) with the same logits.
 """
 
@@ -101,7 +102,10 @@ class HFRunner:
         kv = PagedKV(ks, vs, self.kv.page_size, self.kv.scratch_page)
         prefix_lens = self._prefix_lens(batch) if self.family.prefix_attention else None
         context = build_context(batch, kv, prefix_lens)
-        image_kwargs = self._image_inputs([p for p in batch.prefill if p is not None and p.num_image_tokens])
+        # images whose tokens the prefix cache held entirely need no features (nor an encoder run)
+        image_kwargs = self._image_inputs(
+            [p for p in batch.prefill if p is not None and p.num_image_tokens > p.cached_image_tokens]
+        )
         out = self.model(
             input_ids=batch.input_ids[None],
             position_ids=(batch.positions + self.family.position_offset)[None],
@@ -145,7 +149,8 @@ class HFRunner:
                     f"image features of key {image.image_key!r} have {feats.shape[0]} rows but the prompt has "
                     f"{image.num_image_tokens} image tokens; an image_key must identify one image's pixels"
                 )
-        joined = torch.cat(features)
+        # features only for the image tokens in this launch's queries (past those the prefix cache held)
+        joined = torch.cat([feats[image.cached_image_tokens :] for image, feats in zip(images, features, strict=True)])
         pooled = [joined] if self.family.features_as_list else joined
         return {"mm_encoder_outputs": {"image": BaseModelOutputWithPooling(pooler_output=pooled)}}
 

@@ -109,7 +109,7 @@ def test_run_quick_writes_the_table_and_json(tmp_path, capsys):
     report = run.main(["--quick", "--json", str(out)])
     assert json.loads(out.read_text())["summary"] == json.loads(json.dumps(report["summary"], default=str))
     areas = {r["area"] for r in report["summary"]}
-    assert areas == {"1 pipelining", "2 structure", "3 peers", "4 grammar", "5 image reuse"}
+    assert areas == {"1 pipelining", "2 structure", "3 peers", "4 grammar", "5 image reuse", "6 less work"}
     assert "target" in capsys.readouterr().out
 
 
@@ -118,3 +118,27 @@ def test_device_check_cpu_smoke(tmp_path):
     from benchmarks import device_check
 
     assert device_check.main(["--cpu", "--quick", "--json", str(tmp_path / "device.json")]) == 0
+
+
+@pytest.mark.slow
+def test_less_work_quick_measures_every_workload_and_names_each_target(tmp_path, capsys):
+    from benchmarks import less_work
+
+    less_work.main(["--quick", "--calls", "1", "--out", str(tmp_path / "less_work.json")])
+    report = json.loads((tmp_path / "less_work.json").read_text())
+    assert {r["workload"] for r in report["rows"]} == {"shared prefix", "image objects", "json latency", "json", "detect"}
+    assert all(r["n"] > 0 and 0 <= r["valid"] <= r["n"] for r in report["rows"])
+    assert all(r["valid"] == r["n"] for r in report["rows"] if r["contender"].startswith("foveal"))
+    assert "target >= 3.0x" in capsys.readouterr().out
+
+
+@pytest.mark.slow
+def test_jump_forward_quick_compares_the_answers_of_both_modes(tmp_path):
+    from benchmarks import jump_forward
+
+    jump_forward.main(["--quick", "--calls", "2", "--requests", "4", "--out", str(tmp_path / "jf.json")])
+    report = json.loads((tmp_path / "jf.json").read_text())
+    for workload in report["workloads"].values():
+        answers = workload["batch_answers"]
+        assert answers["valid_on"] == answers["valid_off"] == answers["answers"] == 4
+        assert workload["batch"]["off"]["forced_tokens"] == 0

@@ -4,6 +4,7 @@ grammars constrain a real model."""
 
 from __future__ import annotations
 
+import dataclasses
 import re
 
 import pytest
@@ -123,3 +124,20 @@ def test_prefix_cache_hits_give_transformers_greedy_tokens(llama, pipelined):
         assert engine.wait_idle(5) and engine.free_pages() == engine.config.num_pages
     assert [o.token_ids for o in first + rest] == expected
     assert stats["cached_prompt_tokens"] >= 2 * (len(document) // 4 - 1) * 4  # both later prompts hit
+
+
+@pytest.mark.parametrize("pipelined", [True, False])
+def test_chunked_prefill_gives_transformers_greedy_tokens(llama, pipelined):
+    """Long prompts prefilled 7 tokens a launch (their chunks attend to the pages the earlier ones
+    wrote) beside rows already decoding: every answer is transformers' own greedy answer."""
+    loaded, reference = llama
+    text = "the quick brown fox jumps over the lazy dog "
+    prompts = [loaded.tokenizer.encode(text * n + q, add_special_tokens=False) for n, q in ((1, "a"), (3, "x"), (2, "é"))]
+    expected = _transformers_greedy(loaded, reference, prompts, 8)
+    config = dataclasses.replace(_config(loaded, pipelined), prefill_chunk=7, prefix_cache=False)
+    with Engine(loaded.runner, loaded.tokenizer, config) as engine:
+        outs = engine.generate([Request(ids, SamplingParams(max_tokens=8)) for ids in prompts], timeout=60)
+        stats = engine.stats()
+        assert engine.wait_idle(5) and engine.free_pages() == engine.config.num_pages
+    assert [o.token_ids for o in outs] == expected
+    assert stats["prefill_rows"] > len(prompts)  # the prompts did take several chunks

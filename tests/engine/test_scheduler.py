@@ -8,7 +8,7 @@ import pytest
 from foveal.engine.detokenizer import Detokenizer
 from foveal.engine.kv_cache import PagePool
 from foveal.engine.lanes import Lanes
-from foveal.engine.request import Request, RequestHandle, SamplingParams
+from foveal.engine.request import PrefillInputs, Request, RequestHandle, SamplingParams
 from foveal.engine.scheduler import Scheduler, Sequence
 
 
@@ -31,13 +31,39 @@ def test_admits_in_fifo_order_up_to_max_batch():
     assert all(s.pages is not None and s.lane >= 0 for s in seqs[:2])
 
 
-def test_admission_fits_running_rows_plus_prompts_in_the_token_budget():
+def test_admission_fits_running_rows_plus_prompt_chunks_in_the_token_budget():
     scheduler = make_scheduler(max_step_tokens=10, num_pages=64)
     first = waiting(scheduler, 8, 3, 0)
     second = waiting(scheduler, 8, 3, 1)
-    assert scheduler.schedule() == [first]  # 8 + 8 tokens > 10
+    assert scheduler.schedule() == [first, second] and (first.chunk, second.chunk) == (8, 2)  # 10 tokens
+    first.num_prefilled, second.num_prefilled = 8, 2  # what the launch's staging does
     first.num_scheduled = 1
-    assert scheduler.schedule() == [first, second]  # 1 decode token + 8 prompt tokens <= 10
+    assert scheduler.schedule() == [first, second] and second.chunk == 6  # 1 decode token + the rest
+
+
+def test_a_long_text_prompt_is_prefilled_in_chunks_of_at_most_prefill_chunk():
+    scheduler = Scheduler(PagePool(64, 4), Lanes(8, 16), 4, 32, prefill_chunk=8)
+    seq = waiting(scheduler, 20, 3, 0)
+    chunks = []
+    while seq.num_prefilled < seq.prompt_len:
+        assert scheduler.schedule() == [seq]
+        chunks.append(seq.chunk)
+        seq.num_prefilled += seq.chunk
+    assert chunks == [8, 8, 4]
+
+
+def test_a_prompt_with_prefill_inputs_is_never_split_and_waits_for_room():
+    scheduler = make_scheduler(max_step_tokens=10, num_pages=64)
+    running = waiting(scheduler, 4, 5, 0)
+    assert scheduler.schedule() == [running]
+    running.num_prefilled, running.num_scheduled = 4, 1
+    request = Request([1] * 10, SamplingParams(max_tokens=2), prefill=PrefillInputs())
+    image = Sequence(1, request, RequestHandle(1, lambda _: None), 0, frozenset(), Detokenizer(None))
+    scheduler.waiting.append(image)
+    assert scheduler.schedule() == [running]  # 1 + 10 > 10: it waits, whole
+    running.num_scheduled, running.finalized = 5, True
+    scheduler.remove(running)
+    assert scheduler.schedule() == [image] and image.chunk == 10
 
 
 def test_a_request_that_does_not_fit_the_free_pages_waits_at_the_head_of_the_line():
@@ -66,7 +92,7 @@ def test_a_running_sequence_is_not_scheduled_once_its_last_token_is_launched():
     scheduler = make_scheduler()
     seq = waiting(scheduler, 2, 2)
     assert scheduler.schedule() == [seq]
-    seq.num_scheduled = 1
+    seq.num_prefilled, seq.num_scheduled = 2, 1  # what the launch does
     assert scheduler.schedule() == [seq]
     seq.num_scheduled = 2
     assert scheduler.schedule() == [] and scheduler.has_work()

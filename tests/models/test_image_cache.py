@@ -193,7 +193,8 @@ def test_sdk_calls_on_one_image_encode_it_once(checkpoints):
 def test_sdk_load_can_turn_the_cache_off(checkpoints):
     (a,) = tiny.images(1)
     with foveal.load(
-        checkpoints["paligemma"], device="cpu", max_batch_size=4, max_model_len=128, image_cache_bytes=0
+        checkpoints["paligemma"], device="cpu", max_batch_size=4, max_model_len=128, image_cache_bytes=0,
+        prefix_cache=False,  # the same prompt twice would else be served from the prefix cache's pages
     ) as model:
         calls = count_encoder_calls(model.loaded, "paligemma")
         first = model.query(a, "red circle", settings={"max_tokens": 4})

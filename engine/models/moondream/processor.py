@@ -4,8 +4,8 @@ Moondream's prompts are token ids, not text: template ids (from the config) arou
 which is tokenized on its own (`MoondreamPrompt`). With an image the prompt is BOS, 729 placeholder
 ids (their embeddings are replaced by the image's rows in the prefill launch), then the template;
 BOS and the image rows are the bidirectional prefix (`prefix_len` 730), which depends on the image
-alone, so the image key is also the prompt's `kv_key`: a second call on one image takes its image
-pages from the engine's prefix cache (the reference caches this prefix too). Without an image it is BOS
+alone, so the prefix cache (keyed by the image key and that prefix, kv_cache.prefix_seed) gives a
+second call on one image its image pages (the reference caches this prefix too). Without an image it is BOS
 then the template, causal from position 0 (the reference's text-only query).
 The crops are cut and normalized here, on the caller's thread (PIL resizes are the slow part),
 and moved to the runner's device and dtype; the tiling travels as a CPU tensor (the runner needs
@@ -67,7 +67,8 @@ class MoondreamProcessor:
         pixels = vision.normalize(crops).to(self.device, self.dtype)
         tensors = {"pixels": pixels, "tiling": torch.tensor(tiling)}
         n = self.config.image_tokens
-        # kv_key: the K/V of BOS + image depends on the image alone, and every later row is causal, so
-        # full pages of two prompts with one image and the same ids are the same (the prefix cache's rule)
-        prefill = PrefillInputs(tensors, n, image_key, self.config.prefix_len, kv_key=image_key)
+        # The prefix cache keys the pages by the image and the bidirectional prefix (BOS + image:
+        # the same ids for every image), so calls on one image share them (kv_cache.prefix_seed). No
+        # image_token_id: the runner places image rows by position, not by counting placeholders.
+        prefill = PrefillInputs(tensors, n, image_key, self.config.prefix_len)
         return PromptInputs([bos, *([bos] * n), *ids], prefill)

@@ -10,7 +10,7 @@ SOLUTION
     region encoders (branch-free, region.py); in prefill launches the image placeholder rows
     (positions 1..729 of a sequence with an image) are replaced by the image's embeddings, taken
     from the runner's `ImageFeatureCache` by `image_key` or encoded in that launch (one vision call
-    for all misses); a prefill whose first pages came from the prefix cache (`kv_key`) takes only
+    for all misses); a prefill whose first pages came from the prefix cache (kv_cache.prefix_seed) takes only
     the rows its query holds. The decoder runs on the paged KV (text.py); logits of each sequence's last
     token are returned, and their hidden states (before post_ln) kept as `last_hidden`, which the
     engine keeps with the step for its sample job. `sample_regions` (called by that job, on the

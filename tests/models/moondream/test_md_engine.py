@@ -171,7 +171,7 @@ def test_bfloat16_on_cpu(folder):
 
 
 def test_image_prefix_pages_shared_across_calls(folder, models):
-    """A second call on one image takes BOS + image pages from the prefix cache (kv_key = the image key),
+    """A second call on one image takes BOS + image pages from the prefix cache (keyed by the image: kv_cache.prefix_seed),
     and answers exactly as without the cache."""
     image = (np.random.default_rng(11).random((300, 300, 3)) * 255).astype(np.uint8)
     model = models[0]
