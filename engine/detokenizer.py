@@ -30,7 +30,12 @@ from tokenizers.decoders import DecodeStream
 
 
 def native_decoder(tokenizer: Any) -> tokenizers.Tokenizer | None:
-    """The `tokenizers.Tokenizer` whose `decode` gives exactly `tokenizer.decode`'s text, if any."""
+    """The `tokenizers.Tokenizer` whose `decode` gives exactly `tokenizer.decode`'s text, if any.
+
+    None for a tokenizer that spells ids its backend does not know (`spells_values`: Moondream's
+    region values, engine/regions.py): only its own `decode` gives their text."""
+    if getattr(tokenizer, "spells_values", False):
+        return None
     if isinstance(tokenizer, tokenizers.Tokenizer):
         return tokenizer
     backend = getattr(tokenizer, "backend_tokenizer", None)  # transformers' fast tokenizers

@@ -33,6 +33,7 @@ FORWARD_INPUTS = (
     "gather_src",
 )
 SAMPLE_INPUTS = ("temperature", "top_p", "top_k", "seeds", "counters", "random_rows", "mask_rows", "bitmask")
+REGION_INPUTS = ("kinds", "region_rows")
 
 
 @dataclass(slots=True, frozen=True)
@@ -43,6 +44,7 @@ class SampleShape:
     num_random: int  # rows with temperature > 0
     num_masked: int  # rows with a grammar mask
     filter_rows: bool  # some random row uses top-k or top-p
+    num_region: int = 0  # rows that sample a region value (regions.py)
 
 
 @torch.inference_mode()
@@ -65,10 +67,11 @@ def forward(runner: ModelRunner, step: Step, previous_slot: DecodeSlot) -> None:
         prefill=step.prefill_inputs,
     )
     slot.logits = runner.forward(batch)
+    slot.hidden = getattr(runner, "last_hidden", None)  # region runners only (regions.py)
 
 
 @torch.inference_mode()  # runners return inference tensors; the sampler masks them in place
-def sample(slot: DecodeSlot, shape: SampleShape) -> None:
+def sample(slot: DecodeSlot, shape: SampleShape, runner: ModelRunner | None = None) -> None:
     rows, random, masked = shape.num_rows, shape.num_random, shape.num_masked
     slot.upload(SAMPLE_INPUTS, (rows, rows, rows, rows, rows, random, masked, masked))
     dev = slot.dev
@@ -84,7 +87,10 @@ def sample(slot: DecodeSlot, shape: SampleShape) -> None:
         mask_rows=dev.mask_rows[:masked] if masked else None,
     )
     sampler.sample(slot.logits, batch, slot.sampled)
-    slot.logits = None
+    if shape.num_region:  # region rows: their ids become value ids, on the device (regions.py)
+        slot.upload(REGION_INPUTS, (rows, shape.num_region))
+        runner.sample_regions(slot.hidden, dev.kinds[:rows], dev.region_rows[: shape.num_region], slot.sampled)
+    slot.logits = slot.hidden = None
 
 
 def copy_to_host(slot: DecodeSlot, num_rows: int, debug: bool) -> None:

@@ -128,9 +128,9 @@ def prefix_seed(token_ids: list[int], prefill: PrefillInputs | None) -> bytes | 
     Text only: no seed. With an image: its content key, so that pages are shared only between
     prompts of the same image (all of a prompt's pages, those before the image too: simpler, and
     in every supported template the image comes first or after a few tokens). An image without a
-    key, or whose placeholders the engine cannot count, is never shared. A bidirectional prefix
-    (PaliGemma) makes a page's K/V depend on the prefix tokens after it, so its seed also covers
-    the whole prefix: such pages are shared only between prompts with the same image and prefix.
+    key, or without the placeholder id by which the engine counts its cached tokens, is never shared. A bidirectional prefix (PaliGemma's image + prompt, Moondream's BOS +
+    image) makes a page's K/V depend on the prefix tokens after it, so its seed also covers the
+    whole prefix: such pages are shared only between prompts with the same image and prefix.
     """
     if prefill is None or not prefill.num_image_tokens:
         seed = b""

@@ -64,7 +64,7 @@ from typing import Any
 
 import numpy as np
 
-from . import device_jobs
+from . import device_jobs, regions
 from .device_jobs import SampleShape
 from .kv_cache import PagePool, pages_needed
 from .lanes import Lanes
@@ -124,6 +124,7 @@ class Pipeline:
         self.inflight: deque[Step] = deque()
         self.step_number = 0
         self._row_numbers = np.arange(max_batch + 1)
+        self.regions = regions.has_regions(runner)  # some steps may sample region values (regions.py)
         runner.allocate_kv(num_pages, page_size)
 
     def has_work(self) -> bool:
@@ -240,8 +241,9 @@ class Pipeline:
         random_rows = np.flatnonzero(host.temperature[:num_rows] > 0)
         host.random_rows[: len(random_rows)] = random_rows
         filter_rows = bool(((host.top_k[random_rows] > 0) | (host.top_p[random_rows] < 1)).any())
-        shape = SampleShape(num_rows, len(random_rows), num_masked, filter_rows)
-        self.device.run("sample", lambda: device_jobs.sample(slot, shape))
+        num_region = regions.stage_kinds(step.rows, host.kinds, host.region_rows) if self.regions else 0
+        shape = SampleShape(num_rows, len(random_rows), num_masked, filter_rows, num_region)
+        self.device.run("sample", lambda: device_jobs.sample(slot, shape, self.runner))
         debug = self.debug and self.device.device.type == "cpu"
         slot.event = self.device.copy_to_host("copy", lambda: device_jobs.copy_to_host(slot, num_rows, debug))
         slot.state = SlotState.FINALIZED

@@ -87,7 +87,7 @@ class PrefillInputs:
                       its encoding across requests; None: never cached.
     prefix_len:       tokens attended bidirectionally (PaliGemma's image + prompt prefix); 0: causal.
     image_token_id:   the placeholder id, by which the engine counts the image tokens its prefix cache
-                      holds; None: the prompt's image tokens are never served from the prefix cache.
+                      holds (`cached_image_tokens`); None: the prompt's pages are never shared.
     cached_image_tokens: set by the engine at launch (never by a processor): the leading image tokens
                       whose K/V came from the prefix cache. The runner scatters features only over
                       the rest, and encodes nothing when that is none.

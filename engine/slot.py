@@ -51,6 +51,8 @@ class StepTensors:
     random_rows: torch.Tensor  # [B] int64
     mask_rows: torch.Tensor  # [B] int64
     bitmask: torch.Tensor  # [B, W] int32
+    kinds: torch.Tensor  # [B] int64 step kind per row (regions.py; 0 = token)
+    region_rows: torch.Tensor  # [B] int64 rows whose kind is not 0
 
     @staticmethod
     def allocate(max_batch: int, max_tokens: int, max_pages: int, mask_words: int) -> StepTensors:
@@ -74,6 +76,8 @@ class StepTensors:
             random_rows=ints(max_batch),
             mask_rows=ints(max_batch),
             bitmask=ints(max_batch, mask_words, dtype=torch.int32),
+            kinds=ints(max_batch),
+            region_rows=ints(max_batch),
         )
 
     def map(self, fn: Any) -> StepTensors:
@@ -94,6 +98,7 @@ class DecodeSlot:
         self.sampled = torch.zeros(max_batch, dtype=torch.int64, device=device.device)
         self.sampled_host = device.pin(torch.full((max_batch,), POISON, dtype=torch.int64))
         self.logits: torch.Tensor | None = None
+        self.hidden: torch.Tensor | None = None  # a region runner's last-token hidden states (regions.py)
         self.state = SlotState.FREE
         self.step: Any = None  # the Step occupying this slot
         self.event: Any = None  # set when sampled_host holds the step's ids

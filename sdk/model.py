@@ -51,6 +51,7 @@ from tqdm import tqdm
 from foveal import grammars
 from foveal.engine import AsyncEngine, Engine, EngineConfig, FinishReason, Request, SamplingParams, shutdown
 from foveal.engine import models as engine_models
+from foveal.engine.regions import own_masks
 from foveal.engine.request import RequestHandle, RequestOutput
 from foveal.errors import GenerationError, IncompleteOutputError, ModelClosedError
 from foveal.grammars import spatial
@@ -215,7 +216,8 @@ def engine_config(
         max_step_tokens=max_step_tokens,
         jump_forward=jump_forward,
         eos_token_ids=tuple(loaded.eos_token_ids),
-        fill_masks=grammars.fill_masks,
+        # Moondream's own matchers (its decode rules, its region automata) fill their masks themselves
+        fill_masks=own_masks(grammars.fill_masks) if loaded.family == "moondream" else grammars.fill_masks,
     )
 
 
@@ -399,7 +401,7 @@ class Model:
             seed=settings.seed,
             skip_special_tokens=not task.keep_special,  # the text the parser reads, made by the engine
         )
-        matcher = automaton.matcher() if automaton is not None else None
+        matcher = automaton.matcher() if automaton is not None else task.rules() if task.rules is not None else None
         request = Request(prompt.token_ids, sampling, matcher, prompt.prefill)
         return Job(task, request, task.parser(automaton), decoded)
 
@@ -439,6 +441,8 @@ class Model:
     def _compile(self, spec: Any) -> grammars.Automaton | None:
         if spec is None:
             return None
+        if getattr(spec, "is_automaton", False):  # a family's own answer automaton (Moondream's regions)
+            return spec
         return grammars.compile(spec, self.loaded.tokenizer, vocab_size=self.loaded.runner.vocab_size)
 
     def _image(self, image: Any, skill: str) -> tuple[Image.Image | None, str | None]:

@@ -66,6 +66,9 @@ class Task:
     # (task, processed prompt) -> the task for that prompt, where the answer's scale depends on the
     # processed image (Qwen2.5-VL answers in pixels of the resized input: qwen_skills.py); None: as is
     for_prompt: Callable[[Task, Any], Task] | None = None
+    # Free text under the family's own decode rules: a factory of one call's matcher (Moondream masks
+    # its answer id after the first token). None: unconstrained. Used only when `spec` is None.
+    rules: Callable[[], Any] | None = None
 
     @property
     def skill(self) -> str:
@@ -329,8 +332,12 @@ class _LockedRenderer:
 def skills_for(
     folder: Path | None, family: str, tokenizer: Any, image_token: str | None, processor: Any = None
 ) -> Skills:
-    """The skills of a loaded model: shapes (folder has foveal.json), PaliGemma, Qwen-VL, or chat.
-    `processor`: the model's input processor (Qwen2.5-VL's answers are on its resized image sizes)."""
+    """The skills of a loaded model: shapes (folder has foveal.json), PaliGemma, Moondream, Qwen-VL, or
+    chat. `processor`: the model's input processor (Qwen2.5-VL's answers are on its resized image sizes)."""
+    if family == "moondream":
+        from foveal.moondream_skills import MoondreamSkills  # lazily: it imports this module
+
+        return MoondreamSkills(tokenizer.moondream_config, tokenizer)
     if folder is not None and (folder / FORMAT_FILE).is_file():
         fmt = ShapesFormat.load(folder)
         if fmt.family != family:

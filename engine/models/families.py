@@ -77,6 +77,9 @@ FAMILIES: tuple[Family, ...] = (
     # SmolVLM is Idefics3's architecture; its own SmolVLMProcessor cannot be built without torchvision
     # (video), and for images it expands prompts as Idefics3Processor does, which we use instead.
     replace(IDEFICS3, name="smolvlm", architectures=("SmolVLMForConditionalGeneration",)),
+    # Moondream 2 is foveal's own implementation (engine/models/moondream), not a transformers class;
+    # its processor is MoondreamProcessor, its loader moondream/loader.py.
+    Family("moondream", ("HfMoondream",), processor_class="MoondreamProcessor"),
     Family(
         "llava",
         ("LlavaForConditionalGeneration",),
@@ -109,6 +112,10 @@ FAMILIES: tuple[Family, ...] = (
 
 def supported_architectures() -> list[str]:
     return [arch for family in FAMILIES for arch in family.architectures]
+
+
+def family_named(name: str) -> Family:
+    return next(family for family in FAMILIES if family.name == name)
 
 
 def family_for(architectures: list[str] | None) -> tuple[Family, str]:

@@ -190,6 +190,13 @@ def _load_folder(
     check_folder(path)
     # The architecture is checked from the raw JSON: AutoConfig would ask for trust_remote_code first.
     raw = json.loads((path / "config.json").read_text())
+    from foveal.engine.models import moondream  # lazily: it imports this module
+
+    if moondream.is_moondream(raw):  # foveal's own implementation, no transformers class
+        for name, value in (("quantize", quantize), ("image_options", image_options)):
+            if value:
+                raise ModelLoadError(f"{name} is not supported for Moondream 2 (its own implementation); leave it unset")
+        return moondream.load_folder(path, device, dtype, source, image_cache_bytes)
     family, arch = family_for(raw.get("architectures"))
     adapter = _adapter(family)
     if image_options and adapter is None:

@@ -114,21 +114,22 @@ def test_generate_with_schema_regex_and_grammar(server):
 
 
 def test_disconnect_mid_request_cancels_it(random_server, random_model):
-    """A long generate (400 tokens, ~10 s) whose client leaves after 1 s ends CANCELLED at once."""
+    """A long generate (480 tokens, ~1 s with the lean forward here, more on a loaded machine) whose
+    client leaves after 0.25 s ends CANCELLED at once: far fewer tokens than asked are decoded."""
     random_model.engine.wait_idle(10)
     body = {
         "prompt": "x",
         "image_url": data_url(scene(0)),
-        "regex": "[ab]{400}",
-        "settings": {"max_tokens": 420},
+        "regex": "[ab]{480}",
+        "settings": {"max_tokens": 490},
     }
     before = random_model.engine.stats()["tokens"]
     started = time.monotonic()
     with pytest.raises(httpx.ReadTimeout):
-        post(random_server, "/v1/generate", json=body, timeout=httpx.Timeout(60, read=1.0))
+        post(random_server, "/v1/generate", json=body, timeout=httpx.Timeout(60, read=0.25))
     assert all_pages_free(random_model, timeout=5)
     assert time.monotonic() - started < 6
-    assert random_model.engine.stats()["tokens"] - before < 300
+    assert random_model.engine.stats()["tokens"] - before < 400
 
 
 def test_disconnect_mid_stream_cancels_it(random_server, random_model):

@@ -1,0 +1,44 @@
+"""Loading a Moondream 2 folder (`config.json` with model_type `moondream1` / architecture `HfMoondream`).
+
+Nothing from the folder is executed: the architecture is foveal's own (this package), dims come
+from config.json's `config` entry (empty in the real repository: the real defaults), weights from
+`model.safetensors` by the real tensor names, the tokenizer per tokenizer.py. Checks run before
+the weights are read.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+from foveal.engine.models.families import ModelLoadError, family_named
+from foveal.engine.models.loader import LoadedModel
+
+from .config import MoondreamConfig
+from .processor import MoondreamProcessor
+from .runner import MoondreamRunner
+from .tokenizer import load_tokenizer
+from .weights import load_weights
+
+
+def is_moondream(raw: dict) -> bool:
+    return raw.get("model_type") == "moondream1" or "HfMoondream" in (raw.get("architectures") or [])
+
+
+def load_folder(
+    path: Path, device: torch.device, dtype: torch.dtype, source: str, image_cache_bytes: int
+) -> LoadedModel:
+    raw = json.loads((path / "config.json").read_text())
+    config = MoondreamConfig.from_dict(raw.get("config"))
+    weights_file = path / "model.safetensors"
+    if not weights_file.is_file():
+        shards = sorted(p.name for p in path.glob("*.safetensors"))
+        raise ModelLoadError(f"{path} has no model.safetensors (found {shards}); Moondream 2 ships one file")
+    tokenizer = load_tokenizer(path, config.text.vocab_size, config.tokenizer.eos_id)
+    tokenizer.moondream_config = config  # the skills read templates and special ids from it
+    weights = load_weights(weights_file, config, device, dtype)
+    runner = MoondreamRunner(weights, family_named("moondream"), image_cache_bytes)
+    processor = MoondreamProcessor(config, tokenizer, device, dtype)
+    return LoadedModel(runner, tokenizer, processor, (config.tokenizer.eos_id,), "moondream", source)

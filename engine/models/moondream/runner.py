@@ -1,0 +1,191 @@
+"""`MoondreamRunner`: the `ModelRunner` of a Moondream 2 checkpoint, with region heads sampled in the pipeline.
+
+PROBLEM
+    The engine launches flat batches mixing prefills (with images) and decode rows; Moondream's
+    decode rows may be token steps or region steps, whose input is a coordinate or size encoding
+    rather than a token embedding, and whose output is a bin read from a region head.
+SOLUTION
+    `forward(batch)`: input embeddings are built on the device from the ids: token ids through
+    `wte`, region-value ids (>= vocab_size, written by the previous step's sampler) through the
+    region encoders (branch-free, region.py); in prefill launches the image placeholder rows
+    (positions 1..729 of a sequence with an image) are replaced by the image's embeddings, taken
+    from the runner's `ImageFeatureCache` by `image_key` or encoded in that launch (one vision call
+    for all misses); a prefill whose first pages came from the prefix cache (kv_cache.prefix_seed) takes only
+    the rows its query holds. The decoder runs on the paged KV (text.py); logits of each sequence's last
+    token are returned, and their hidden states (before post_ln) kept as `last_hidden`, which the
+    engine keeps with the step for its sample job. `sample_regions` (called by that job, on the
+    device, after the token sampler) overwrites region rows' sampled ids with value ids: a GATE row
+    becomes eos if the token sampler chose eos, else x's coordinate id from the same hidden state;
+    a COORD row its y coordinate id; a SIZE row its size id. All greedy, as the reference decodes.
+    On CPU, decode launches replay traced graphs (traced.py), which return [logits | hidden].
+INVARIANTS
+    - No host synchronisation in forward or sample_regions (tilings are host ints from the processor).
+    - The vision encoder runs only for images missing from the cache (`images_encoded` counts them).
+    - Logits are float32 [num_seqs, vocab_size]; `last_hidden` is float32 [num_seqs, dim].
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from foveal.engine.models.attention import PagedKV, build_context
+from foveal.engine.models.families import Family
+from foveal.engine.models.image_cache import DEFAULT_IMAGE_CACHE_BYTES, ImageFeatureCache
+from foveal.engine.models.traced import DecodeGraphs
+from foveal.engine.request import PrefillInputs
+from foveal.engine.runner import ForwardBatch
+
+from . import region
+from .answers import COORD, GATE, SIZE
+from .config import HEAD_DIM, MoondreamConfig
+from .text import rotary_table
+from .weights import MoondreamWeights
+
+
+class MoondreamRunner:
+    def __init__(
+        self,
+        weights: MoondreamWeights,
+        family: Family,
+        image_cache_bytes: int = DEFAULT_IMAGE_CACHE_BYTES,
+        trace_decode: bool | None = None,
+    ) -> None:
+        self.weights = weights.eval().requires_grad_(False)
+        self.config: MoondreamConfig = weights.config
+        self.family = family
+        parts = weights.model
+        self.vision, self.text, self.region = parts.vision, parts.text, parts.region
+        text = self.config.text
+        self.vocab_size = text.vocab_size
+        self.max_positions: int | None = text.max_context
+        self.device = self.text.wte.device
+        self.dtype = self.text.wte.dtype
+        self.num_layers, self.kv_heads = text.n_layers, text.n_kv_heads
+        self.eos_id = self.config.tokenizer.eos_id
+        self.cos, self.sin = (t.to(self.device) for t in rotary_table(text.max_context))
+        self.image_cache = ImageFeatureCache(image_cache_bytes)
+        self.images_encoded = 0
+        self.kv: PagedKV | None = None
+        self.last_hidden: torch.Tensor | None = None
+        if trace_decode is None:
+            trace_decode = self.device.type == "cpu"
+        self.decode_graphs = DecodeGraphs(self._eager) if trace_decode else None
+
+    # ---- the ModelRunner protocol ---------------------------------------------------------------
+    def kv_bytes_per_token(self) -> int:
+        return 2 * self.num_layers * self.kv_heads * HEAD_DIM * self.dtype.itemsize
+
+    def allocate_kv(self, num_pages: int, page_size: int) -> None:
+        shape = ((num_pages + 1) * page_size, self.kv_heads, HEAD_DIM)  # + the scratch page
+        make = lambda: torch.zeros(shape, dtype=self.dtype, device=self.device)  # noqa: E731
+        self.kv = PagedKV(
+            [make() for _ in range(self.num_layers)],
+            [make() for _ in range(self.num_layers)],
+            page_size,
+            num_pages,
+        )
+        if self.decode_graphs is not None:
+            self.decode_graphs.graphs.clear()
+
+    @torch.inference_mode()
+    def forward(self, batch: ForwardBatch) -> torch.Tensor:
+        kv = self.kv
+        if kv is None:
+            raise RuntimeError("allocate_kv(num_pages, page_size) must be called before forward()")
+        if batch.is_decode and self.decode_graphs is not None and not batch.prefill:
+            out = self.decode_graphs(batch, kv.k, kv.v, kv.page_size, kv.scratch_page)
+        else:
+            out = self._eager(batch, kv.k, kv.v)
+        self.last_hidden = out[:, self.vocab_size :]
+        return out[:, : self.vocab_size]
+
+    # ---- region steps (engine/regions.py) --------------------------------------------------------
+    @torch.inference_mode()
+    def sample_regions(
+        self, hidden: torch.Tensor, kinds: torch.Tensor, rows: torch.Tensor, sampled: torch.Tensor
+    ) -> None:
+        """Overwrite `sampled[rows]` with region-value ids read from the region heads (see the docstring)."""
+        h = hidden.index_select(0, rows).to(self.dtype)
+        kind = kinds.index_select(0, rows)
+        token = sampled.index_select(0, rows)
+        coord = region.coord_id(self.vocab_size, self.region.coord_bins(h))
+        wh = self.region.size_bins(h)
+        size = region.size_id(self.vocab_size, wh[:, 0], wh[:, 1])
+        gate = torch.where(token == self.eos_id, token, coord)
+        value = torch.where(kind == GATE, gate, torch.where(kind == SIZE, size, coord))
+        value = torch.where((kind == GATE) | (kind == COORD) | (kind == SIZE), value, token)
+        sampled.index_copy_(0, rows, value)
+
+    # ---- the forward ---------------------------------------------------------------------------
+    def _eager(self, batch: ForwardBatch, ks: list[torch.Tensor], vs: list[torch.Tensor]) -> torch.Tensor:
+        kv = PagedKV(ks, vs, self.kv.page_size, self.kv.scratch_page)
+        ctx = build_context(batch, kv, self._prefix_lens(batch), self.dtype)
+        x = self.embed(batch.input_ids)
+        images = [(row, p) for row, p in enumerate(batch.prefill) if p is not None and p.num_image_tokens]
+        if images:
+            # one query token per sequence (a prompt the prefix cache held but for its last token): token i is sequence i
+            query_seq = ctx.query_seq if ctx.query_seq is not None else torch.arange(batch.num_seqs, device=x.device)
+            x = self._scatter_images(x, batch, query_seq, images)
+        hidden = self.text(x, batch.positions, ctx, self.cos, self.sin)
+        last = hidden.index_select(0, batch.query_start[1:].to(torch.int64) - 1)
+        return torch.cat([self.text.logits(last).float(), last.float()], dim=-1)
+
+    def embed(self, ids: torch.Tensor) -> torch.Tensor:
+        tokens = F.embedding(ids.clamp(max=self.vocab_size - 1), self.text.wte)
+        values, is_value = self.region.embed_values(ids, self.vocab_size, self.dtype)
+        return torch.where(is_value[:, None], values, tokens)
+
+    def _scatter_images(
+        self,
+        x: torch.Tensor,
+        batch: ForwardBatch,
+        query_seq: torch.Tensor,
+        images: list[tuple[int, PrefillInputs]],
+    ) -> torch.Tensor:
+        """Rows at positions 1..729 of a sequence with an image take that image's embedding rows. The
+        query may start past some of them (pages from the prefix cache): rows are gathered by position."""
+        features = torch.cat(self.image_features([p for _, p in images])).to(x.dtype)
+        n = self.config.image_tokens
+        start = torch.full((batch.num_seqs,), -1, dtype=torch.int64)  # each sequence's first feature row
+        start[[row for row, _ in images]] = torch.arange(len(images)) * n
+        start = start.to(x.device, non_blocking=True)[query_seq]
+        at = (start >= 0) & (batch.positions >= 1) & (batch.positions <= n)
+        rows = (start + batch.positions - 1).clamp(0, features.shape[0] - 1)
+        return torch.where(at[:, None], features.index_select(0, rows), x)
+
+    def image_features(self, images: list[PrefillInputs]) -> list[torch.Tensor]:
+        """Each image's [729, dim] embeddings: cached ones by key, misses encoded in one call (a key
+        seen twice in the launch is encoded once)."""
+        sources: list[torch.Tensor | int] = []
+        to_encode: list[PrefillInputs] = []
+        first: dict[str, int] = {}
+        for image in images:
+            key = image.image_key
+            cached = None if key is None or key in first else self.image_cache.get(key)
+            if cached is not None:
+                sources.append(cached)
+            elif key is not None and key in first:
+                sources.append(first[key])
+            else:
+                if key is not None:
+                    first[key] = len(to_encode)
+                sources.append(len(to_encode))
+                to_encode.append(image)
+        encoded = self.encode_images(to_encode) if to_encode else []
+        for image, features in zip(to_encode, encoded, strict=True):
+            if image.image_key is not None:
+                self.image_cache.put(image.image_key, features.clone())
+        return [encoded[s] if isinstance(s, int) else s for s in sources]
+
+    def encode_images(self, images: list[PrefillInputs]) -> list[torch.Tensor]:
+        pixels = [image.image_tensors["pixels"] for image in images]
+        tilings = [tuple(int(v) for v in image.image_tensors["tiling"].tolist()) for image in images]
+        self.images_encoded += len(images)
+        return self.vision.embed(pixels, tilings)
+
+    def _prefix_lens(self, batch: ForwardBatch) -> torch.Tensor | None:
+        if batch.is_decode or not batch.prefill:
+            return None
+        lens = [0 if p is None else p.prefix_len for p in batch.prefill]
+        return torch.tensor(lens, dtype=torch.int64).to(self.device, non_blocking=True)

@@ -1,0 +1,128 @@
+"""`MoondreamSkills`: caption, query, detect, point and generate in Moondream 2's own format.
+
+Moondream's prompts are template ids from its config around the user's text (`MoondreamPrompt`):
+    caption  the caption template of the length (short / normal / long);
+    query    query.prefix + question + query.suffix + query.suffix (the reference appends the
+             suffix twice when reasoning is off); without an image the same after BOS, causal;
+    detect   detect.prefix + " " + object + detect.suffix (the object text gets a leading space);
+    point    point.prefix + " " + object + point.suffix;
+    generate the query layout, the answer constrained by the output type's grammar.
+Decode rules (the reference's): a caption / query answer may start with any token, later tokens
+never with the answer id (`AnswerMatcher`, through `Task.rules`); detect / point answers are
+region automata (`RegionMatcher`): stop-or-x, y, (size), ... decoded by the engine's region steps,
+whose committed values the tokenizer spells `<coord B>` / `<size W H>` and `parse_regions` turns
+back into the reference's floats: x = bin / 1024, size = 2^(bin / 1023 * 10 - 10) in float32,
+box = (x - w/2, y - h/2, x + w/2, y + h/2) in Python floats.
+Coordinates and sizes are always the region heads' argmax, as in the reference; settings' temperature
+and seed apply to text tokens and to the stop-or-continue token of a region answer.
+The public results hold coordinates in [0, 1] (DESIGN.md), so a box that the reference lets run
+past the image's edge is clipped to it; `parse_regions(..., clip=False)` gives the raw values.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from foveal.engine.models.moondream.answers import AnswerMatcher, RegionMatcher
+from foveal.engine.models.moondream.config import MoondreamConfig
+from foveal.engine.models.moondream.processor import MoondreamPrompt
+from foveal.engine.models.moondream.region import coord_from_bin, size_from_bins
+from foveal.results import CaptionResult, DetectResult, GenerateResult, PointResult, QueryResult
+from foveal.skills import Skills, Task, _guarded, special_texts
+
+VALUE = re.compile(r"<(coord|size) (\d+)(?: (\d+))?>")
+
+
+@dataclass(frozen=True, slots=True)
+class RegionAnswer:
+    """A detect / point answer spec that is its own automaton (no grammar to compile)."""
+
+    with_size: bool
+    max_objects: int
+    vocab_size: int
+    eos_id: int
+    is_automaton = True
+    min_tokens = 1
+
+    def matcher(self) -> RegionMatcher:
+        return RegionMatcher(self.with_size, self.max_objects, self.vocab_size, self.eos_id)
+
+
+def parse_regions(text: str, with_size: bool, clip: bool = True) -> list[dict[str, float]]:
+    """The objects of a region answer's text (complete objects only), as the reference computes them."""
+    values = [(kind, int(a), int(b) if b else None) for kind, a, b in VALUE.findall(text)]
+    step = 3 if with_size else 2
+    out = []
+    for i in range(0, len(values) - step + 1, step):
+        (_, x_bin, _), (_, y_bin, _) = values[i], values[i + 1]
+        x = coord_from_bin(torch.tensor(x_bin)).item()
+        y = coord_from_bin(torch.tensor(y_bin)).item()
+        if not with_size:
+            out.append({"x": x, "y": y})
+            continue
+        _, w_bin, h_bin = values[i + 2]
+        w, h = (v.item() for v in size_from_bins(torch.tensor([w_bin, h_bin])))
+        out.append({"x_min": x - w / 2, "y_min": y - h / 2, "x_max": x + w / 2, "y_max": y + h / 2})
+    if clip:
+        out = [{k: min(1.0, max(0.0, v)) for k, v in item.items()} for item in out]
+    return out
+
+
+class MoondreamSkills(Skills):
+    name = "moondream"
+
+    def __init__(self, config: MoondreamConfig, tokenizer: Any) -> None:
+        super().__init__(special_texts(tokenizer))
+        self.config = config
+        self.ids = config.tokenizer
+        self.templates = config.tokenizer.templates
+
+    def _template(self, skill: str) -> dict:
+        template = self.templates.get(skill)
+        if not template:
+            raise ValueError(
+                f"this Moondream checkpoint has no {skill} template; it does not support {skill}"
+            )
+        return template
+
+    def _rules(self) -> AnswerMatcher:
+        return AnswerMatcher(self.ids.answer_id)
+
+    def caption(self, length: str) -> Task:
+        template = self._template("caption")
+        if length not in template:
+            raise ValueError(
+                f"this Moondream checkpoint has no {length!r} caption; use one of {', '.join(template)}"
+            )
+        return Task(CaptionResult, MoondreamPrompt(tuple(template[length])), rules=self._rules)
+
+    def _query_prompt(self, text: str) -> MoondreamPrompt:
+        template = self._template("query")
+        return MoondreamPrompt(tuple(template["prefix"]), text, tuple(template["suffix"]) * 2)
+
+    def query(self, question: str) -> Task:
+        return Task(QueryResult, self._query_prompt(self.plain("question", question)), rules=self._rules)
+
+    def detect(self, phrase: str, max_objects: int) -> Task:
+        return self._region_task(DetectResult, "detect", phrase, max_objects, with_size=True)
+
+    def point(self, phrase: str, max_objects: int) -> Task:
+        return self._region_task(PointResult, "point", phrase, max_objects, with_size=False)
+
+    def _region_task(self, result: type, skill: str, phrase: str, max_objects: int, with_size: bool) -> Task:
+        template = self._template(skill)
+        prompt = MoondreamPrompt(
+            tuple(template["prefix"]), " " + self.plain("object", phrase), tuple(template["suffix"])
+        )
+        spec = RegionAnswer(with_size, max_objects, self.config.text.vocab_size, self.ids.eos_id)
+        parse = _guarded(skill, lambda text: parse_regions(text, with_size))
+        return Task(result, prompt, spec, parse, keep_special=True)
+
+    def generate(self, prompt: str, output_type: Any) -> Task:
+        if output_type is None:
+            return Task(GenerateResult, self._query_prompt(self.plain("prompt", prompt)), rules=self._rules)
+        return Task(GenerateResult, self._query_prompt(self.plain("prompt", prompt)), output_type)

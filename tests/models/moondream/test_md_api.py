@@ -1,0 +1,103 @@
+"""Moondream through the public API on the reference fixture: foveal.load(fixture), then caption, query
+(with and without an image), detect and point return the recorded answers, pipelined and blocking, alone
+and sharing the batch with other requests."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+
+import foveal
+from foveal.moondream_skills import parse_regions
+
+IMAGES = ("gradient_300x200", "multicrop_900x500", "small_64x64")
+QUESTION = "tok1012 tok318 tok428 tok30"
+OBJECT = "tok1011 tok77"
+
+
+@pytest.fixture(scope="module", params=[True, False], ids=["pipelined", "blocking"])
+def model(request, md_dir):
+    with foveal.load(md_dir, pipelined=request.param) as model:
+        yield model
+
+
+def expected(model, md_dir, figures, name):
+    fig = figures["images"][name]
+    decode = model.loaded.tokenizer.decode
+    return {
+        "caption": decode(fig["caption_normal"]["greedy_ids"], skip_special_tokens=True),
+        "answer": decode(fig["query"]["greedy_ids"], skip_special_tokens=True),
+        "objects": [{k: min(1.0, max(0.0, v)) for k, v in box.items()} for box in fig["detect"]["result"]],
+        "points": fig["point"]["result"],
+    }
+
+
+def answers(model, image):
+    return {
+        "caption": model.caption(image, length="normal", settings={"max_tokens": 12})["caption"],
+        "answer": model.query(image, QUESTION, settings={"max_tokens": 12})["answer"],
+        "objects": model.detect(image, OBJECT, settings={"max_objects": 3})["objects"],
+        "points": model.point(image, OBJECT, settings={"max_objects": 3})["points"],
+    }
+
+
+@pytest.mark.parametrize("name", IMAGES)
+def test_recorded_answers(model, md_dir, md_figures, name):
+    image = md_dir / md_figures["images"][name]["image"]["file"]
+    assert answers(model, image) == expected(model, md_dir, md_figures, name)
+
+
+def test_raw_boxes_are_the_reference_floats(model, md_dir, md_figures):
+    """Unclipped, the detect answer is the reference's boxes exactly (bins / 1024 +- float32 sizes)."""
+    for name in IMAGES:
+        image = md_dir / md_figures["images"][name]["image"]["file"]
+        task, settings, explicit = model._detect_task(OBJECT, {"max_objects": 3})
+        job = model._prepare(task, image, settings, explicit)
+        text = model.engine.submit(job.request).result().text
+        assert (
+            parse_regions(text, with_size=True, clip=False) == md_figures["images"][name]["detect"]["result"]
+        )
+
+
+def test_sharing_the_batch(model, md_dir, md_figures):
+    """All images' calls at once, plus a text-only query: each returns what it returns alone."""
+    results: dict = {}
+
+    def run(name):
+        results[name] = answers(model, md_dir / md_figures["images"][name]["image"]["file"])
+
+    def text_only():
+        results["text"] = model.query(
+            None,
+            " ".join(f"tok{i}" for i in md_figures["text_only"]["question_ids"]),
+            settings={"max_tokens": 12},
+        )["answer"]
+
+    threads = [threading.Thread(target=run, args=(name,)) for name in IMAGES] + [
+        threading.Thread(target=text_only)
+    ]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for name in IMAGES:
+        assert results[name] == expected(model, md_dir, md_figures, name)
+    ids = md_figures["text_only"]["greedy_ids"]
+    assert results["text"] == model.loaded.tokenizer.decode(ids, skip_special_tokens=True)
+
+
+def test_streaming_and_image_reuse(model, md_dir, md_figures):
+    name = "multicrop_900x500"
+    image = model.encode_image(md_dir / md_figures["images"][name]["image"]["file"])
+    model.caption(image, settings={"max_tokens": 2})
+    runner = model.loaded.runner
+    encoded, cached = runner.images_encoded, model.engine.stats()["cached_prompt_tokens"]
+    chunks = list(model.query(image, QUESTION, stream=True, settings={"max_tokens": 12})["answer"])
+    assert "".join(chunks) == expected(model, md_dir, md_figures, name)["answer"]
+    assert (
+        model.detect(image, OBJECT, settings={"max_objects": 3})["objects"]
+        == expected(model, md_dir, md_figures, name)["objects"]
+    )
+    assert runner.images_encoded == encoded  # the vision encoder did not run again for this image
+    assert model.engine.stats()["cached_prompt_tokens"] >= cached + 2 * 720  # nor the image prefix's K/V
