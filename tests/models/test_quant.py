@@ -1,0 +1,92 @@
+"""Weight-only int8/int4 layers (engine/models/quant.py), `load(quantize=)`, and the lean forward's scope."""
+
+import pytest
+import torch
+
+from foveal.engine.models import ModelLoadError, load
+from foveal.engine.models.lean import LeanDecoder
+from foveal.engine.models.quant import QuantEmbedding, QuantLinear, pack_int4
+from foveal.testing import parity, tiny
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("mode", ["int8", "int4"])
+def test_quant_linear_multiplies_by_its_dequantized_weight(mode, dtype):
+    torch.manual_seed(0)
+    weight, bias = torch.randn(64, 96), torch.randn(64)
+    make = QuantLinear.int8_from_float if mode == "int8" else QuantLinear.int4_from_float
+    layer = make(weight, bias, dtype)
+    x = torch.randn(5, 96, dtype=dtype)
+    expected = x.float() @ layer.dequantize().T + bias
+    tol = 1e-4 if dtype == torch.float32 else 0.1
+    assert torch.allclose(layer(x).float(), expected, atol=tol * expected.abs().max())
+    # the stored weight is the original within half a quantization step
+    step = weight.abs().amax(1, keepdim=True) / 127 if mode == "int8" else (weight.amax(1, keepdim=True) - weight.amin(1, keepdim=True)) / 15
+    assert bool(((layer.dequantize() - weight).abs() <= step / 2 + 1e-2).all())
+
+
+def test_int4_codes_and_groups_are_exact():
+    """GGUF's Q4_1 (w = d q + m) maps onto the kernel exactly: scale d, zero m + 8 d."""
+    torch.manual_seed(0)
+    codes = torch.randint(0, 16, (32, 64), dtype=torch.int32)
+    d, m = torch.rand(32, 2), torch.randn(32, 2)
+    layer = QuantLinear.int4_from_codes(codes, d, m + 8 * d, None, torch.float32)
+    expected = codes.float() * d.repeat_interleave(32, 1) + m.repeat_interleave(32, 1)
+    assert torch.allclose(layer.dequantize(), expected, atol=1e-5)
+
+
+@pytest.mark.parametrize("shape", [(32, 64), (64, 128), (96, 576)])
+def test_int4_packing_matches_torchs_converter(shape):
+    codes = torch.randint(0, 16, shape, dtype=torch.int32)
+    assert torch.equal(pack_int4(codes), torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, 1))
+
+
+def test_embedding_reads_the_heads_int8_rows():
+    torch.manual_seed(0)
+    head = QuantLinear.int8_from_float(torch.randn(50, 32), None, torch.float32)
+    ids = torch.tensor([3, 0, 49])
+    assert torch.allclose(QuantEmbedding(head)(ids), head.dequantize()[ids])
+
+
+@pytest.mark.parametrize(("mode", "min_cosine"), [("int8", 0.999), ("int4", 0.9)])
+def test_quantized_llama_decodes_close_to_fp32(checkpoints, mode, min_cosine):
+    """Tiny random Llama: quantized logits point where fp32's do; the lean forward runs quantized layers.
+
+    (Random Gaussian weights are the worst case for 16 levels per group; the real SmolLM2 numbers
+    are in the slow GGUF test.)"""
+    reference = load(checkpoints["llama"], device="cpu")
+    loaded = load(checkpoints["llama"], device="cpu", quantize=mode)
+    assert loaded.runner.dtype == torch.bfloat16  # weight-only kernels run with bf16 activations
+    assert loaded.runner.lean is not None
+    layers = loaded.runner.model.get_decoder().layers
+    assert all(isinstance(getattr(layer.mlp, n), QuantLinear) for layer in layers for n in ("gate_proj", "up_proj"))
+    assert isinstance(loaded.runner.model.get_output_embeddings(), QuantLinear)
+    prompts = [loaded.processor(p) for p in tiny.PROMPTS[:3]]
+    ours = parity.greedy(loaded.runner, prompts, 1).logits
+    theirs = parity.greedy(reference.runner, [reference.processor(p) for p in tiny.PROMPTS[:3]], 1).logits
+    for a, b in zip(ours, theirs, strict=True):
+        assert float(torch.nn.functional.cosine_similarity(a[0], b[0], dim=0)) > min_cosine
+
+
+def test_quantize_is_checked_before_any_weight_is_read(checkpoints):
+    with pytest.raises(ModelLoadError, match=r"quantize='int3' is not supported; use None .*'int8' or 'int4'"):
+        load(checkpoints["llama"], device="cpu", quantize="int3")
+
+
+def test_lean_forward_covers_every_family_and_can_be_turned_off(checkpoints):
+    for family in ("llama", "gemma", "paligemma", "idefics3", "llava"):
+        assert load(checkpoints[family], device="cpu").runner.lean is not None, family
+    from foveal.engine.models.runner import HFRunner
+
+    loaded = load(checkpoints["llama"], device="cpu")
+    off = HFRunner(loaded.runner.model, loaded.runner.family, lean=False)
+    assert off.lean is None
+    prompts = [loaded.processor(p) for p in tiny.PROMPTS[:3]]
+    assert parity.greedy(off, prompts, 4).logits_close(parity.greedy(loaded.runner, prompts, 4), atol=1e-5)
+
+
+def test_lean_refuses_layers_it_does_not_reproduce(checkpoints):
+    loaded = load(checkpoints["llama"], device="cpu")
+    assert LeanDecoder.supports(loaded.runner.model)
+    loaded.runner.model.config.final_logit_softcapping = 30.0  # Gemma 2: not reproduced
+    assert not LeanDecoder.supports(loaded.runner.model)
