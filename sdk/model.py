@@ -119,6 +119,7 @@ def load(
     max_step_tokens: int | None = None,
     jump_forward: bool = True,
     image_options: dict | None = None,
+    quantize: str | None = None,
 ) -> Model:
     """Load a model and start its engine.
 
@@ -142,14 +143,25 @@ def load(
     token ids may differ where the model would have spelled the same text with other tokens.
     `image_options`: the image processor's resolution bounds where the family has them (Qwen-VL:
     {"min_pixels": .., "max_pixels": ..}, pixels of the resized image).
+    `quantize`: None (the checkpoint's own weights), "int8" or "int4" (CPU only): weight-only
+    quantization of the text decoder's linear layers at load (the LM head is int8 in both modes),
+    computed with bf16 activations unless `dtype` says otherwise. A `.gguf` file on CPU is always
+    loaded quantized from the file (its Q4_0/Q4_1 blocks as int4, Q8_0 as int8); `quantize` then
+    applies to its layers stored in other types.
     """
     _check_load_args(pipelined, max_batch_size, max_model_len, kv_cache_bytes, max_step_tokens)
+    engine_models.loader.check_quantize(quantize)  # before any weight is read
     for name, flag in (("prefix_cache", prefix_cache), ("jump_forward", jump_forward)):
         if not isinstance(flag, bool):
             raise TypeError(f"{name} must be True or False, got {flag!r}")
     source = _model_source(path)
     loaded = engine_models.load(
-        source, device=device, dtype=dtype, image_cache_bytes=image_cache_bytes, image_options=image_options
+        source,
+        device=device,
+        dtype=dtype,
+        image_cache_bytes=image_cache_bytes,
+        image_options=image_options,
+        quantize=quantize,
     )
     folder = Path(source) if Path(source).is_dir() else None
     family = loaded.runner.family

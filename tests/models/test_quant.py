@@ -90,3 +90,14 @@ def test_lean_refuses_layers_it_does_not_reproduce(checkpoints):
     assert LeanDecoder.supports(loaded.runner.model)
     loaded.runner.model.config.final_logit_softcapping = 30.0  # Gemma 2: not reproduced
     assert not LeanDecoder.supports(loaded.runner.model)
+
+
+def test_foveal_load_passes_quantize_down_and_checks_it_first(checkpoints):
+    import foveal
+
+    with pytest.raises(ModelLoadError, match="quantize='fp8' is not supported"):
+        foveal.load(checkpoints["llama"], device="cpu", quantize="fp8")
+    with foveal.load(checkpoints["llama"], device="cpu", quantize="int8", max_model_len=64) as model:
+        assert isinstance(model.loaded.runner.model.get_output_embeddings(), QuantLinear)
+        out = model.generate(None, "hello", None, {"temperature": 0.0, "max_tokens": 4})
+        assert isinstance(out["text"], str)
