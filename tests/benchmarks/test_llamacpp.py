@@ -1,0 +1,54 @@
+"""Smoke test of benchmarks/llamacpp.py (foveal vs llama.cpp on the same GGUF).
+
+The run itself needs llama-cpp-python (the `bench` extra, built from source) and the SmolLM2 GGUF
+already in foveal's cache: it skips, saying which, when either is missing (the default suite
+downloads nothing). The report's arithmetic is checked without them.
+"""
+
+import pytest
+
+from benchmarks import llamacpp
+from foveal.engine.models import ModelLoadError
+from foveal.testing.smollm2 import smollm2_gguf
+
+
+def test_ratios_compare_each_row_in_its_own_direction(capsys):
+    report = {
+        "threads": 2,
+        "machine": {"load_average": (1.0, 1.0, 1.0)},
+        "load": [{"contender": "foveal", "seconds": 2.0}, {"contender": "llama.cpp", "seconds": 0.5}],
+        "free_text": [
+            {"contender": "foveal", "tokens": 100, "seconds": 1.0, "tokens_per_s": 100.0},
+            {"contender": "llama.cpp", "tokens": 100, "seconds": 0.8, "tokens_per_s": 125.0},
+        ],
+        "json_call": [
+            {"contender": "foveal", "calls": 1, "median_ms": 300.0, "tokens_per_call": 25, "valid": 1.0},
+            {"contender": "llama.cpp", "calls": 1, "median_ms": 400.0, "tokens_per_call": 25, "valid": 1.0},
+        ],
+        "concurrent_json": [
+            {"contender": "foveal (all at once)", "requests": 32, "requests_per_s": 8.0, "tokens_per_s": 1, "valid": 1.0},
+            {"contender": "llama.cpp (one by one)", "requests": 32, "requests_per_s": 2.0, "tokens_per_s": 1, "valid": 1.0},
+            {"contender": "transformers + outlines (batch)", "unavailable": "ImportError: no outlines"},
+        ],
+    }
+    report["ratios"] = ratios = llamacpp.ratios(report)
+    assert ratios["free_text_tokens_per_s_vs_llamacpp"] == pytest.approx(0.8)
+    assert ratios["json_call_latency_vs_llamacpp"] == pytest.approx(0.75)
+    assert ratios["concurrent_requests_per_s_vs_llamacpp"] == pytest.approx(4.0)
+    assert "concurrent_requests_per_s_vs_outlines" not in ratios  # unavailable rows are not compared
+    assert ratios["load_seconds_vs_llamacpp"] == pytest.approx(4.0)
+    llamacpp.print_table(report)
+    assert "unavailable: ImportError" in capsys.readouterr().out
+
+
+def test_a_tiny_run_measures_both_and_checks_every_output():
+    pytest.importorskip("llama_cpp", reason="llama-cpp-python is not installed (pip install 'foveal[bench]')")
+    try:
+        path = smollm2_gguf(download=False)
+    except ModelLoadError as error:
+        pytest.skip(f"the SmolLM2 GGUF is not cached: {error}")
+    report = llamacpp.run(threads=1, requests=2, calls=1, free_tokens=8, outlines=False, gguf=path)
+    assert {r["contender"] for r in report["load"]} == {"foveal", "llama.cpp"}
+    assert all(r["tokens"] > 0 for r in report["free_text"])
+    assert all(r["valid"] == 1.0 for r in report["json_call"] + report["concurrent_json"])  # both constrain
+    assert set(report["ratios"]) >= {"free_text_tokens_per_s_vs_llamacpp", "json_call_latency_vs_llamacpp"}
