@@ -63,6 +63,15 @@ class PagedContext:
     num_keys: int  # L
 
 
+def prefix_lens(batch: ForwardBatch, device: torch.device) -> torch.Tensor | None:
+    """Per sequence, its bidirectional prefix length (`PrefillInputs.prefix_len`; 0 for sequences
+    without prefill inputs: in decode their prefix is cached); None when the launch prefills nothing."""
+    if batch.is_decode or not batch.prefill:
+        return None
+    lens = [0 if p is None else p.prefix_len for p in batch.prefill]
+    return torch.tensor(lens, dtype=torch.int64).to(device, non_blocking=True)
+
+
 def build_context(
     batch: ForwardBatch, kv: PagedKV, prefix_lens: torch.Tensor | None, dtype: torch.dtype = torch.float32
 ) -> PagedContext:

@@ -23,9 +23,14 @@ INVARIANTS (tests/models/test_image_cache.py)
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from foveal.engine.request import PrefillInputs
 
 DEFAULT_IMAGE_CACHE_BYTES = 64 * 2**20
 
@@ -92,6 +97,35 @@ class ImageFeatureCache:
             _, features = self._entries.popitem(last=False)
             self.bytes -= _nbytes(features)
             self.stats.evictions += 1
+
+
+def cached_or_encoded(
+    cache: ImageFeatureCache,
+    images: list[PrefillInputs],
+    encode: Callable[[list[PrefillInputs]], list[torch.Tensor]],
+) -> list[torch.Tensor]:
+    """Each image's features in order: cached ones by `image_key`, the misses encoded in one `encode`
+    call and stored. A key seen twice in the list (the same image in concurrent calls) is encoded once."""
+    sources: list[torch.Tensor | int] = []  # per image: its cached features, or its index in to_encode
+    to_encode: list[PrefillInputs] = []
+    first: dict[str, int] = {}  # key -> index in to_encode, for keys missed earlier in the list
+    for image in images:
+        key = image.image_key
+        cached = None if key is None or key in first else cache.get(key)
+        if cached is not None:
+            sources.append(cached)
+        elif key is not None and key in first:
+            sources.append(first[key])
+        else:
+            if key is not None:
+                first[key] = len(to_encode)
+            sources.append(len(to_encode))
+            to_encode.append(image)
+    encoded = encode(to_encode) if to_encode else []
+    for image, features in zip(to_encode, encoded, strict=True):
+        if image.image_key is not None:
+            cache.put(image.image_key, features.clone())  # a copy: a view would pin the whole batch
+    return [encoded[s] if isinstance(s, int) else s for s in sources]
 
 
 def _nbytes(features: torch.Tensor) -> int:

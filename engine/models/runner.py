@@ -39,9 +39,9 @@ from typing import Any
 import torch
 from transformers.modeling_outputs import BaseModelOutputWithPooling
 
-from foveal.engine.models.attention import PagedKV, build_context
+from foveal.engine.models.attention import PagedKV, build_context, prefix_lens
 from foveal.engine.models.families import Family
-from foveal.engine.models.image_cache import DEFAULT_IMAGE_CACHE_BYTES, ImageFeatureCache
+from foveal.engine.models.image_cache import DEFAULT_IMAGE_CACHE_BYTES, ImageFeatureCache, cached_or_encoded
 from foveal.engine.models.lean import LeanDecoder
 from foveal.engine.models.traced import DecodeGraphs
 from foveal.engine.request import PrefillInputs
@@ -107,8 +107,8 @@ class HFRunner:
 
     def _eager(self, batch: ForwardBatch, ks: list[torch.Tensor], vs: list[torch.Tensor]) -> torch.Tensor:
         kv = PagedKV(ks, vs, self.kv.page_size, self.kv.scratch_page)
-        prefix_lens = self._prefix_lens(batch) if self.family.prefix_attention else None
-        context = build_context(batch, kv, prefix_lens, self.dtype)
+        prefix = prefix_lens(batch, self.device) if self.family.prefix_attention else None
+        context = build_context(batch, kv, prefix, self.dtype)
         # images whose tokens the prefix cache held entirely need no features (nor an encoder run)
         images = [p for p in batch.prefill if p is not None and p.num_image_tokens > p.cached_image_tokens]
         # A decode launch has one query token per sequence: every row is a last row.
@@ -137,26 +137,7 @@ class HFRunner:
         """
         if not images:
             return {}
-        sources: list[torch.Tensor | int] = []  # per image: its cached features, or its index in to_encode
-        to_encode: list[PrefillInputs] = []
-        first: dict[str, int] = {}  # key -> index in to_encode, for keys missed earlier in this launch
-        for image in images:
-            key = image.image_key
-            cached = None if key is None or key in first else self.image_cache.get(key)
-            if cached is not None:
-                sources.append(cached)
-            elif key in first:
-                sources.append(first[key])
-            else:
-                if key is not None:
-                    first[key] = len(to_encode)
-                sources.append(len(to_encode))
-                to_encode.append(image)
-        encoded = self.encode_images(to_encode) if to_encode else []
-        for image, feats in zip(to_encode, encoded, strict=True):
-            if image.image_key is not None:
-                self.image_cache.put(image.image_key, feats.clone())  # a copy: a view would pin the whole batch
-        features = [encoded[s] if isinstance(s, int) else s for s in sources]
+        features = cached_or_encoded(self.image_cache, images, self.encode_images)
         for image, feats in zip(images, features, strict=True):
             if feats.shape[0] != image.num_image_tokens:
                 raise ValueError(
@@ -176,13 +157,6 @@ class HFRunner:
         else:
             flat = pooled.reshape(-1, pooled.shape[-1])
         return list(flat.split([image.num_image_tokens for image in images]))
-
-    def _prefix_lens(self, batch: ForwardBatch) -> torch.Tensor | None:
-        """Per sequence, the bidirectional prefix length (0 for sequences in decode: their prefix is cached)."""
-        if batch.is_decode or not batch.prefill:
-            return None
-        lens = [0 if p is None else p.prefix_len for p in batch.prefill]
-        return torch.tensor(lens, dtype=torch.int64).to(self.device, non_blocking=True)
 
 
 def _compute_dtype(model: torch.nn.Module) -> torch.dtype:

@@ -29,9 +29,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from foveal.engine.models.attention import PagedKV, build_context
+from foveal.engine.models.attention import PagedKV, build_context, prefix_lens
 from foveal.engine.models.families import Family
-from foveal.engine.models.image_cache import DEFAULT_IMAGE_CACHE_BYTES, ImageFeatureCache
+from foveal.engine.models.image_cache import DEFAULT_IMAGE_CACHE_BYTES, ImageFeatureCache, cached_or_encoded
 from foveal.engine.models.traced import DecodeGraphs
 from foveal.engine.request import PrefillInputs
 from foveal.engine.runner import ForwardBatch
@@ -120,7 +120,7 @@ class MoondreamRunner:
     # ---- the forward ---------------------------------------------------------------------------
     def _eager(self, batch: ForwardBatch, ks: list[torch.Tensor], vs: list[torch.Tensor]) -> torch.Tensor:
         kv = PagedKV(ks, vs, self.kv.page_size, self.kv.scratch_page)
-        ctx = build_context(batch, kv, self._prefix_lens(batch), self.dtype)
+        ctx = build_context(batch, kv, prefix_lens(batch, self.device), self.dtype)
         x = self.embed(batch.input_ids)
         images = [(row, p) for row, p in enumerate(batch.prefill) if p is not None and p.num_image_tokens]
         if images:
@@ -157,35 +157,10 @@ class MoondreamRunner:
     def image_features(self, images: list[PrefillInputs]) -> list[torch.Tensor]:
         """Each image's [729, dim] embeddings: cached ones by key, misses encoded in one call (a key
         seen twice in the launch is encoded once)."""
-        sources: list[torch.Tensor | int] = []
-        to_encode: list[PrefillInputs] = []
-        first: dict[str, int] = {}
-        for image in images:
-            key = image.image_key
-            cached = None if key is None or key in first else self.image_cache.get(key)
-            if cached is not None:
-                sources.append(cached)
-            elif key is not None and key in first:
-                sources.append(first[key])
-            else:
-                if key is not None:
-                    first[key] = len(to_encode)
-                sources.append(len(to_encode))
-                to_encode.append(image)
-        encoded = self.encode_images(to_encode) if to_encode else []
-        for image, features in zip(to_encode, encoded, strict=True):
-            if image.image_key is not None:
-                self.image_cache.put(image.image_key, features.clone())
-        return [encoded[s] if isinstance(s, int) else s for s in sources]
+        return cached_or_encoded(self.image_cache, images, self.encode_images)
 
     def encode_images(self, images: list[PrefillInputs]) -> list[torch.Tensor]:
         pixels = [image.image_tensors["pixels"] for image in images]
         tilings = [tuple(int(v) for v in image.image_tensors["tiling"].tolist()) for image in images]
         self.images_encoded += len(images)
         return self.vision.embed(pixels, tilings)
-
-    def _prefix_lens(self, batch: ForwardBatch) -> torch.Tensor | None:
-        if batch.is_decode or not batch.prefill:
-            return None
-        lens = [0 if p is None else p.prefix_len for p in batch.prefill]
-        return torch.tensor(lens, dtype=torch.int64).to(self.device, non_blocking=True)
