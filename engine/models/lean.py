@@ -85,8 +85,10 @@ class LeanDecoder:
         text = model.config.get_text_config()
         if getattr(text, "final_logit_softcapping", None) or getattr(text, "attn_logit_softcapping", None):
             return False
-        return bool(layers) and all(type(layer).__name__ in SUPPORTED_LAYERS for layer in layers) and all(
-            hasattr(decoder, name) for name in ("embed_tokens", "rotary_emb", "norm")
+        return (
+            bool(layers)
+            and all(type(layer).__name__ in SUPPORTED_LAYERS for layer in layers)
+            and all(hasattr(decoder, name) for name in ("embed_tokens", "rotary_emb", "norm"))
         )
 
     def __call__(

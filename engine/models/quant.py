@@ -63,7 +63,9 @@ class QuantLinear(nn.Module):
     # -- construction --------------------------------------------------------------------------
 
     @classmethod
-    def int8_from_float(cls, weight: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype) -> QuantLinear:
+    def int8_from_float(
+        cls, weight: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype
+    ) -> QuantLinear:
         """Symmetric per-row int8 of a float weight [N, K]."""
         w = weight.detach().float()
         scale = w.abs().amax(dim=1).clamp(min=1e-12) / 127
@@ -82,7 +84,9 @@ class QuantLinear(nn.Module):
         low, high = groups.amin(dim=-1), groups.amax(dim=-1)
         scale = ((high - low) / 15).clamp(min=1e-12)
         q = torch.round((groups - low[..., None]) / scale[..., None]).clamp(0, 15)
-        return cls.int4_from_codes(q.view(n, k).to(torch.int32), scale, low + 8 * scale, bias, dtype, group_size)
+        return cls.int4_from_codes(
+            q.view(n, k).to(torch.int32), scale, low + 8 * scale, bias, dtype, group_size
+        )
 
     @classmethod
     def int4_from_codes(
@@ -106,7 +110,9 @@ class QuantLinear(nn.Module):
         cls, codes: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype
     ) -> QuantLinear:
         """codes int8 [N, K]; scale [N]: w = codes * scale."""
-        return cls("int8", codes.contiguous(), scale.to(dtype), codes.shape[1], codes.shape[0], _bias(bias, dtype))
+        return cls(
+            "int8", codes.contiguous(), scale.to(dtype), codes.shape[1], codes.shape[0], _bias(bias, dtype)
+        )
 
     # -- use -----------------------------------------------------------------------------------
 
@@ -130,7 +136,9 @@ class QuantLinear(nn.Module):
             return self.packed.float() * self.scales.float()[:, None]
         # Unpacking goes through the kernel itself: W.T = identity @ W.T.
         eye = torch.eye(self.in_features, dtype=self.scales.dtype)
-        return torch.ops.aten._weight_int4pack_mm_for_cpu(eye, self.packed, self.group_size, self.scales).T.float()
+        return torch.ops.aten._weight_int4pack_mm_for_cpu(
+            eye, self.packed, self.group_size, self.scales
+        ).T.float()
 
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (self.packed, self.scales))
@@ -220,8 +228,12 @@ def quantize_model(model: nn.Module, mode: str) -> nn.Module:
         raise ValueError(f"quantize={mode!r}: use None, 'int8' or 'int4'")
     dtype = next(model.parameters()).dtype
     decoder = model.get_decoder()
-    linears = [(parent, name, child) for parent in decoder.layers.modules()
-               for name, child in parent.named_children() if isinstance(child, nn.Linear)]
+    linears = [
+        (parent, name, child)
+        for parent in decoder.layers.modules()
+        for name, child in parent.named_children()
+        if isinstance(child, nn.Linear)
+    ]
     if mode == "int4":
         for _, _, child in linears:
             check_int4_shape(child.out_features, child.in_features, GROUP_SIZE)

@@ -26,8 +26,20 @@ def test_ratios_compare_each_row_in_its_own_direction(capsys):
             {"contender": "llama.cpp", "calls": 1, "median_ms": 400.0, "tokens_per_call": 25, "valid": 1.0},
         ],
         "concurrent_json": [
-            {"contender": "foveal (all at once)", "requests": 32, "requests_per_s": 8.0, "tokens_per_s": 1, "valid": 1.0},
-            {"contender": "llama.cpp (one by one)", "requests": 32, "requests_per_s": 2.0, "tokens_per_s": 1, "valid": 1.0},
+            {
+                "contender": "foveal (all at once)",
+                "requests": 32,
+                "requests_per_s": 8.0,
+                "tokens_per_s": 1,
+                "valid": 1.0,
+            },
+            {
+                "contender": "llama.cpp (one by one)",
+                "requests": 32,
+                "requests_per_s": 2.0,
+                "tokens_per_s": 1,
+                "valid": 1.0,
+            },
             {"contender": "transformers + outlines (batch)", "unavailable": "ImportError: no outlines"},
         ],
     }

@@ -21,7 +21,11 @@ def test_quant_linear_multiplies_by_its_dequantized_weight(mode, dtype):
     tol = 1e-4 if dtype == torch.float32 else 0.1
     assert torch.allclose(layer(x).float(), expected, atol=tol * expected.abs().max())
     # the stored weight is the original within half a quantization step
-    step = weight.abs().amax(1, keepdim=True) / 127 if mode == "int8" else (weight.amax(1, keepdim=True) - weight.amin(1, keepdim=True)) / 15
+    step = (
+        weight.abs().amax(1, keepdim=True) / 127
+        if mode == "int8"
+        else (weight.amax(1, keepdim=True) - weight.amin(1, keepdim=True)) / 15
+    )
     assert bool(((layer.dequantize() - weight).abs() <= step / 2 + 1e-2).all())
 
 
@@ -59,7 +63,9 @@ def test_quantized_llama_decodes_close_to_fp32(checkpoints, mode, min_cosine):
     assert loaded.runner.dtype == torch.bfloat16  # weight-only kernels run with bf16 activations
     assert loaded.runner.lean is not None
     layers = loaded.runner.model.get_decoder().layers
-    assert all(isinstance(getattr(layer.mlp, n), QuantLinear) for layer in layers for n in ("gate_proj", "up_proj"))
+    assert all(
+        isinstance(getattr(layer.mlp, n), QuantLinear) for layer in layers for n in ("gate_proj", "up_proj")
+    )
     assert isinstance(loaded.runner.model.get_output_embeddings(), QuantLinear)
     prompts = [loaded.processor(p) for p in tiny.PROMPTS[:3]]
     ours = parity.greedy(loaded.runner, prompts, 1).logits
@@ -69,7 +75,9 @@ def test_quantized_llama_decodes_close_to_fp32(checkpoints, mode, min_cosine):
 
 
 def test_quantize_is_checked_before_any_weight_is_read(checkpoints):
-    with pytest.raises(ModelLoadError, match=r"quantize='int3' is not supported; use None .*'int8' or 'int4'"):
+    with pytest.raises(
+        ModelLoadError, match=r"quantize='int3' is not supported; use None .*'int8' or 'int4'"
+    ):
         load(checkpoints["llama"], device="cpu", quantize="int3")
 
 
