@@ -14,9 +14,12 @@ SOLUTION
       - "int8": `_weight_int8pack_mm`, one scale per output feature: w = q * scale, q in -127..127.
         GGUF's Q8_0 (one scale per 32 weights) is requantized onto it (per-row scale; the rounding
         error is at most half a step of the row's scale).
-    Measured here (2 threads, AVX-512 BF16 CPU; issue 19), the 576 x 49,152 SmolLM2 head: fp32
-    9.8 ms at batch 1, int8 1.7 ms, int4 0.8 ms; at batch 32 fp32 24.4, int8 28, int4 12.6, bf16 8.1.
-    So quantized kernels serve decode (few rows); `quantize_model` applies them to the decoder's
+    Measured in issue 19 (2 threads), the 576 x 49,152 SmolLM2 head: fp32 9.8 ms at batch 1, int8
+    1.7 ms, int4 0.8 ms; at batch 32 fp32 24.4, int8 28, int4 12.6, bf16 8.1. Measured here (one
+    thread, bf16 activations, batch 1, fast quintile of 200): 1536 x 576 int8 86 us, int4 139 us;
+    576 x 576 int8 41 us, int4 62 us: on this CPU the int8 kernel is the faster one at batch 1,
+    and both are 10-60x slower with fp32 activations (so quantized models compute in bf16). So
+    quantized kernels serve decode (few rows); `quantize_model` applies them to the decoder's
     linear layers (int4 or int8) and to the LM head (always int8: the head decides every token).
     `QuantEmbedding` reads token rows from the head's int8 weight when the two are tied, so a tied
     model keeps one 8-bit copy of its 28M-parameter vocabulary matrix.
