@@ -38,6 +38,11 @@ import torch.nn.functional as F
 from torch import nn
 
 QUANT_MODES = ("int8", "int4")
+# From this many rows on, QuantLinear dequantizes and runs one dense fp32 matmul instead of the
+# weight-only kernel (kernel choice by measurement; one thread, 1536 x 576, bf16 activations):
+# int8 kernel / dequantize + dense: 16 rows 1.0 / 1.0 ms, 128 rows 11.8 / 3.4, 2048 rows 202 / 108;
+# int4: 16 rows 0.8 / 7.0 (its unpacking costs 4-13 ms), 128 rows 10.0 / 7.6, 2048 rows 207 / 102.
+DENSE_ROWS = {"int8": 32, "int4": 128}
 GROUP_SIZE = 32  # GGUF's block size; the int4 kernel takes 32, 64, 128 or 256
 
 
@@ -121,6 +126,14 @@ class QuantLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, self.in_features)
+        if flat.shape[0] >= DENSE_ROWS[self.mode]:
+            # Many rows (prefill, big batches): the weight-only kernels scale badly with rows here,
+            # a dequantized fp32 weight and one dense matmul less so (DENSE_ROWS). Traces fix the
+            # row count, so a traced bucket holds one of the two paths.
+            out = F.linear(flat.float(), self.dequantize()).to(x.dtype)
+            if self.bias is not None:
+                out = out + self.bias
+            return out.view(*x.shape[:-1], self.out_features)
         if self.mode == "int8":
             out = torch.ops.aten._weight_int8pack_mm(flat, self.packed, self.scales)
         else:
@@ -134,10 +147,17 @@ class QuantLinear(nn.Module):
         return self.scales.dtype
 
     def dequantize(self) -> torch.Tensor:
-        """The float weight [N, K] this layer multiplies by (tests, and embedding rows of int4 heads)."""
+        """The float32 weight [N, K] this layer multiplies by."""
         if self.mode == "int8":
             return self.packed.float() * self.scales.float()[:, None]
-        # Unpacking goes through the kernel itself: W.T = identity @ W.T.
+        n, k = self.out_features, self.in_features
+        if n % 32 == 0 and _blocked_layout_holds():
+            blocks = self.packed.view(n // 32, k, 16)
+            codes = torch.stack([blocks & 0x0F, blocks >> 4], dim=1)  # [N / 32, 2, K, 16]
+            codes = codes.permute(0, 1, 3, 2).reshape(n, k // self.group_size, self.group_size)
+            scale, zero = self.scales.float().permute(1, 0, 2).unbind(-1)  # [N, K / group] each
+            return ((codes.float() - 8) * scale[..., None] + zero[..., None]).view(n, k)
+        # Any other layout: unpack through the kernel itself, W.T = identity @ W.T.
         eye = torch.eye(self.in_features, dtype=self.scales.dtype)
         return torch.ops.aten._weight_int4pack_mm_for_cpu(
             eye, self.packed, self.group_size, self.scales

@@ -109,3 +109,18 @@ def test_foveal_load_passes_quantize_down_and_checks_it_first(checkpoints):
         assert isinstance(model.loaded.runner.model.get_output_embeddings(), QuantLinear)
         out = model.generate(None, "hello", None, {"temperature": 0.0, "max_tokens": 4})
         assert isinstance(out["text"], str)
+
+
+@pytest.mark.parametrize("mode", ["int8", "int4"])
+def test_many_rows_take_the_dense_path_with_the_same_weight(mode, monkeypatch):
+    from foveal.engine.models import quant
+
+    torch.manual_seed(0)
+    make = QuantLinear.int8_from_float if mode == "int8" else QuantLinear.int4_from_float
+    layer = make(torch.randn(64, 96), torch.randn(64), torch.bfloat16)
+    x = torch.randn(4, 96, dtype=torch.bfloat16)
+    kernel = layer(x)
+    monkeypatch.setitem(quant.DENSE_ROWS, mode, 1)
+    dense = layer(x)
+    assert dense.dtype == torch.bfloat16
+    assert torch.allclose(dense.float(), kernel.float(), atol=0.05 * float(kernel.abs().max()))
