@@ -204,32 +204,51 @@ def vlm_prompts(model: foveal.Model, images: list, phrases: list[str]) -> tuple[
 
 
 def json_latency(source: Path, hf: Any, calls: int, device: str = "cpu") -> list[dict]:
+    """Median latency of one call; the two foveal models alternate call by call, so that the machine's
+    load falls on both alike (on a shared machine a sequential A then B compares two loads)."""
     ask = peers.json_workload(1).asks[0]
     settings = {"temperature": 0.0, "max_tokens": 64}
-    rows = []
-    for jump in (True, False):
-        with foveal.load(source, device=device, max_batch_size=4, max_model_len=peers.MAX_MODEL_LEN,
-                         jump_forward=jump) as model:
-            call = lambda: model.generate(None, ask, peers.PERSON_SCHEMA, settings)["text"]  # noqa: E731
-            rows.append(row("json latency", f"foveal, jump-forward {'on' if jump else 'off'}", median_call(call, calls)))
-            prompt = [model.loaded.processor(model.skills.turn(ask), None).token_ids]
-            tokenizer = model.loaded.tokenizer
+    models = {
+        jump: foveal.load(source, device=device, max_batch_size=4, max_model_len=peers.MAX_MODEL_LEN, jump_forward=jump)
+        for jump in (True, False)
+    }
+    try:
+        results = median_calls(
+            {jump: (lambda m=m: m.generate(None, ask, peers.PERSON_SCHEMA, settings)["text"]) for jump, m in models.items()},
+            calls,
+        )
+        model = models[True]
+        prompt = [model.loaded.processor(model.skills.turn(ask), None).token_ids]
+        tokenizer = model.loaded.tokenizer
+    finally:
+        for model in models.values():
+            model.close()
     processor = peers.outlines_processor(hf, tokenizer, peers.PERSON_SCHEMA)
-    call = lambda: peers.hf_generate(hf, tokenizer, prompt, 64, processor)[0][0]  # noqa: E731
-    rows.append(row("json latency", "transformers + outlines", median_call(call, calls)))
-    return rows
+    peer_call = lambda: peers.hf_generate(hf, tokenizer, prompt, 64, processor)[0][0]  # noqa: E731
+    return [
+        row("json latency", "foveal, jump-forward on", results[True]),
+        row("json latency", "foveal, jump-forward off", results[False]),
+        row("json latency", "transformers + outlines", median_calls({0: peer_call}, calls)[0]),
+    ]
 
 
-def median_call(call, calls: int) -> dict[str, Any]:
-    call()  # warm
-    times, valid = [], 0
+def median_calls(contenders: dict[Any, Any], calls: int) -> dict[Any, dict[str, Any]]:
+    """Each contender's median seconds per call over `calls` rounds (one call each per round, after a warm one)."""
+    times: dict[Any, list[float]] = {name: [] for name in contenders}
+    valid = dict.fromkeys(contenders, 0)
+    for call in contenders.values():
+        call()  # warm
     for _ in range(calls):
-        started = time.perf_counter()
-        text = _guarded(call)
-        times.append(time.perf_counter() - started)
-        valid += peers.valid_json(text)
-    median = statistics.median(times)
-    return {"wall_s": median, "req_s": 1 / median, "median_ms": 1e3 * median, "valid": valid, "n": calls}
+        for name, call in contenders.items():
+            started = time.perf_counter()
+            text = _guarded(call)
+            times[name].append(time.perf_counter() - started)
+            valid[name] += peers.valid_json(text)
+    out = {}
+    for name, seconds in times.items():
+        median = statistics.median(seconds)
+        out[name] = {"wall_s": median, "req_s": 1 / median, "median_ms": 1e3 * median, "valid": valid[name], "n": calls}
+    return out
 
 
 # ---- 4. the peers workloads ------------------------------------------------------------------------------
