@@ -9,7 +9,7 @@ Design choice: build on transformers' model code, replace only attention.
     (`attention.py`: K/V written at the engine's KV indices, read through its block tables, causal or
     PaliGemma prefix masks), the runner that turns a flat `ForwardBatch` into one model call
     (`runner.py`), decode replay of traced graphs on CPU (`traced.py`), the input processor and the
-    loader: about 900 lines, docstrings included, for six architectures.
+    loader: about 900 lines, docstrings included, for the first six architectures.
     Against compact own implementations: parity is 4e-6..1.2e-5 max logit difference in fp32 on
     every family (benchmarks/models.py), which own code would have to earn family by family; speed
     on CPU is the same matmuls either way. SmolLM2-135M, one torch thread, on this shared 2-core
@@ -32,6 +32,16 @@ Q4_0/Q4_1 blocks -> int4 exactly, Q8_0 -> per-row int8; 2.2-2.5 s for SmolLM2 on
 machine, was 32.5 s), and `load(..., quantize="int8"|"int4")` quantizes a folder's decoder
 (`quant.py`). torch's weight-only kernels run with bf16 activations (with fp32 ones they were
 10-60x slower), so quantized models compute in bf16.
+
+Families with code of their own:
+    - Qwen2.5-VL and Qwen3-VL (`qwen_vl.py`, named by `Family.adapter`): transformers' modules, but
+      their processors built without the video part (which needs torchvision) and M-RoPE positions
+      (three streams) kept per KV row by the runner, so decode positions continue after an image
+      without the engine knowing of them.
+    - Moondream 2 (`moondream/`): transformers has no implementation that runs without the folder's
+      remote code, so the architecture is foveal's own, on the same paged attention
+      (`attention.paged_attention`), checked against the reference's recorded figures; its region
+      heads are decoded inside the pipeline (engine/regions.py).
 
 Image reuse: the runner keeps an LRU of image features by `PrefillInputs.image_key`, bounded in bytes
 (`image_cache.py`, `load(..., image_cache_bytes=)`), so several calls on one image encode it once.
