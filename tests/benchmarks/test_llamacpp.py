@@ -1,8 +1,8 @@
 """Smoke test of benchmarks/llamacpp.py (foveal vs llama.cpp on the same GGUF).
 
 The run itself needs llama-cpp-python (the `bench` extra, built from source) and the SmolLM2 GGUF
-already in foveal's cache: it skips, saying which, when either is missing (the default suite
-downloads nothing). The report's arithmetic is checked without them.
+already in foveal's cache, so it is `slow` (opt-in) and skips, saying which, when either is
+missing (nothing is downloaded). The report's arithmetic is checked without them, by default.
 """
 
 import pytest
@@ -53,6 +53,7 @@ def test_ratios_compare_each_row_in_its_own_direction(capsys):
     assert "unavailable: ImportError" in capsys.readouterr().out
 
 
+@pytest.mark.slow  # needs the bench extra (llama-cpp-python, built from source) and the cached GGUF
 def test_a_tiny_run_measures_both_and_checks_every_output():
     pytest.importorskip("llama_cpp", reason="llama-cpp-python is not installed (pip install 'foveal[bench]')")
     try:
