@@ -107,7 +107,6 @@ class Pipeline:
         self.page_size = page_size
         self.fill_masks = fill_masks
         self.jump_forward = jump_forward
-        self.max_step_tokens = max_step_tokens
         self.debug = debug
         self.debug_hook = debug_hook
         self.trace = trace or Trace(False)
@@ -282,7 +281,7 @@ class Pipeline:
         """Jump-forward (module docstring): narrow the masks of rows whose grammar forces >= 2 tokens
         to the first, and pin the forced tokens for the next launch."""
         host = step.slot.np
-        budget = self.max_step_tokens - step.num_rows  # the next step's running rows need one token each
+        budget = self.scheduler.max_step_tokens - step.num_rows  # the next step's running rows need one token each
         for index in range(num_masked):
             row = int(host.mask_rows[index])
             seq = step.rows[row]
