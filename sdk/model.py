@@ -138,9 +138,10 @@ def load(
     `max_step_tokens`: query tokens one engine step may carry (prompts being prefilled + one per
     decoding call; default max(2048, max_model_len)): what bounds how many new calls join a step.
     `jump_forward`: where a call's output grammar forces the next tokens (JSON keys, punctuation),
-    write them into the KV cache in one launch instead of one decode step each. The forced text
-    is the grammar's, tokenized canonically, so a greedy answer's text is the model's own; its
-    token ids may differ where the model would have spelled the same text with other tokens.
+    write them into the KV cache in one launch instead of one decode step each. The forced tokens
+    are the grammar's canonical tokenization of its forced text: where the model would have spelled
+    that text with other tokens, the answer's ids, and then possibly what follows, can differ
+    (SmolLM2, greedy: none of 80 answers did; benchmarks/jump_forward.py).
     `image_options`: the image processor's resolution bounds where the family has them (Qwen-VL:
     {"min_pixels": .., "max_pixels": ..}, pixels of the resized image).
     `quantize`: None (the checkpoint's own weights), "int8" or "int4" (CPU only): weight-only
