@@ -91,27 +91,8 @@ def peer(hf: Any, tokenizer: Any, prompts: list[list[int]], max_tokens: int, out
          images: torch.Tensor | None = None) -> dict[str, Any]:
     """transformers `generate` on one left-padded batch with outlines' logits processor."""
     processor = peers.outlines_processor(hf, tokenizer, output_type)
-    if images is None:
-        texts, _, wall, _ = peers.hf_generate(hf, tokenizer, prompts, max_tokens, processor)
-    else:
-        texts, wall = vlm_generate(hf, tokenizer, prompts, images, max_tokens, processor)
+    texts, _, wall, _ = peers.hf_generate(hf, tokenizer, prompts, max_tokens, processor, images)
     return {"wall_s": wall, "req_s": len(prompts) / wall, "valid": sum(valid(t) for t in texts), "n": len(prompts)}
-
-
-def vlm_generate(hf, tokenizer, prompts, pixel_values, max_tokens, processor) -> tuple[list[str], float]:
-    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    width = max(len(p) for p in prompts)
-    ids = torch.tensor([[pad] * (width - len(p)) + list(p) for p in prompts]).to(hf.device)
-    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts]).to(hf.device)
-    pixel_values = pixel_values.to(hf.device, hf.dtype)
-    processor.reset()
-    started = time.perf_counter()
-    with torch.inference_mode():
-        out = hf.generate(ids, attention_mask=mask, pixel_values=pixel_values, max_new_tokens=max_tokens,
-                          do_sample=False, pad_token_id=pad, logits_processor=transformers.LogitsProcessorList([processor]))
-    wall = time.perf_counter() - started
-    rows = [peers.until_eos(r, tokenizer.eos_token_id) for r in out[:, width:].tolist()]
-    return [tokenizer.decode(r, skip_special_tokens=True) for r in rows], wall
 
 
 def warm_and_time(run) -> dict[str, Any]:

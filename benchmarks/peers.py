@@ -224,9 +224,15 @@ def prompt_ids(model: foveal.Model, workload: Workload) -> list[list[int]]:
 
 
 def hf_generate(
-    hf: Any, tokenizer: Any, prompts: list[list[int]], max_tokens: int, processor: Any = None
+    hf: Any,
+    tokenizer: Any,
+    prompts: list[list[int]],
+    max_tokens: int,
+    processor: Any = None,
+    pixel_values: torch.Tensor | None = None,
 ) -> tuple[list[str], int, float]:
-    """transformers `generate` on one left-padded batch (what outlines' generate_batch runs)."""
+    """transformers `generate` on one left-padded batch (what outlines' generate_batch runs);
+    `pixel_values`: the prompts' images, for a VLM (benchmarks.less_work)."""
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     width = max(len(p) for p in prompts)
     ids = torch.tensor([[pad] * (width - len(p)) + list(p) for p in prompts])
@@ -237,6 +243,8 @@ def hf_generate(
         processor.reset()
         timed = TimedProcessor(processor)
         extra["logits_processor"] = transformers.LogitsProcessorList([timed])
+    if pixel_values is not None:
+        extra["pixel_values"] = pixel_values.to(hf.device, hf.dtype)
     ids, mask = ids.to(hf.device), mask.to(hf.device)
     start = time.perf_counter()
     with torch.inference_mode():
