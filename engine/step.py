@@ -136,20 +136,16 @@ def _stage_input_sources(
 ) -> None:
     """Prompt and forced tokens go up as they are; decode rows name their previous sample (gathered on the device)."""
     host, lane, num_rows = step.slot.np, step.lane_of_row, step.num_rows
-    if jump_rows:
-        jump_lanes = lane[jump_rows]
-        if not (lanes.last_step[jump_lanes] == step.number - 1).all():
-            raise AssertionError("a jump-forward row was not carried by the step before")
-        for row in jump_rows:
-            seq = step.rows[row]
-            host.input_ids[query_starts[row] : query_starts[row + 1]] = seq.jump
-            seq.jump = None
     prefill_rows = list(chunk_start)
-    host_rows = prefill_rows + jump_rows
-    decode_rows = np.setdiff1d(row_numbers[:num_rows], host_rows) if host_rows else row_numbers[:num_rows]
-    decode_lanes = lane[decode_rows]
-    if not (lanes.last_step[decode_lanes] == step.number - 1).all():
+    running = np.setdiff1d(row_numbers[:num_rows], prefill_rows) if prefill_rows else row_numbers[:num_rows]
+    if not (lanes.last_step[lane[running]] == step.number - 1).all():
         raise AssertionError("a running sequence skipped a step")
+    for row in jump_rows:
+        seq = step.rows[row]
+        host.input_ids[query_starts[row] : query_starts[row + 1]] = seq.jump
+        seq.jump = None
+    decode_rows = np.setdiff1d(running, jump_rows) if jump_rows else running
+    decode_lanes = lane[decode_rows]
     num_decode = len(decode_rows)
     host.gather_dst[:num_decode] = query_starts[decode_rows]
     host.gather_src[:num_decode] = lanes.last_row[decode_lanes]
