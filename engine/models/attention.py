@@ -55,7 +55,7 @@ class PagedContext:
     kv: PagedKV
     kv_index: torch.Tensor  # [T] where each query token's K/V goes
     gather_index: torch.Tensor  # [B * L] KV row of each key position of each sequence (clamped), flat
-    query_seq: torch.Tensor | None  # [T] the sequence of each query token (None: decode, token i is sequence i)
+    query_seq: torch.Tensor | None  # [T] the sequence of each query token (None: a decode launch, token i is sequence i)
     query_row: torch.Tensor | None  # [T] its row in the padded query block (None: decode, always row 0)
     mask: torch.Tensor  # [B, 1, Q, L] additive float mask in the compute dtype: 0 = may attend, -inf = not
     num_seqs: int
@@ -92,7 +92,7 @@ def build_context(
     key_pos = torch.arange(num_keys, device=device)
     in_context = key_pos[None, None, :] < batch.context_lens.to(torch.int64)[:, None, None]  # [B, 1, L]
     query_seq = query_row = None
-    if max_q == 1 and prefix_lens is None:
+    if max_q == 1 and prefix_lens is None and not batch.prefill:  # prefill inputs: runners place rows by query_seq
         visible = in_context
     else:
         num_tokens = batch.input_ids.shape[0]

@@ -124,9 +124,7 @@ class MoondreamRunner:
         x = self.embed(batch.input_ids)
         images = [(row, p) for row, p in enumerate(batch.prefill) if p is not None and p.num_image_tokens]
         if images:
-            # one query token per sequence (a prompt the prefix cache held but for its last token): token i is sequence i
-            query_seq = ctx.query_seq if ctx.query_seq is not None else torch.arange(batch.num_seqs, device=x.device)
-            x = self._scatter_images(x, batch, query_seq, images)
+            x = self._scatter_images(x, batch, ctx.query_seq, images)
         hidden = self.text(x, batch.positions, ctx, self.cos, self.sin)
         last = hidden.index_select(0, batch.query_start[1:].to(torch.int64) - 1)
         return torch.cat([self.text.logits(last).float(), last.float()], dim=-1)
