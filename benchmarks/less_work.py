@@ -75,7 +75,7 @@ def foveal_threads(calls: list, valid) -> dict[str, Any]:
     """Every call from its own thread at once; calls are zero-argument functions returning text or a result."""
     started = time.perf_counter()
     with ThreadPoolExecutor(len(calls)) as pool:
-        outputs = list(pool.map(lambda call: _guarded(call), calls))
+        outputs = list(pool.map(_guarded, calls))
     wall = time.perf_counter() - started
     return {"wall_s": wall, "req_s": len(calls) / wall, "valid": sum(valid(o) for o in outputs), "n": len(calls)}
 
