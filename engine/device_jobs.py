@@ -4,7 +4,8 @@ Each function is the body of one job queued on the device (device.py): it runs o
 worker thread (CPU) or is issued on the compute / copy stream (CUDA), never on the scheduler's
 critical path. Inputs come from the step's DecodeSlot, already staged by step.stage.
 
-    forward(runner, step, previous_slot)   upload inputs, gather decode ids from the previous
+    forward(runner, step, previous_slot, threads)
+                                           upload inputs, gather decode ids from the previous
                                            step's samples, run the model; logits stay in the slot
     sample(slot, shape)                    grammar masks, greedy / seeded sampling into slot.sampled
     copy_to_host(slot, num_rows, debug)    slot.sampled -> slot.sampled_host (what commit reads)
@@ -48,7 +49,9 @@ class SampleShape:
 
 
 @torch.inference_mode()
-def forward(runner: ModelRunner, step: Step, previous_slot: DecodeSlot) -> None:
+def forward(runner: ModelRunner, step: Step, previous_slot: DecodeSlot, threads: int | None = None) -> None:
+    if threads is not None and threads != torch.get_num_threads():  # CPU: device.threads_for
+        torch.set_num_threads(threads)
     slot, rows, tokens, decode = step.slot, step.num_rows, step.num_tokens, step.num_decode
     slot.upload(FORWARD_INPUTS, (tokens, tokens, tokens, rows + 1, rows, rows, decode, decode))
     dev = slot.dev

@@ -155,7 +155,8 @@ class Pipeline:
             seq.num_scheduled += 0 if row in step.partial else 1 + extra  # a partial chunk samples nothing
             seq.inflight_refs += 1
         previous_slot = self.slots[(self.step_number - 1) % 2]
-        self.device.run("forward", lambda: device_jobs.forward(self.runner, step, previous_slot))
+        threads = self.device.threads_for(step.num_tokens)
+        self.device.run("forward", lambda: device_jobs.forward(self.runner, step, previous_slot, threads))
         slot.state, slot.step = SlotState.LAUNCHED, step
         self.inflight.append(step)
         self.step_number += 1

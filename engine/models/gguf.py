@@ -34,6 +34,8 @@ INVARIANTS
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -42,7 +44,7 @@ import torch
 from torch import nn
 
 from foveal.engine.models.families import ModelLoadError
-from foveal.engine.models.quant import GROUP_SIZE, QuantEmbedding, QuantLinear
+from foveal.engine.models.quant import GROUP_SIZE, HalfEmbedding, HalfLinear, QuantEmbedding, QuantLinear, build_all
 
 # GGUF tensor name (per block) -> (module path in LlamaDecoderLayer, rows permuted for rotary as "q"/"k")
 LAYER_LINEARS = {
@@ -131,10 +133,12 @@ def tokenizer(path: Path) -> Any:
 
 
 def load_quantized(header: Any, config: Any, dtype: torch.dtype, quantize: str | None) -> nn.Module:
-    """A LlamaForCausalLM whose decoder linears are QuantLinears read from the file's tensors.
+    """A LlamaForCausalLM whose decoder linears (and head) are read from the file's tensors.
 
     `quantize`: None keeps the file's Q4 blocks as int4 and makes other types int8; "int8" or
-    "int4" asks for that kernel for every decoder layer (see `linear_from_gguf`).
+    "int4" asks for that kernel for every decoder layer; "fp16" makes every linear, the head
+    included, a `HalfLinear` and the embeddings fp16 rows (`dtype` must then be float32). See
+    `linear_from_gguf`. Layers are built on torch's intra-op threads (`quant.build_all`).
     """
     import transformers
 
@@ -143,23 +147,34 @@ def load_quantized(header: Any, config: Any, dtype: torch.dtype, quantize: str |
         model = transformers.LlamaForCausalLM(config)
     decoder = model.model
     heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
-    mode = quantize
     read = lambda name: (_need(tensors, name), tensor_data(header, _need(tensors, name)))  # noqa: E731
+    jobs = []  # (parent module, attribute, how to build it): run on torch's threads, set in order
     for index, layer in enumerate(decoder.layers):
         for name, (path, rotary) in LAYER_LINEARS.items():
             permute = {"q": heads, "k": kv_heads}.get(rotary) if rotary else None
-            _set(layer, path, linear_from_gguf(*read(f"blk.{index}.{name}.weight"), dtype, mode, permute))
+            parent, _, attr = path.rpartition(".")
+            tensor = f"blk.{index}.{name}.weight"
+            jobs.append((layer.get_submodule(parent), attr, partial(_linear, read, tensor, dtype, quantize, permute)))
         for name, attr in LAYER_NORMS.items():
             getattr(layer, attr).weight = _param(_float(*read(f"blk.{index}.{name}.weight"), dtype))
     decoder.norm.weight = _param(_float(*read("output_norm.weight"), dtype))
-    vocab = linear_from_gguf(*read("token_embd.weight"), dtype, "int8", None, head=True)
-    # No output.weight: the head is tied to the embeddings, and one int8 matrix serves both.
-    model.lm_head = (
-        vocab
-        if "output.weight" not in tensors
-        else linear_from_gguf(*read("output.weight"), dtype, "int8", None, head=True)
-    )
-    decoder.embed_tokens = QuantEmbedding(vocab, config.pad_token_id)
+    tied = "output.weight" not in tensors
+    if quantize == "fp16":
+        # fp16 rows for the lookup; the head packs the same weights (tied) or its own
+        vocab = gguf_weight(*read("token_embd.weight"))
+        decoder.embed_tokens = HalfEmbedding(vocab, config.pad_token_id)
+        head = partial(HalfLinear, vocab) if tied else partial(_linear, read, "output.weight", dtype, "fp16", None)
+        jobs.append((model, "lm_head", head))
+    else:
+        # One int8 matrix serves the lookup and, tied, the head.
+        vocab = linear_from_gguf(*read("token_embd.weight"), dtype, "int8", None, head=True)
+        decoder.embed_tokens = QuantEmbedding(vocab, config.pad_token_id)
+        model.lm_head = vocab
+        if not tied:
+            jobs.append((model, "lm_head", partial(_linear, read, "output.weight", dtype, "int8", None, True)))
+    built = build_all(lambda job: job[2](), jobs)
+    for (parent, attr, _), module in zip(jobs, built, strict=True):
+        setattr(parent, attr, module)
     decoder.rotary_emb = type(decoder.rotary_emb)(config=config)
     left = [name for name, t in (*model.named_parameters(), *model.named_buffers()) if t.is_meta]
     if left:
@@ -169,6 +184,10 @@ def load_quantized(header: Any, config: Any, dtype: torch.dtype, quantize: str |
     return model.eval()
 
 
+def _linear(read: Callable, tensor: str, dtype: torch.dtype, mode: str | None, permute: int | None, head: bool = False):
+    return linear_from_gguf(*read(tensor), dtype, mode, permute, head)
+
+
 def linear_from_gguf(
     info: Any,
     data: np.ndarray,
@@ -176,38 +195,53 @@ def linear_from_gguf(
     mode: str | None,
     permute_heads: int | None,
     head: bool = False,
-) -> QuantLinear:
-    """One GGUF weight [N, K] as a QuantLinear.
+) -> QuantLinear | HalfLinear:
+    """One GGUF weight [N, K] as a QuantLinear, or a HalfLinear when `mode` is "fp16".
 
     Decoder layers (`head=False`): Q4_0/Q4_1 blocks are kept exactly as int4 unless `mode` is "int8"
-    (then requantized per row: the int8 kernel was 1.6x faster than the int4 one at batch 1 here,
-    quant.py); Q8_0 becomes per-row int8 (None, "int8") or int4 ("int4"); anything else is
-    dequantized, then quantized to `mode` (None: int8). The vocabulary matrix (`head=True`) is
-    per-row int8 whatever its type.
+    (then requantized per row: the int8 kernel was 1.6x faster than the int4 one at batch 1 on the
+    first issue-19 machine, quant.py) or "fp16"; Q8_0 becomes per-row int8 (None, "int8") or int4
+    ("int4"); anything else is dequantized, then quantized to `mode` (None: int8). The vocabulary
+    matrix (`head=True`) is per-row int8 whatever its type, except under "fp16".
     """
     from gguf import GGMLQuantizationType as Q
 
     kind = Q(info.ggml_type)
     n, k = info.shape  # torch order: [out, in]
-    raw = data.reshape(n, -1)
-    if permute_heads is not None:
-        raw = _unpermute_rows(raw, permute_heads)
-    if kind in (Q.Q4_0, Q.Q4_1) and not head and mode != "int8":
+    if kind in (Q.Q4_0, Q.Q4_1) and not head and mode in (None, "int4"):
+        raw = _rows(data, n, permute_heads)
         codes, scale, zero = _q4_blocks(raw, kind == Q.Q4_1, k)
         return QuantLinear.int4_from_codes(codes, scale, zero, None, dtype, GROUP_SIZE)
-    if kind in (Q.Q4_0, Q.Q4_1):
-        codes, scale, zero = _q4_blocks(raw, kind == Q.Q4_1, k)
-        weight = (codes.float() - 8).view(n, -1, 32) * scale[..., None] + zero[..., None]
-        weight = weight.view(n, k)
-    elif kind == Q.Q8_0:
-        blocks = raw.reshape(n, k // 32, 34)
-        d = blocks[..., :2].copy().view(np.float16).astype(np.float32)  # [N, K/32, 1]
-        weight = torch.from_numpy(blocks[..., 2:].view(np.int8).astype(np.float32) * d).reshape(n, k)
-    else:
-        weight = _dequantize(kind, raw, n, k)
+    weight = gguf_weight(info, data, permute_heads)
+    if mode == "fp16":
+        return HalfLinear(weight)
     if head or mode != "int4":
         return QuantLinear.int8_from_float(weight, None, dtype)
     return QuantLinear.int4_from_float(weight, None, dtype)
+
+
+def gguf_weight(info: Any, data: np.ndarray, permute_heads: int | None = None) -> torch.Tensor:
+    """One GGUF weight [N, K] dequantized to float32 (Q4_0/Q4_1/Q8_0 by vectorised numpy here,
+    other types by `gguf.quants`), its rows in transformers' order."""
+    from gguf import GGMLQuantizationType as Q
+
+    kind = Q(info.ggml_type)
+    n, k = info.shape
+    raw = _rows(data, n, permute_heads)
+    if kind in (Q.Q4_0, Q.Q4_1):
+        codes, scale, zero = _q4_blocks(raw, kind == Q.Q4_1, k)
+        weight = (codes.float() - 8).view(n, -1, 32) * scale[..., None] + zero[..., None]
+        return weight.view(n, k)
+    if kind == Q.Q8_0:
+        blocks = raw.reshape(n, k // 32, 34)
+        d = blocks[..., :2].copy().view(np.float16).astype(np.float32)  # [N, K/32, 1]
+        return torch.from_numpy(blocks[..., 2:].view(np.int8).astype(np.float32) * d).reshape(n, k)
+    return _dequantize(kind, raw, n, k)
+
+
+def _rows(data: np.ndarray, n: int, permute_heads: int | None) -> np.ndarray:
+    raw = data.reshape(n, -1)
+    return raw if permute_heads is None else _unpermute_rows(raw, permute_heads)
 
 
 def _q4_blocks(raw: np.ndarray, has_min: bool, k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -261,8 +295,3 @@ def _need(tensors: dict[str, Any], name: str) -> Any:
 
 def _param(t: torch.Tensor) -> nn.Parameter:
     return nn.Parameter(t, requires_grad=False)
-
-
-def _set(root: nn.Module, path: str, module: nn.Module) -> None:
-    parent, _, name = path.rpartition(".")
-    setattr(root.get_submodule(parent), name, module)

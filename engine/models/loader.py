@@ -2,9 +2,10 @@
 
 Sources: a local Hugging Face folder (config, safetensors, tokenizer, image processor), a hub id
 resolved through huggingface_hub's cache (`hub.py`), or a `.gguf` file: on CPU a llama-architecture
-file is read quantized straight from the mapped file (`gguf.py`, int4/int8 weight-only kernels of
-`quant.py`); other architectures, or CUDA, go through transformers, which dequantizes. `quantize=`
-("int8" | "int4", CPU only) quantizes a folder's decoder weights at load (`quant.quantize_model`). Nothing from the folder is executed (no trust_remote_code) and nothing is
+file is read straight from the mapped file (`gguf.py`: fp16 weights for fbgemm's GEMM on x86, or
+the int4/int8 weight-only kernels of `quant.py`); other architectures, or CUDA, go through
+transformers, which dequantizes. `quantize=` ("int8" | "int4" | "fp16", CPU only) quantizes a
+folder's decoder weights at load (`quant.quantize_model`). Nothing from the folder is executed (no trust_remote_code) and nothing is
 unpickled (safetensors only). Every check runs before the weights are read, so a bad folder fails
 in milliseconds with a message that says what to do.
 """
@@ -15,6 +16,7 @@ import importlib
 import importlib.util
 import json
 import os
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -27,7 +29,7 @@ from foveal.engine.models.families import Family, ModelLoadError, family_for
 from foveal.engine.models.hub import looks_like_hub_id, resolve_hub_id
 from foveal.engine.models.image_cache import DEFAULT_IMAGE_CACHE_BYTES
 from foveal.engine.models.processor import InputProcessor
-from foveal.engine.models.quant import QUANT_MODES, quantize_model
+from foveal.engine.models.quant import QUANT_MODES, fp16_kernel_available, quantize_model
 from foveal.engine.models.runner import HFRunner
 
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
@@ -55,12 +57,15 @@ def load(
     image_options: dict[str, Any] | None = None,
 ) -> LoadedModel:
     """Load a checkpoint for the engine. device "auto": CUDA when available; dtype None: bf16 on CUDA, fp32 on CPU
-    (bf16 for quantized weights, which a GGUF file on CPU always is).
+    (bf16 under quantize "int8" / "int4", whose kernels want bf16 activations; fp32 under "fp16").
 
     `image_cache_bytes`: bound of the runner's cache of image features by image key (0: off).
-    `quantize`: None, "int8" or "int4" (CPU): weight-only quantization of the text decoder's linear
-    layers (the LM head is int8 in both modes; quant.py). A GGUF file keeps its own Q4 blocks as
-    int4 and its vocabulary matrix as int8 whatever the mode; the mode applies to its other layers.
+    `quantize`: None, "int8", "int4" or "fp16" (CPU): weight-only quantization of the text decoder's
+    linear layers (quant.py; the LM head is int8 under "int8"/"int4", fp16 under "fp16"). A llama
+    GGUF file on CPU is always read quantized: None means "fp16" where torch has fbgemm (x86; the
+    fastest and most exact layout measured there, quant.py), else its own blocks (Q4 as int4, the
+    rest int8); "int4" and "int8" keep the file's Q4 blocks as int4 and its vocabulary matrix as
+    int8, and apply to its other layers.
     `image_options`: the image processor's resolution bounds where the family has them (Qwen-VL:
     {"min_pixels": .., "max_pixels": ..}); refused for families without.
     """
@@ -72,10 +77,19 @@ def load(
     dev = resolve_device(device)
     source = str(path_or_hub_id)
     path = Path(source)
+    if quantize is None and path.suffix == ".gguf" and dev.type == "cpu" and fp16_kernel_available():
+        quantize = "fp16"
     # Weight-only int kernels want bf16 activations: with fp32 ones they took 10-60x longer here
     # (576 x 1536 at batch 1, one thread: int4 0.14 ms with bf16, 1.7 ms with fp32; quant.py).
-    quantized = quantize is not None or (path.suffix == ".gguf" and dev.type == "cpu")
-    torch_dtype = torch.bfloat16 if dtype is None and quantized else resolve_dtype(dtype, dev)
+    # fbgemm's fp16 GEMM takes float32 activations only.
+    int_kernels = quantize in ("int8", "int4") or (quantize is None and path.suffix == ".gguf" and dev.type == "cpu")
+    torch_dtype = torch.bfloat16 if dtype is None and int_kernels else resolve_dtype(dtype, dev)
+    if quantize == "fp16" and torch_dtype != torch.float32:
+        raise ModelLoadError(f"quantize='fp16' multiplies float32 activations; leave dtype unset (got {dtype!r})")
+    if quantize == "fp16" and not fp16_kernel_available():
+        raise ModelLoadError(
+            "quantize='fp16' runs on torch's fbgemm backend, which this torch build lacks; use 'int8' or 'int4'"
+        )
     if quantize is not None and dev.type != "cpu":
         raise ModelLoadError(
             f"quantize={quantize!r} uses torch's CPU weight-only kernels; on {dev.type} load without quantize "
@@ -99,7 +113,7 @@ def load(
 def check_quantize(quantize: object) -> None:
     if quantize is not None and quantize not in QUANT_MODES:
         raise ModelLoadError(
-            f"quantize={quantize!r} is not supported; use None (the checkpoint's own weights), 'int8' or 'int4'"
+            f"quantize={quantize!r} is not supported; use None (the checkpoint's own weights), 'int8', 'int4' or 'fp16'"
         )
 
 
@@ -248,8 +262,12 @@ def _load_gguf(
         config = direct.llama_config(path, header)
         config._attn_implementation = ATTN_NAME
         family, _ = family_for(config.architectures)
-        model = direct.load_quantized(header, config, dtype, quantize)
-        return _assemble(model, family, direct.tokenizer(path), None, str(path), image_cache_bytes)
+        # The tokenizer's conversion is Python (it holds the GIL); unpacking and packing weights
+        # mostly release it, so the two overlap.
+        with ThreadPoolExecutor(1) as pool:
+            tokenizer = pool.submit(direct.tokenizer, path)
+            model = direct.load_quantized(header, config, dtype, quantize)
+            return _assemble(model, family, tokenizer.result(), None, str(path), image_cache_bytes)
     if importlib.util.find_spec("accelerate") is None:
         raise ModelLoadError("loading this .gguf file needs accelerate: pip install 'foveal[bench]'")
     kwargs = {"gguf_file": path.name}

@@ -24,6 +24,18 @@ SOLUTION
     `QuantEmbedding` reads token rows from the head's int8 weight when the two are tied, so a tied
     model keeps one 8-bit copy of its 28M-parameter vocabulary matrix.
 
+    `HalfLinear` ("fp16") keeps the weight as fp16 in fbgemm's packed layout and multiplies float32
+    activations by it (`quantized::linear_dynamic_fp16`: fp16 weights converted in registers, fp32
+    arithmetic). Measured on an AVX2 CPU without native bf16 (AMD EPYC, the machine of the second
+    issue-19 session), one thread, SmolLM2-135M through the lean forward: a batch-1 step 28-42 ms
+    against the int4 kernel's 28.6 (a step reads 270 MB of fp16 weights, bandwidth-bound), 8 rows
+    66 vs 81 ms, 32 rows 178-208 vs 280-394 ms (fp32 dense: 227-283); and, its activations being
+    exact, the GGUF's greedy answers agree with the fp32 weights' on 101 of 101 tokens (int4 with
+    bf16 activations: 70). So it is the default for a GGUF on x86 CPUs (loader.py); it needs
+    torch's fbgemm backend (`fp16_kernel_available`). fbgemm's int8 dynamic linear was measured too
+    and refused: it quantizes activations per tensor, and with SmolLM2's outlier activations the
+    first logits were off by 24.
+
 INVARIANTS
     - `dequantize()` returns exactly the weight the kernel multiplies by (up to the kernel's own
       float rounding): tests compare `forward` with `x @ dequantize().T`.
@@ -33,16 +45,21 @@ INVARIANTS
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import TypeVar
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-QUANT_MODES = ("int8", "int4")
+QUANT_MODES = ("int8", "int4", "fp16")
 # From this many rows on, QuantLinear dequantizes and runs one dense fp32 matmul instead of the
 # weight-only kernel (kernel choice by measurement; one thread, 1536 x 576, bf16 activations):
 # int8 kernel / dequantize + dense: 16 rows 1.0 / 1.0 ms, 128 rows 11.8 / 3.4, 2048 rows 202 / 108;
 # int4: 16 rows 0.8 / 7.0 (its unpacking costs 4-13 ms), 128 rows 10.0 / 7.6, 2048 rows 207 / 102.
 DENSE_ROWS = {"int8": 32, "int4": 128}
+T = TypeVar("T")
 GROUP_SIZE = 32  # GGUF's block size; the int4 kernel takes 32, 64, 128 or 256
 
 
@@ -171,6 +188,71 @@ class QuantLinear(nn.Module):
         return f"{self.mode}, in_features={self.in_features}, out_features={self.out_features}{group}"
 
 
+def fp16_kernel_available() -> bool:
+    """Whether torch has fbgemm (x86 builds), whose packed fp16 GEMM `HalfLinear` runs on."""
+    return "fbgemm" in torch.backends.quantized.supported_engines
+
+
+class HalfLinear(nn.Module):
+    """y = x @ W.T + b with W held as fp16 in fbgemm's packed layout; x and y are float32."""
+
+    mode = "fp16"
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
+        super().__init__()
+        if not fp16_kernel_available():
+            raise ValueError(
+                "quantize='fp16' runs on torch's fbgemm backend, which this torch build lacks "
+                f"(it has {torch.backends.quantized.supported_engines}); use quantize='int8' or 'int4'"
+            )
+        self.out_features, self.in_features = weight.shape
+        # A TorchScript object, not a tensor: traces reach it as an attribute of this module (traced.py).
+        self.packed = torch.ops.quantized.linear_prepack_fp16(
+            weight.detach().float().contiguous(), None if bias is None else bias.detach().float()
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = torch.ops.quantized.linear_dynamic_fp16(x.reshape(-1, self.in_features), self.packed)
+        return out.view(*x.shape[:-1], self.out_features)
+
+    @property
+    def weight_dtype(self) -> torch.dtype:
+        return torch.float32  # the activations' dtype (the stored weight is fp16)
+
+    def dequantize(self) -> torch.Tensor:
+        """The float32 weight [N, K] this layer multiplies by (the fp16 values)."""
+        return torch.ops.quantized.linear_unpack_fp16(self.packed)[0]
+
+    def nbytes(self) -> int:
+        return 2 * self.in_features * self.out_features
+
+    def extra_repr(self) -> str:
+        return f"fp16, in_features={self.in_features}, out_features={self.out_features}"
+
+
+class HalfEmbedding(nn.Module):
+    """Token embeddings stored as fp16, looked up as float32 (a GGUF's vocabulary matrix under "fp16")."""
+
+    def __init__(self, weight: torch.Tensor, padding_idx: int | None = None) -> None:
+        super().__init__()
+        self.register_buffer("weight", weight.detach().to(torch.float16))
+        self.padding_idx = padding_idx
+        self.num_embeddings, self.embedding_dim = weight.shape
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return F.embedding(ids, self.weight).float()
+
+
+def build_all(make: Callable[[T], nn.Module], items: list[T]) -> list[nn.Module]:
+    """`make` over `items` on torch's intra-op threads: quantizing and packing release the GIL
+    (fbgemm's fp16 packing took 13 ns a weight here, 1.8 s for SmolLM2 on one thread)."""
+    workers = max(1, min(torch.get_num_threads(), len(items)))
+    if workers == 1:
+        return [make(item) for item in items]
+    with ThreadPoolExecutor(workers) as pool:
+        return list(pool.map(make, items))
+
+
 class QuantEmbedding(nn.Module):
     """Token embeddings read from an int8 `QuantLinear` (a tied head): rows are dequantized on lookup."""
 
@@ -234,22 +316,31 @@ def _bias(bias: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:
     return None if bias is None else bias.detach().to(dtype)
 
 
-def quantize_linear(linear: nn.Linear, mode: str, dtype: torch.dtype) -> QuantLinear:
+def quantize_linear(linear: nn.Linear, mode: str, dtype: torch.dtype) -> QuantLinear | HalfLinear:
+    if mode == "fp16":
+        return HalfLinear(linear.weight, linear.bias)
     if mode == "int8":
         return QuantLinear.int8_from_float(linear.weight, linear.bias, dtype)
     return QuantLinear.int4_from_float(linear.weight, linear.bias, dtype)
 
 
 def quantize_model(model: nn.Module, mode: str) -> nn.Module:
-    """Replace the text decoder's linear layers by `mode` QuantLinears and the LM head by int8, in place.
+    """Replace the text decoder's linear layers by `mode` layers and the LM head, in place.
 
-    A head tied to the input embeddings is quantized once and the embeddings read its int8 rows
-    (`QuantEmbedding`). Vision towers and projectors stay as they are: they run once per image.
-    Raises ValueError (before changing anything) when a layer's shape does not suit `mode`.
+    "int8" / "int4": QuantLinears, and an int8 head; a head tied to the input embeddings is
+    quantized once and the embeddings read its int8 rows (`QuantEmbedding`). "fp16": HalfLinears,
+    the head included, on a float32 model (the kernel's activations); tied embeddings keep their
+    float32 rows. Vision towers and projectors stay as they are: they run once per image.
+    Raises ValueError (before changing anything) when a layer's shape or the model's dtype does
+    not suit `mode`.
     """
     if mode not in QUANT_MODES:
-        raise ValueError(f"quantize={mode!r}: use None, 'int8' or 'int4'")
+        raise ValueError(f"quantize={mode!r}: use None, {', '.join(repr(m) for m in QUANT_MODES)}")
     dtype = next(model.parameters()).dtype
+    if mode == "fp16" and dtype != torch.float32:
+        raise ValueError(f"quantize='fp16' multiplies float32 activations; the model is {dtype} (load it in float32)")
+    if mode == "fp16" and not fp16_kernel_available():
+        HalfLinear(torch.zeros(1, 1))  # raises, naming the backend and the alternatives
     decoder = model.get_decoder()
     linears = [
         (parent, name, child)
@@ -260,11 +351,15 @@ def quantize_model(model: nn.Module, mode: str) -> nn.Module:
     if mode == "int4":
         for _, _, child in linears:
             check_int4_shape(child.out_features, child.in_features, GROUP_SIZE)
-    for parent, name, child in linears:
-        setattr(parent, name, quantize_linear(child, mode, dtype))
+    built = build_all(lambda item: quantize_linear(item[2], mode, dtype), linears)
+    for (parent, name, _), layer in zip(linears, built, strict=True):
+        setattr(parent, name, layer)
     head = model.get_output_embeddings()
     embed = model.get_input_embeddings()
     if isinstance(head, nn.Linear):
+        if mode == "fp16":
+            model.set_output_embeddings(HalfLinear(head.weight, head.bias))
+            return model
         tied = embed is not None and head.weight.data_ptr() == embed.weight.data_ptr()
         quantized = QuantLinear.int8_from_float(head.weight, head.bias, dtype)
         model.set_output_embeddings(quantized)

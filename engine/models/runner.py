@@ -75,7 +75,7 @@ class HFRunner:
         # Decode launches replay traced graphs on CPU (see traced.py); CUDA runs eager (CUDA graphs: not yet).
         if trace_decode is None:
             trace_decode = self.device.type == "cpu"
-        self.decode_graphs = DecodeGraphs(self._eager) if trace_decode else None
+        self.decode_graphs = DecodeGraphs(self._eager, self.model) if trace_decode else None
         for index, layer in enumerate(model.get_decoder().layers):
             layer.self_attn.foveal_kv_index = index
         # lean=False keeps transformers' forward for every launch (the reference the lean one is tested against).

@@ -75,11 +75,17 @@ class _Step(torch.nn.Module):
     """The traced unit: batch tensors and KV tensors in, last-token logits out."""
 
     def __init__(
-        self, eager: Callable[[ForwardBatch, list, list], torch.Tensor], max_context_len: int
+        self,
+        eager: Callable[[ForwardBatch, list, list], torch.Tensor],
+        max_context_len: int,
+        model: torch.nn.Module | None,
     ) -> None:
         super().__init__()
         self.eager = eager
         self.max_context_len = max_context_len
+        # Registered so the trace can reach TorchScript objects held by the model's modules
+        # (quant.HalfLinear's fbgemm pack): a trace records only those of its own submodules.
+        self.model = model
 
     def forward(self, input_ids, positions, query_start, context_lens, block_tables, kv_index, ks, vs):
         batch = ForwardBatch(
@@ -98,8 +104,11 @@ class _Step(torch.nn.Module):
 class DecodeGraphs:
     """Pads a decode batch into its bucket and replays (tracing on first use) that bucket's graph."""
 
-    def __init__(self, eager: Callable[[ForwardBatch, list, list], torch.Tensor]) -> None:
+    def __init__(
+        self, eager: Callable[[ForwardBatch, list, list], torch.Tensor], model: torch.nn.Module | None = None
+    ) -> None:
         self.eager = eager
+        self.model = model
         self.graphs: dict[tuple[int, int], torch.jit.ScriptModule] = {}
 
     def __call__(
@@ -113,7 +122,7 @@ class DecodeGraphs:
             with warnings.catch_warnings(), own_compilation_unit():
                 # TracerWarnings about Python ints: shapes are fixed per bucket
                 warnings.simplefilter("ignore")
-                graph = torch.jit.trace(_Step(self.eager, cols * page_size), args, check_trace=False)
+                graph = torch.jit.trace(_Step(self.eager, cols * page_size, self.model), args, check_trace=False)
             self.graphs[(rows, cols)] = graph
         return graph(*args)[:n]
 

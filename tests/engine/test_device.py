@@ -6,6 +6,7 @@ import threading
 import time
 
 import pytest
+import torch
 
 from foveal.engine.device import CpuDevice
 from foveal.engine.trace import Trace
@@ -40,3 +41,38 @@ def test_a_failed_job_is_raised_by_the_next_wait_and_later_events_still_end():
         device.synchronize()  # no hang after a failure
     assert skipped == []  # work after the failure is not run
     device.close()
+
+
+class _ThreadsSeen:
+    """A runner wrapper that records the intra-op thread count each forward ran with."""
+
+    def __init__(self, runner):
+        self.runner, self.seen = runner, []
+
+    def __getattr__(self, name):
+        return getattr(self.runner, name)
+
+    def forward(self, batch):
+        self.seen.append((int(batch.input_ids.shape[0]), torch.get_num_threads()))
+        return self.runner.forward(batch)
+
+
+def test_small_cpu_forwards_run_on_one_thread_and_the_count_is_restored(h):
+    from foveal.engine.device import SMALL_LAUNCH_TOKENS
+    from foveal.engine import Request, SamplingParams
+    from foveal.testing import FakeRunner
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        runner = _ThreadsSeen(FakeRunner(vocab_size=h.VOCAB, seed=1))
+        with h.engine(runner=runner) as eng:
+            assert eng.device.threads_for(1) == 1
+            assert eng.device.threads_for(SMALL_LAUNCH_TOKENS) == 2
+            long_prompt = list(range(1, SMALL_LAUNCH_TOKENS + 3))
+            eng.submit(Request(long_prompt, SamplingParams(max_tokens=4, ignore_eos=True))).result(10)
+        assert runner.seen[0] == (len(long_prompt), 2)  # the prefill: the process's count
+        assert runner.seen[1:] and all(threads == 1 for _, threads in runner.seen[1:])  # batch-1 decode
+        assert torch.get_num_threads() == 2  # close() put the process's count back
+    finally:
+        torch.set_num_threads(before)

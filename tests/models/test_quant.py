@@ -1,11 +1,12 @@
-"""Weight-only int8/int4 layers (engine/models/quant.py), `load(quantize=)`, and the lean forward's scope."""
+"""Weight-only int8/int4 layers and fp16 layers (engine/models/quant.py), `load(quantize=)`, and the
+lean forward's scope."""
 
 import pytest
 import torch
 
 from foveal.engine.models import ModelLoadError, load
 from foveal.engine.models.lean import LeanDecoder
-from foveal.engine.models.quant import QuantEmbedding, QuantLinear, pack_int4
+from foveal.engine.models.quant import HalfEmbedding, HalfLinear, QuantEmbedding, QuantLinear, pack_int4
 from foveal.testing import parity, tiny
 
 
@@ -76,7 +77,7 @@ def test_quantized_llama_decodes_close_to_fp32(checkpoints, mode, min_cosine):
 
 def test_quantize_is_checked_before_any_weight_is_read(checkpoints):
     with pytest.raises(
-        ModelLoadError, match=r"quantize='int3' is not supported; use None .*'int8' or 'int4'"
+        ModelLoadError, match=r"quantize='int3' is not supported; use None .*'int8', 'int4' or 'fp16'"
     ):
         load(checkpoints["llama"], device="cpu", quantize="int3")
 
@@ -124,3 +125,45 @@ def test_many_rows_take_the_dense_path_with_the_same_weight(mode, monkeypatch):
     dense = layer(x)
     assert dense.dtype == torch.bfloat16
     assert torch.allclose(dense.float(), kernel.float(), atol=0.05 * float(kernel.abs().max()))
+
+
+def test_half_linear_multiplies_float32_by_the_fp16_weight():
+    torch.manual_seed(0)
+    weight, bias = torch.randn(64, 96), torch.randn(64)
+    layer = HalfLinear(weight, bias)
+    assert torch.equal(layer.dequantize(), weight.half().float())  # the weight it holds: fp16 values
+    x = torch.randn(3, 5, 96)
+    expected = x @ weight.half().float().T + bias
+    out = layer(x)
+    assert out.shape == (3, 5, 64) and out.dtype == torch.float32
+    assert torch.allclose(out, expected, atol=1e-4 * float(expected.abs().max()))
+    assert layer.nbytes() == 2 * 64 * 96
+    rows = HalfEmbedding(weight)(torch.tensor([[3, 0]]))
+    assert rows.dtype == torch.float32 and torch.equal(rows[0], weight.half().float()[[3, 0]])
+
+
+def test_fp16_llama_decodes_like_fp32_through_traced_steps(checkpoints):
+    """Tiny random Llama under quantize="fp16": every linear and the head are HalfLinears, the
+    activations stay float32, and greedy decoding (decode launches replay traced graphs, which
+    must reach the fbgemm packs) gives fp32's tokens with logits within fp16 weight rounding."""
+    reference = load(checkpoints["llama"], device="cpu")
+    loaded = load(checkpoints["llama"], device="cpu", quantize="fp16")
+    runner = loaded.runner
+    assert runner.dtype == torch.float32 and runner.lean is not None and runner.decode_graphs is not None
+    layers = runner.model.get_decoder().layers
+    assert all(isinstance(layer.self_attn.q_proj, HalfLinear) for layer in layers)
+    assert isinstance(runner.model.get_output_embeddings(), HalfLinear)
+    prompts = [loaded.processor(p) for p in tiny.PROMPTS[:3]]
+    ours = parity.greedy(runner, prompts, 6)
+    theirs = parity.greedy(reference.runner, [reference.processor(p) for p in tiny.PROMPTS[:3]], 6)
+    assert runner.decode_graphs.graphs  # decode went through traces
+    assert ours.tokens == theirs.tokens
+    assert ours.logits_close(theirs, atol=2e-2)
+
+
+def test_fp16_is_refused_where_it_cannot_run(checkpoints, monkeypatch):
+    with pytest.raises(ModelLoadError, match="quantize='fp16' multiplies float32 activations"):
+        load(checkpoints["llama"], device="cpu", quantize="fp16", dtype="bfloat16")
+    monkeypatch.setattr("foveal.engine.models.loader.fp16_kernel_available", lambda: False)  # e.g. aarch64
+    with pytest.raises(ModelLoadError, match="fbgemm backend.*use 'int8' or 'int4'"):
+        load(checkpoints["llama"], device="cpu", quantize="fp16")
