@@ -16,7 +16,8 @@ token ids (the chat template foveal's skills build), greedy, the same number of 
     and schema), one at a time; median latency; foveal `model.generate(..., output_type=schema)`,
     llama.cpp its own JSON-schema grammar (`LlamaGrammar.from_json_schema`);
   - 32 concurrent JSON requests: foveal gets them at once from one thread each (its engine batches
-    them); llama.cpp serves them one by one (one Llama, one sequence: what a llama-cpp-python user
+    them), after a warm-up round of as many other requests (its decode traces for those batch
+    sizes; transformers + outlines get a warm-up batch too); llama.cpp serves them one by one (one Llama, one sequence: what a llama-cpp-python user
     has); transformers `generate` with outlines' logits processor on the whole batch (fp32 weights
     of the same GGUF, benchmarks.peers; `--no-outlines` leaves it out). requests/s.
 Every output of a JSON row is checked against the schema (`valid`: the share that parse and
@@ -200,7 +201,9 @@ def run(
 
 def concurrent(model: foveal.Model, llm: Any, requests: int, outlines: bool) -> list[dict]:
     work = peers.json_workload(requests)
-    peers.foveal_calls(model, peers.json_workload(min(requests, 4)), True)  # warm the batch buckets
+    # Warm: a round of as many other requests traces the decode graphs of the batch sizes the timed
+    # round reaches (one trace per new bucket took 1.3-1.9 s here; a serving process has them).
+    peers.foveal_calls(model, peers.json_workload(requests, first=requests + 1), True)
     outputs, tokens, wall, detail = peers.foveal_calls(model, work, True)
     rows = [concurrent_row("foveal (all at once)", outputs, wall, tokens, detail)]
     start = time.perf_counter()
@@ -213,6 +216,14 @@ def concurrent(model: foveal.Model, llm: Any, requests: int, outlines: bool) -> 
     if outlines:
         try:
             hf = peers.reference_model(smollm2_folder())
+            warm = peers.json_workload(4, first=requests + 1)  # outlines compiles its index on first use
+            peers.hf_generate(
+                hf,
+                model.loaded.tokenizer,
+                prompt_ids(model, warm.asks),
+                8,
+                peers.outlines_processor(hf, model.loaded.tokenizer, warm.outlines_type),
+            )
             processor = peers.outlines_processor(hf, model.loaded.tokenizer, work.outlines_type)
             texts, tokens, wall, detail = peers.hf_generate(
                 hf, model.loaded.tokenizer, prompt_ids(model, work.asks), work.max_tokens, processor

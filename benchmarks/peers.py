@@ -87,9 +87,11 @@ class Workload:
     foveal_type: Any  # the output type foveal's `model.generate` is given
 
 
-def json_workload(n: int, max_tokens: int = 64) -> Workload:
+def json_workload(n: int, max_tokens: int = 64, first: int = 1) -> Workload:
+    """n "invent a character" asks, story numbers first..first + n - 1 (a warm-up takes other numbers
+    than the timed run, so that the prefix cache holds none of the timed prompts' own pages)."""
     asks = [
-        f"Invent a character for story number {i + 1}. Give their name, age and favourite colours "
+        f"Invent a character for story number {first + i}. Give their name, age and favourite colours "
         "as JSON with the keys name, age and colors."
         for i in range(n)
     ]

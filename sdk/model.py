@@ -144,11 +144,14 @@ def load(
     (SmolLM2, greedy: none of 80 answers did; benchmarks/jump_forward.py).
     `image_options`: the image processor's resolution bounds where the family has them (Qwen-VL:
     {"min_pixels": .., "max_pixels": ..}, pixels of the resized image).
-    `quantize`: None (the checkpoint's own weights), "int8" or "int4" (CPU only): weight-only
-    quantization of the text decoder's linear layers at load (the LM head is int8 in both modes),
-    computed with bf16 activations unless `dtype` says otherwise. A `.gguf` file on CPU is always
-    loaded quantized from the file (its Q4_0/Q4_1 blocks as int4, Q8_0 as int8); `quantize` then
-    applies to its layers stored in other types.
+    `quantize`: None (the checkpoint's own weights), "int8", "int4" or "fp16" (CPU only): "int8" /
+    "int4" are weight-only quantization of the text decoder's linear layers at load (the LM head
+    is int8 in both), computed with bf16 activations unless `dtype` says otherwise; "fp16" keeps
+    those layers and the head as fp16 for fbgemm's GEMM (x86 builds of torch) with float32
+    activations: half the fp32 bytes, the fp32 answers (engine/models/quant.py has the figures).
+    A llama `.gguf` file on CPU is always read straight from the file: None means "fp16" where
+    fbgemm exists, else its own blocks (Q4_0/Q4_1 as int4, Q8_0 as int8); "int4" / "int8" keep
+    its Q4 blocks as int4 and apply to its layers stored in other types.
     """
     _check_load_args(pipelined, max_batch_size, max_model_len, kv_cache_bytes, max_step_tokens)
     engine_models.loader.check_quantize(quantize)  # before any weight is read

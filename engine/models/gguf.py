@@ -19,6 +19,11 @@ SOLUTION
         a tied vocabulary matrix stays int8 and serves both the embedding lookup and the head.
       - F32 / F16 / BF16 tensors (norms) are read as they are; any other type (K-quants, Q5_*) is
         dequantized by `gguf.quants.dequantize` and quantized like a safetensors weight.
+      - Under "fp16" (the default on x86, loader.py) every weight is dequantized to float32 and packed
+        as fp16 for fbgemm (`HalfLinear`), the vocabulary matrix too, with fp16 rows for the lookup
+        (`HalfEmbedding`): Q4_1's d q + m and Q8_0's d q are f16 products, which fp16 holds to its
+        own rounding. Packing runs on torch's intra-op threads (`quant.build_all`), and the loader
+        converts the tokenizer (Python, under the GIL) at the same time.
     The model is built on the meta device from the config transformers derives from the file's
     metadata, and every weight is set from the file, so nothing is allocated twice. llama.cpp
     stores Q and K rows permuted for its interleaved rotary; the rows are permuted back (rows are
@@ -27,9 +32,10 @@ SOLUTION
 INVARIANTS
     - Every parameter and buffer of the model comes from the file or from the config (rotary
       frequencies); a tensor left on the meta device raises before the model is returned.
-    - The Q4_0/Q4_1 weights the kernel multiplies by are the file's values exactly; against the
-      fp32 weights transformers dequantizes, SmolLM2's greedy answers agree as measured in
-      tests/models/test_gguf.py (bf16 activations and the int8 vocabulary matrix are the difference).
+    - Under "int4" the Q4_0/Q4_1 weights the kernel multiplies by are the file's values exactly;
+      against the fp32 weights transformers dequantizes, SmolLM2's greedy answers agree as measured
+      in tests/models/test_gguf.py (bf16 activations and the int8 vocabulary matrix are the
+      difference: 70 of 101 tokens before a fork); under "fp16", 101 of 101.
 """
 
 from __future__ import annotations
