@@ -150,8 +150,8 @@ def load(
     those layers and the head as fp16 for fbgemm's GEMM (x86 builds of torch) with float32
     activations: half the fp32 bytes, the fp32 answers (engine/models/quant.py has the figures).
     A llama `.gguf` file on CPU is always read straight from the file: None means "fp16" where
-    fbgemm exists, else its own blocks (Q4_0/Q4_1 as int4, Q8_0 as int8); "int4" / "int8" keep
-    its Q4 blocks as int4 and apply to its layers stored in other types.
+    fbgemm exists, else its own blocks (Q4_0/Q4_1 as int4, Q8_0 as int8); "int4" keeps its Q4
+    blocks as int4 and makes its other layers int4; "int8" makes every layer per-row int8.
     """
     _check_load_args(pipelined, max_batch_size, max_model_len, kv_cache_bytes, max_step_tokens)
     engine_models.loader.check_quantize(quantize)  # before any weight is read

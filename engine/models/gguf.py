@@ -13,7 +13,9 @@ SOLUTION
     (`llama_config`), the tokenizer built by transformers' GGUF tokenizer conversion. The blocks are
     unpacked with a few vectorised numpy ops into foveal's `QuantLinear` (quant.py):
       - Q4_0 / Q4_1 (blocks of 32: an f16 scale d, for Q4_1 an f16 minimum m, 16 bytes of nibbles)
-        become int4 with the same groups, exactly: scale d, zero 0 (Q4_0: w = d (q - 8)) or m + 8 d.
+        become int4 with the same groups and codes: scale d, zero 0 (Q4_0: w = d (q - 8)) or m + 8 d,
+        stored in bf16 as the kernel requires (so a weight is the file's up to 2^-8 of its block's
+        |q - 8| d + |zero|: tests/models/test_gguf_tiny.py).
       - Q8_0 (blocks of 32: an f16 scale, 32 int8) becomes per-row int8 (requantized; see quant.py),
         kept when `quantize` is "int8" or None, and requantized to int4 for "int4" layers;
         a tied vocabulary matrix stays int8 and serves both the embedding lookup and the head.
@@ -22,7 +24,7 @@ SOLUTION
       - Under "fp16" (the default on x86, loader.py) every weight is dequantized to float32 and packed
         as fp16 for fbgemm (`HalfLinear`), the vocabulary matrix too, with fp16 rows for the lookup
         (`HalfEmbedding`): Q4_1's d q + m and Q8_0's d q are f16 products, which fp16 holds to its
-        own rounding. Packing runs on torch's intra-op threads (`quant.build_all`), and the loader
+        own rounding. Packing runs on torch's intra-op threads (`quant.builder`), and the loader
         converts the tokenizer (Python, under the GIL) at the same time.
     The model is built on the meta device from the config transformers derives from the file's
     metadata, and every weight is set from the file, so nothing is allocated twice. llama.cpp
@@ -32,7 +34,8 @@ SOLUTION
 INVARIANTS
     - Every parameter and buffer of the model comes from the file or from the config (rotary
       frequencies); a tensor left on the meta device raises before the model is returned.
-    - Under "int4" the Q4_0/Q4_1 weights the kernel multiplies by are the file's values exactly;
+    - Under "int4" the Q4_0/Q4_1 weights the kernel multiplies by are the file's codes and groups,
+      with scales and zeros rounded to bf16;
       against the fp32 weights transformers dequantizes, SmolLM2's greedy answers agree as measured
       in tests/models/test_gguf.py (bf16 activations and the int8 vocabulary matrix are the
       difference: 70 of 101 tokens before a fork); under "fp16", 101 of 101.
@@ -50,7 +53,14 @@ import torch
 from torch import nn
 
 from foveal.engine.models.families import ModelLoadError
-from foveal.engine.models.quant import GROUP_SIZE, HalfEmbedding, HalfLinear, QuantEmbedding, QuantLinear, build_all
+from foveal.engine.models.quant import (
+    GROUP_SIZE,
+    HalfEmbedding,
+    HalfLinear,
+    QuantEmbedding,
+    QuantLinear,
+    builder,
+)
 
 # GGUF tensor name (per block) -> (module path in LlamaDecoderLayer, rows permuted for rotary as "q"/"k")
 LAYER_LINEARS = {
@@ -144,7 +154,7 @@ def load_quantized(header: Any, config: Any, dtype: torch.dtype, quantize: str |
     `quantize`: None keeps the file's Q4 blocks as int4 and makes other types int8; "int8" or
     "int4" asks for that kernel for every decoder layer; "fp16" makes every linear, the head
     included, a `HalfLinear` and the embeddings fp16 rows (`dtype` must then be float32). See
-    `linear_from_gguf`. Layers are built on torch's intra-op threads (`quant.build_all`).
+    `linear_from_gguf`. Layers are built on torch's intra-op threads (`quant.builder`).
     """
     import transformers
 
@@ -165,22 +175,22 @@ def load_quantized(header: Any, config: Any, dtype: torch.dtype, quantize: str |
             getattr(layer, attr).weight = _param(_float(*read(f"blk.{index}.{name}.weight"), dtype))
     decoder.norm.weight = _param(_float(*read("output_norm.weight"), dtype))
     tied = "output.weight" not in tensors
-    if quantize == "fp16":
-        # fp16 rows for the lookup; the head packs the same weights (tied) or its own
-        vocab = gguf_weight(*read("token_embd.weight"))
-        decoder.embed_tokens = HalfEmbedding(vocab, config.pad_token_id)
-        head = partial(HalfLinear, vocab) if tied else partial(_linear, read, "output.weight", dtype, "fp16", None)
-        jobs.append((model, "lm_head", head))
-    else:
-        # One int8 matrix serves the lookup and, tied, the head.
-        vocab = linear_from_gguf(*read("token_embd.weight"), dtype, "int8", None, head=True)
-        decoder.embed_tokens = QuantEmbedding(vocab, config.pad_token_id)
-        model.lm_head = vocab
-        if not tied:
-            jobs.append((model, "lm_head", partial(_linear, read, "output.weight", dtype, "int8", None, True)))
-    built = build_all(lambda job: job[2](), jobs)
-    for (parent, attr, _), module in zip(jobs, built, strict=True):
-        setattr(parent, attr, module)
+    with builder() as pool:
+        # the vocabulary matrix first: under fp16 the lookup rows and the tied head's pack both need it
+        vocab = pool.submit(gguf_weight, *read("token_embd.weight")) if quantize == "fp16" else None
+        built = [pool.submit(job) for _, _, job in jobs]
+        if quantize == "fp16":
+            decoder.embed_tokens = HalfEmbedding(vocab.result(), config.pad_token_id)
+            own = partial(_linear, read, "output.weight", dtype, "fp16", None)
+            head = pool.submit(HalfLinear, vocab.result()) if tied else pool.submit(own)
+        else:
+            # One int8 matrix serves the lookup and, tied, the head.
+            vocab = linear_from_gguf(*read("token_embd.weight"), dtype, "int8", None, head=True)
+            decoder.embed_tokens = QuantEmbedding(vocab, config.pad_token_id)
+            head = None if tied else pool.submit(_linear, read, "output.weight", dtype, "int8", None, True)
+        for (parent, attr, _), module in zip(jobs, built, strict=True):
+            setattr(parent, attr, module.result())
+        model.lm_head = vocab if head is None else head.result()
     decoder.rotary_emb = type(decoder.rotary_emb)(config=config)
     left = [name for name, t in (*model.named_parameters(), *model.named_buffers()) if t.is_meta]
     if left:
@@ -204,7 +214,7 @@ def linear_from_gguf(
 ) -> QuantLinear | HalfLinear:
     """One GGUF weight [N, K] as a QuantLinear, or a HalfLinear when `mode` is "fp16".
 
-    Decoder layers (`head=False`): Q4_0/Q4_1 blocks are kept exactly as int4 unless `mode` is "int8"
+    Decoder layers (`head=False`): Q4_0/Q4_1 blocks are kept as int4 (codes and groups) unless `mode` is "int8"
     (then requantized per row: the int8 kernel was 1.6x faster than the int4 one at batch 1 on the
     first issue-19 machine, quant.py) or "fp16"; Q8_0 becomes per-row int8 (None, "int8") or int4
     ("int4"); anything else is dequantized, then quantized to `mode` (None: int8). The vocabulary

@@ -64,8 +64,8 @@ def load(
     linear layers (quant.py; the LM head is int8 under "int8"/"int4", fp16 under "fp16"). A llama
     GGUF file on CPU is always read quantized: None means "fp16" where torch has fbgemm (x86; the
     fastest and most exact layout measured there, quant.py), else its own blocks (Q4 as int4, the
-    rest int8); "int4" and "int8" keep the file's Q4 blocks as int4 and its vocabulary matrix as
-    int8, and apply to its other layers.
+    rest int8); "int4" keeps the file's Q4 blocks as int4 and makes its other layers int4, "int8"
+    makes every layer per-row int8; the vocabulary matrix is int8 under both.
     `image_options`: the image processor's resolution bounds where the family has them (Qwen-VL:
     {"min_pixels": .., "max_pixels": ..}); refused for families without.
     """

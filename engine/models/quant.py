@@ -45,9 +45,7 @@ INVARIANTS
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from typing import TypeVar
 
 import torch
 import torch.nn.functional as F
@@ -59,7 +57,6 @@ QUANT_MODES = ("int8", "int4", "fp16")
 # int8 kernel / dequantize + dense: 16 rows 1.0 / 1.0 ms, 128 rows 11.8 / 3.4, 2048 rows 202 / 108;
 # int4: 16 rows 0.8 / 7.0 (its unpacking costs 4-13 ms), 128 rows 10.0 / 7.6, 2048 rows 207 / 102.
 DENSE_ROWS = {"int8": 32, "int4": 128}
-T = TypeVar("T")
 GROUP_SIZE = 32  # GGUF's block size; the int4 kernel takes 32, 64, 128 or 256
 
 
@@ -243,14 +240,10 @@ class HalfEmbedding(nn.Module):
         return F.embedding(ids, self.weight).float()
 
 
-def build_all(make: Callable[[T], nn.Module], items: list[T]) -> list[nn.Module]:
-    """`make` over `items` on torch's intra-op threads: quantizing and packing release the GIL
-    (fbgemm's fp16 packing took 13 ns a weight here, 1.8 s for SmolLM2 on one thread)."""
-    workers = max(1, min(torch.get_num_threads(), len(items)))
-    if workers == 1:
-        return [make(item) for item in items]
-    with ThreadPoolExecutor(workers) as pool:
-        return list(pool.map(make, items))
+def builder() -> ThreadPoolExecutor:
+    """A pool on torch's intra-op thread count, to build layers in parallel: quantizing and packing
+    release the GIL (fbgemm's fp16 packing took 13 ns a weight here, 1.8 s for SmolLM2 on one thread)."""
+    return ThreadPoolExecutor(max(1, torch.get_num_threads()), thread_name_prefix="foveal-load")
 
 
 class QuantEmbedding(nn.Module):
@@ -351,7 +344,8 @@ def quantize_model(model: nn.Module, mode: str) -> nn.Module:
     if mode == "int4":
         for _, _, child in linears:
             check_int4_shape(child.out_features, child.in_features, GROUP_SIZE)
-    built = build_all(lambda item: quantize_linear(item[2], mode, dtype), linears)
+    with builder() as pool:
+        built = list(pool.map(lambda item: quantize_linear(item[2], mode, dtype), linears))
     for (parent, name, _), layer in zip(linears, built, strict=True):
         setattr(parent, name, layer)
     head = model.get_output_embeddings()
