@@ -58,8 +58,8 @@ class _ThreadsSeen:
 
 
 def test_small_cpu_forwards_run_on_one_thread_and_the_count_is_restored(h):
-    from foveal.engine.device import SMALL_LAUNCH_TOKENS
     from foveal.engine import Request, SamplingParams
+    from foveal.engine.device import SMALL_LAUNCH_TOKENS
     from foveal.testing import FakeRunner
 
     before = torch.get_num_threads()
