@@ -156,40 +156,43 @@ def load_quantized(header: Any, config: Any, dtype: torch.dtype, quantize: str |
     included, a `HalfLinear` and the embeddings fp16 rows (`dtype` must then be float32). See
     `linear_from_gguf`. Layers are built on torch's intra-op threads (`quant.builder`).
     """
-    import transformers
-
     tensors = {t.name: t for t in header.tensors}
-    with torch.device("meta"):
-        model = transformers.LlamaForCausalLM(config)
-    decoder = model.model
     heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
     read = lambda name: (_need(tensors, name), tensor_data(header, _need(tensors, name)))  # noqa: E731
-    jobs = []  # (parent module, attribute, how to build it): run on torch's threads, set in order
-    for index, layer in enumerate(decoder.layers):
-        for name, (path, rotary) in LAYER_LINEARS.items():
-            permute = {"q": heads, "k": kv_heads}.get(rotary) if rotary else None
-            parent, _, attr = path.rpartition(".")
-            tensor = f"blk.{index}.{name}.weight"
-            jobs.append((layer.get_submodule(parent), attr, partial(_linear, read, tensor, dtype, quantize, permute)))
-        for name, attr in LAYER_NORMS.items():
-            getattr(layer, attr).weight = _param(_float(*read(f"blk.{index}.{name}.weight"), dtype))
-    decoder.norm.weight = _param(_float(*read("output_norm.weight"), dtype))
-    tied = "output.weight" not in tensors
+    fp16, tied = quantize == "fp16", "output.weight" not in tensors
     with builder() as pool:
-        # the vocabulary matrix first: under fp16 the lookup rows and the tied head's pack both need it
-        vocab = pool.submit(gguf_weight, *read("token_embd.weight")) if quantize == "fp16" else None
-        built = [pool.submit(job) for _, _, job in jobs]
-        if quantize == "fp16":
-            decoder.embed_tokens = HalfEmbedding(vocab.result(), config.pad_token_id)
+        # Everything is queued before the model skeleton is built (importing transformers' llama and
+        # building it on the meta device is Python, under the GIL: it overlaps the packing). Under
+        # fp16 the vocabulary matrix comes first: the lookup rows and a tied head's pack need it.
+        vocab = pool.submit(gguf_weight, *read("token_embd.weight")) if fp16 else None
+        jobs = {
+            (index, path): pool.submit(
+                _linear, read, f"blk.{index}.{name}.weight", dtype, quantize, {"q": heads, "k": kv_heads}.get(rotary)
+            )
+            for index in range(config.num_hidden_layers)
+            for name, (path, rotary) in LAYER_LINEARS.items()
+        }
+        if fp16:
             own = partial(_linear, read, "output.weight", dtype, "fp16", None)
             head = pool.submit(HalfLinear, vocab.result()) if tied else pool.submit(own)
+        else:
+            own = partial(_linear, read, "output.weight", dtype, "int8", None, True)
+            head = None if tied else pool.submit(own)
+        model = _skeleton(config)
+        decoder = model.model
+        for index, layer in enumerate(decoder.layers):
+            for name, attr in LAYER_NORMS.items():
+                getattr(layer, attr).weight = _param(_float(*read(f"blk.{index}.{name}.weight"), dtype))
+        decoder.norm.weight = _param(_float(*read("output_norm.weight"), dtype))
+        if fp16:
+            decoder.embed_tokens = HalfEmbedding(vocab.result(), config.pad_token_id)
         else:
             # One int8 matrix serves the lookup and, tied, the head.
             vocab = linear_from_gguf(*read("token_embd.weight"), dtype, "int8", None, head=True)
             decoder.embed_tokens = QuantEmbedding(vocab, config.pad_token_id)
-            head = None if tied else pool.submit(_linear, read, "output.weight", dtype, "int8", None, True)
-        for (parent, attr, _), module in zip(jobs, built, strict=True):
-            setattr(parent, attr, module.result())
+        for (index, path), linear in jobs.items():
+            parent, _, attr = path.rpartition(".")
+            setattr(decoder.layers[index].get_submodule(parent), attr, linear.result())
         model.lm_head = vocab if head is None else head.result()
     decoder.rotary_emb = type(decoder.rotary_emb)(config=config)
     left = [name for name, t in (*model.named_parameters(), *model.named_buffers()) if t.is_meta]
@@ -198,6 +201,15 @@ def load_quantized(header: Any, config: Any, dtype: torch.dtype, quantize: str |
             f"the GGUF file did not provide {', '.join(left[:5])}; it is not a complete llama model"
         )
     return model.eval()
+
+
+def _skeleton(config: Any) -> nn.Module:
+    """transformers' LlamaForCausalLM of this config on the meta device (no memory): the modules the
+    file's tensors fill."""
+    import transformers
+
+    with torch.device("meta"):
+        return transformers.LlamaForCausalLM(config)
 
 
 def _linear(read: Callable, tensor: str, dtype: torch.dtype, mode: str | None, permute: int | None, head: bool = False):

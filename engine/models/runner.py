@@ -39,7 +39,7 @@ from typing import Any
 import torch
 from transformers.modeling_outputs import BaseModelOutputWithPooling
 
-from foveal.engine.models.attention import PagedKV, build_context, prefix_lens
+from foveal.engine.models.attention import PagedKV, build_context, kv_zeros, prefix_lens
 from foveal.engine.models.families import Family
 from foveal.engine.models.image_cache import DEFAULT_IMAGE_CACHE_BYTES, ImageFeatureCache, cached_or_encoded
 from foveal.engine.models.lean import LeanDecoder
@@ -86,7 +86,7 @@ class HFRunner:
 
     def allocate_kv(self, num_pages: int, page_size: int) -> None:
         shape = ((num_pages + 1) * page_size, self.kv_heads, self.head_dim)  # + the scratch page
-        make = lambda: torch.zeros(shape, dtype=self.dtype, device=self.device)  # noqa: E731
+        make = lambda: kv_zeros(shape, self.dtype, self.device)  # noqa: E731
         self.kv = PagedKV(
             k=[make() for _ in range(self.num_layers)],
             v=[make() for _ in range(self.num_layers)],

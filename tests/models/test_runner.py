@@ -104,3 +104,13 @@ def test_traced_padding_rows_write_only_the_scratch_page(checkpoints):
     scratch = list(range(16 * 4, 17 * 4))
     assert set(changed) - set(scratch) == set(batch.kv_index.tolist())
     assert set(changed) & set(scratch)  # the padding row wrote there
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_kv_tensors_start_as_zeros_in_the_runners_dtype(dtype):
+    from foveal.engine.models.attention import kv_zeros
+
+    kv = kv_zeros((64, 3, 8), dtype, torch.device("cpu"))
+    assert kv.dtype == dtype and kv.shape == (64, 3, 8) and not bool(kv.any())
+    kv.index_copy_(0, torch.tensor([5]), torch.ones(1, 3, 8, dtype=dtype))  # writable in place
+    assert float(kv.float().sum()) == 24.0

@@ -29,7 +29,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from foveal.engine.models.attention import PagedKV, build_context, prefix_lens
+from foveal.engine.models.attention import PagedKV, build_context, kv_zeros, prefix_lens
 from foveal.engine.models.families import Family
 from foveal.engine.models.image_cache import DEFAULT_IMAGE_CACHE_BYTES, ImageFeatureCache, cached_or_encoded
 from foveal.engine.models.traced import DecodeGraphs
@@ -78,7 +78,7 @@ class MoondreamRunner:
 
     def allocate_kv(self, num_pages: int, page_size: int) -> None:
         shape = ((num_pages + 1) * page_size, self.kv_heads, HEAD_DIM)  # + the scratch page
-        make = lambda: torch.zeros(shape, dtype=self.dtype, device=self.device)  # noqa: E731
+        make = lambda: kv_zeros(shape, self.dtype, self.device)  # noqa: E731
         self.kv = PagedKV(
             [make() for _ in range(self.num_layers)],
             [make() for _ in range(self.num_layers)],
