@@ -17,7 +17,8 @@ SOLUTION
     batch-1 decode step took 41.6-44.7 ms on two threads and 26.4 ms on one, free text 23.6 vs
     36.3 tok/s, because the scheduler thread's bookkeeping preempts one of the two OpenMP threads
     and every parallel op then waits for it; 32 concurrent JSON requests ran 2.94 req/s on one
-    thread and 3.29-3.72 on two. torch's thread count is process-wide, so it is restored at close.
+    thread and 3.29-3.72 on two. torch's thread count is process-wide, so a forward that changes it
+    puts it back when it ends (device_jobs.forward).
 INVARIANTS
     - Work runs in the order it was queued (one compute stream / one worker).
     - A worker error is re-raised by the next `wait`; events are still released, so nothing hangs.
@@ -100,7 +101,6 @@ class CpuDevice:
     def close(self) -> None:
         self._queue.put(None)
         self._thread.join()
-        torch.set_num_threads(self.threads)  # the forwards changed the process-wide count
 
     def pin(self, t: torch.Tensor) -> torch.Tensor:
         return t

@@ -13,6 +13,8 @@ critical path. Inputs come from the step's DecodeSlot, already staged by step.st
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
@@ -50,8 +52,26 @@ class SampleShape:
 
 @torch.inference_mode()
 def forward(runner: ModelRunner, step: Step, previous_slot: DecodeSlot, threads: int | None = None) -> None:
-    if threads is not None and threads != torch.get_num_threads():  # CPU: device.threads_for
-        torch.set_num_threads(threads)
+    with _intra_op_threads(threads):
+        _forward(runner, step, previous_slot)
+
+
+@contextlib.contextmanager
+def _intra_op_threads(threads: int | None) -> Iterator[None]:
+    """Run a CPU forward on `threads` intra-op threads (device.threads_for), then put torch's count
+    back: it is process-wide, and code beside an idle engine must find its own."""
+    before = torch.get_num_threads()
+    if threads is None or threads == before:
+        yield
+        return
+    torch.set_num_threads(threads)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+def _forward(runner: ModelRunner, step: Step, previous_slot: DecodeSlot) -> None:
     slot, rows, tokens, decode = step.slot, step.num_rows, step.num_tokens, step.num_decode
     slot.upload(FORWARD_INPUTS, (tokens, tokens, tokens, rows + 1, rows, rows, decode, decode))
     dev = slot.dev
