@@ -178,6 +178,9 @@ class Engine:
             self._cond.notify_all()
         self._thread.join()
         self.device.close()
+        quiesce = getattr(self.runner, "quiesce", None)  # runners with work of their own (CPU traces)
+        if quiesce is not None:
+            quiesce()
         if self._switch_held:  # close() may be called twice
             self._switch_held = False
             switch.release(self.config.switch_interval)

@@ -65,6 +65,15 @@ def make_batch(
     )
 
 
+def trace_in_launch(runner: Any) -> Any:
+    """Make a CPU runner trace each new decode bucket inside the launch that meets it (no
+    background tracer), so a test knows that every decode launch after the first is a replay."""
+    from foveal.engine.models.traced import DecodeGraphs
+
+    runner.decode_graphs = DecodeGraphs(runner._eager, getattr(runner, "model", None), background=False)
+    return runner
+
+
 def greedy(
     runner: Any, prompts: list[PromptInputs], max_new_tokens: int, eos_ids=(), page_size: int = 4
 ) -> GreedyResult:

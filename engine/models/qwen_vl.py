@@ -60,6 +60,7 @@ INVARIANTS (tests/models/test_qwen_vl.py)
 from __future__ import annotations
 
 import json
+import threading
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -239,7 +240,9 @@ class QwenVLRunner(HFRunner):
         self.hidden: int = model.config.get_text_config().hidden_size
         self.deepstack: int = len(getattr(model.config.vision_config, "deepstack_visual_indexes", None) or ())
         self.row_delta: torch.Tensor | None = None
-        self._launch_delta: torch.Tensor | None = None  # the row deltas this launch reads and writes
+        # The row deltas this launch reads and writes. Per thread: a decode bucket's trace runs on
+        # the tracer's thread beside the device thread's forwards (traced.py).
+        self._launch = threading.local()
 
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
         """HFRunner.forward with `row_delta` riding after the K tensors: an input of a traced decode
@@ -253,11 +256,11 @@ class QwenVLRunner(HFRunner):
         return self._eager(batch, ks, kv.v)
 
     def _eager(self, batch: ForwardBatch, ks: list[torch.Tensor], vs: list[torch.Tensor]) -> torch.Tensor:
-        *ks, self._launch_delta = ks
+        *ks, self._launch.delta = ks
         try:
             return super()._eager(batch, ks, vs)
         finally:
-            self._launch_delta = None
+            self._launch.delta = None
 
     def allocate_kv(self, num_pages: int, page_size: int) -> None:
         super().allocate_kv(num_pages, page_size)
@@ -265,7 +268,7 @@ class QwenVLRunner(HFRunner):
 
     def position_ids(self, batch: ForwardBatch) -> torch.Tensor:
         """[3, 1, T] M-RoPE positions of the launch's tokens; writes each token's row delta (device ops only)."""
-        device, page_size, row_delta = self.device, self.kv.page_size, self._launch_delta
+        device, page_size, row_delta = self.device, self.kv.page_size, self._launch.delta
         num_tokens = batch.input_ids.shape[0]
         starts = batch.query_start.to(torch.int64)
         seq = torch.searchsorted(starts[1:], torch.arange(num_tokens, device=device), right=True)

@@ -94,7 +94,12 @@ class HFRunner:
             scratch_page=num_pages,
         )
         if self.decode_graphs is not None:
-            self.decode_graphs.graphs.clear()  # traces hold the old KV tensors' shapes
+            self.decode_graphs.clear()  # traces hold the old KV tensors' shapes
+
+    def quiesce(self) -> None:
+        """Called by Engine.close(): waits for background traces (traced.py); the runner stays usable."""
+        if self.decode_graphs is not None:
+            self.decode_graphs.quiesce()
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch) -> torch.Tensor:

@@ -154,9 +154,9 @@ def test_fp16_llama_decodes_like_fp32_through_traced_steps(checkpoints):
     assert all(isinstance(layer.self_attn.q_proj, HalfLinear) for layer in layers)
     assert isinstance(runner.model.get_output_embeddings(), HalfLinear)
     prompts = [loaded.processor(p) for p in tiny.PROMPTS[:3]]
-    ours = parity.greedy(runner, prompts, 6)
+    ours = parity.greedy(parity.trace_in_launch(runner), prompts, 6)
     theirs = parity.greedy(reference.runner, [reference.processor(p) for p in tiny.PROMPTS[:3]], 6)
-    assert runner.decode_graphs.graphs  # decode went through traces
+    assert loaded.runner.decode_graphs.graphs  # decode went through traces
     assert ours.tokens == theirs.tokens
     assert ours.logits_close(theirs, atol=2e-2)
 

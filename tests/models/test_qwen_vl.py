@@ -42,7 +42,7 @@ def test_runner_matches_transformers(family, qwen):
     assert [p.prefill is None for p in prompts] == [False] * 4 + [True]
     assert prompts[2].prefill.image_tensors["image_grid_thw"].shape[0] == 2
     reference = parity.reference_model(qwen[family])
-    ours = parity.greedy(loaded.runner, prompts, MAX_NEW, loaded.eos_token_ids)
+    ours = parity.greedy(parity.trace_in_launch(loaded.runner), prompts, MAX_NEW, loaded.eos_token_ids)
     worst = 0.0
     for seq, prompt in enumerate(prompts):
         tokens, logits = parity.reference_greedy(reference, prompt, loaded.runner.family, MAX_NEW)

@@ -78,7 +78,7 @@ def test_images_are_encoded_once_in_prefill_and_never_in_decode(family, checkpoi
 def test_traced_decode_replays_match_eager_decode(family, checkpoints):
     loaded = load(checkpoints[family], device="cpu")
     prompts = tiny.family_prompts(loaded)[:5]  # 5 sequences: padded into the 6-row bucket
-    traced = parity.greedy(loaded.runner, prompts, 6)
+    traced = parity.greedy(parity.trace_in_launch(loaded.runner), prompts, 6)
     assert loaded.runner.decode_graphs.graphs, "decode launches did not go through a traced graph"
     loaded.runner.decode_graphs = None
     eager = parity.greedy(loaded.runner, prompts, 6)
@@ -92,7 +92,7 @@ def test_bucket_is_the_next_power_of_two_or_three_times_one():
 
 
 def test_traced_padding_rows_write_only_the_scratch_page(checkpoints):
-    runner = load(checkpoints["llama"], device="cpu").runner
+    runner = parity.trace_in_launch(load(checkpoints["llama"], device="cpu").runner)
     runner.allocate_kv(16, 4)
     for t in runner.kv.k:
         t.fill_(7.0)
@@ -114,3 +114,26 @@ def test_kv_tensors_start_as_zeros_in_the_runners_dtype(dtype):
     assert kv.dtype == dtype and kv.shape == (64, 3, 8) and not bool(kv.any())
     kv.index_copy_(0, torch.tensor([5]), torch.ones(1, 3, 8, dtype=dtype))  # writable in place
     assert float(kv.float().sum()) == 24.0
+
+
+def test_a_new_bucket_runs_eager_while_its_graph_is_traced_in_the_background(checkpoints):
+    """The default tracer: the launch that meets a bucket gets the eager forward's logits at once;
+    the trace, run on an all-padding batch beside it, writes only the scratch page; later launches
+    of the bucket replay it with the same logits."""
+    runner = load(checkpoints["llama"], device="cpu").runner
+    runner.allocate_kv(16, 4)
+    for t in runner.kv.k:
+        t.fill_(7.0)
+    items = [([5], 2, [3], None), ([6], 5, [8, 1], None), ([9], 0, [12], None), ([4], 1, [13], None)]
+    batch = parity.make_batch(items + [([2], 6, [14, 15], None)], 4, "cpu")
+    eager = runner._eager(batch, runner.kv.k, runner.kv.v)
+    first = runner.forward(batch)
+    assert torch.equal(first, eager)  # the eager forward, not a trace made in the launch
+    runner.decode_graphs.wait()
+    assert set(runner.decode_graphs.graphs) == {(6, 2)}
+    changed = (runner.kv.k[0] != 7.0).any(dim=(1, 2)).nonzero().flatten().tolist()
+    scratch = list(range(16 * 4, 17 * 4))
+    assert set(changed) - set(scratch) == set(batch.kv_index.tolist())
+    calls = []
+    runner.decode_graphs.eager = lambda *a: calls.append(1)  # a replay never calls the eager forward
+    assert torch.allclose(runner.forward(batch), eager, atol=1e-5) and not calls

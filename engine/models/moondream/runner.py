@@ -86,7 +86,12 @@ class MoondreamRunner:
             num_pages,
         )
         if self.decode_graphs is not None:
-            self.decode_graphs.graphs.clear()
+            self.decode_graphs.clear()
+
+    def quiesce(self) -> None:
+        """Called by Engine.close(): waits for background traces (traced.py); the runner stays usable."""
+        if self.decode_graphs is not None:
+            self.decode_graphs.quiesce()
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
