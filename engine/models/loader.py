@@ -265,7 +265,7 @@ def _load_gguf(
         # The tokenizer's conversion is Python (it holds the GIL); unpacking and packing weights
         # mostly release it, so the two overlap.
         with ThreadPoolExecutor(1) as pool:
-            tokenizer = pool.submit(direct.tokenizer, path)
+            tokenizer = pool.submit(direct.tokenizer, header)
             model = direct.load_quantized(header, config, dtype, quantize)
             return _assemble(model, family, tokenizer.result(), None, str(path), image_cache_bytes)
     if importlib.util.find_spec("accelerate") is None:

@@ -366,3 +366,28 @@ def test_the_files_tokenizer_applies_its_merges_and_keeps_its_eos_whole(files):
     assert tokenizer.decode(ids) == "the cat and the hat"
     assert tokenizer.eos_token_id == EOS_ID and loaded.eos_token_ids == (EOS_ID,)
     assert tokenizer.encode(EOS_TOKEN, add_special_tokens=False) == [EOS_ID]  # a control token
+
+
+@pytest.mark.parametrize("kind", ["tied", "untied"])
+def test_foveals_metadata_reader_and_tokenizer_equal_transformers(files, kind):
+    """gguf.read_metadata (the fast reader the loader uses) gives what transformers' reader gives,
+    string arrays in full or as counts, and the tokenizer built from it is transformers' own."""
+    from transformers.integrations.gguf.gguf_tokenizer_mapping import (
+        convert_gguf_tokenizer,
+        get_gguf_tokenizer,
+    )
+    from transformers.integrations.gguf.reader import read_gguf_metadata
+
+    from foveal.engine.models import gguf as direct
+
+    path = files[kind].path
+    header = direct.read_header(path)
+    for keep in ((), ("tokenizer.ggml.tokens", "tokenizer.ggml.merges")):
+        assert direct.read_metadata(header, keep) == read_gguf_metadata(str(path), keep)[0]
+    ours = direct.tokenizer(header)
+    arch, vocabulary, config = get_gguf_tokenizer(str(path))
+    backend, extra = convert_gguf_tokenizer(arch, vocabulary)
+    theirs = transformers.PreTrainedTokenizerFast(tokenizer_object=backend, **config, **extra)
+    text = "the cat and the hat<|endoftext|> sat"
+    assert ours(text).input_ids == theirs(text).input_ids
+    assert ours.special_tokens_map == theirs.special_tokens_map and len(ours) == len(theirs)
