@@ -137,7 +137,7 @@ def llama_config(path: Path, header: Any) -> Any:
 def tokenizer(header: Any) -> Any:
     """The file's tokenizer, through transformers' GGUF conversion (what `AutoTokenizer(gguf_file=)` builds).
 
-    The metadata is read by `read_metadata` (the vocabulary and merges in 0.05 s; transformers'
+    The metadata is read by `read_metadata` (the vocabulary and merges in 0.09-0.10 s; transformers'
     `get_gguf_tokenizer` reads them in 0.43-0.49 s here, a quarter of a GGUF load's critical path)
     and grouped by transformers' own key table, as `get_gguf_tokenizer` does for a llama file:
     sentencepiece ("llama") vocabularies add BOS unless the file says otherwise.
