@@ -29,7 +29,7 @@ from foveal.engine.models.families import Family, ModelLoadError, family_for
 from foveal.engine.models.hub import looks_like_hub_id, resolve_hub_id
 from foveal.engine.models.image_cache import DEFAULT_IMAGE_CACHE_BYTES
 from foveal.engine.models.processor import InputProcessor
-from foveal.engine.models.quant import QUANT_MODES, fp16_kernel_available, quantize_model
+from foveal.engine.models.quant import FP16_UNAVAILABLE, QUANT_MODES, fp16_kernel_available, quantize_model
 from foveal.engine.models.runner import HFRunner
 
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
@@ -87,9 +87,7 @@ def load(
     if quantize == "fp16" and torch_dtype != torch.float32:
         raise ModelLoadError(f"quantize='fp16' multiplies float32 activations; leave dtype unset (got {dtype!r})")
     if quantize == "fp16" and not fp16_kernel_available():
-        raise ModelLoadError(
-            "quantize='fp16' runs on torch's fbgemm backend, which this torch build lacks; use 'int8' or 'int4'"
-        )
+        raise ModelLoadError(FP16_UNAVAILABLE)
     if quantize is not None and dev.type != "cpu":
         raise ModelLoadError(
             f"quantize={quantize!r} uses torch's CPU weight-only kernels; on {dev.type} load without quantize "

@@ -185,6 +185,9 @@ class QuantLinear(nn.Module):
         return f"{self.mode}, in_features={self.in_features}, out_features={self.out_features}{group}"
 
 
+FP16_UNAVAILABLE = "quantize='fp16' runs on torch's fbgemm backend, which this torch build lacks; use 'int8' or 'int4'"
+
+
 def fp16_kernel_available() -> bool:
     """Whether torch has fbgemm (x86 builds), whose packed fp16 GEMM `HalfLinear` runs on."""
     return "fbgemm" in torch.backends.quantized.supported_engines
@@ -198,10 +201,7 @@ class HalfLinear(nn.Module):
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
         super().__init__()
         if not fp16_kernel_available():
-            raise ValueError(
-                "quantize='fp16' runs on torch's fbgemm backend, which this torch build lacks "
-                f"(it has {torch.backends.quantized.supported_engines}); use quantize='int8' or 'int4'"
-            )
+            raise ValueError(FP16_UNAVAILABLE)
         self.out_features, self.in_features = weight.shape
         # A TorchScript object, not a tensor: traces reach it as an attribute of this module (traced.py).
         self.packed = torch.ops.quantized.linear_prepack_fp16(
@@ -211,10 +211,6 @@ class HalfLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = torch.ops.quantized.linear_dynamic_fp16(x.reshape(-1, self.in_features), self.packed)
         return out.view(*x.shape[:-1], self.out_features)
-
-    @property
-    def weight_dtype(self) -> torch.dtype:
-        return torch.float32  # the activations' dtype (the stored weight is fp16)
 
     def dequantize(self) -> torch.Tensor:
         """The float32 weight [N, K] this layer multiplies by (the fp16 values)."""
@@ -333,7 +329,7 @@ def quantize_model(model: nn.Module, mode: str) -> nn.Module:
     if mode == "fp16" and dtype != torch.float32:
         raise ValueError(f"quantize='fp16' multiplies float32 activations; the model is {dtype} (load it in float32)")
     if mode == "fp16" and not fp16_kernel_available():
-        HalfLinear(torch.zeros(1, 1))  # raises, naming the backend and the alternatives
+        raise ValueError(FP16_UNAVAILABLE)
     decoder = model.get_decoder()
     linears = [
         (parent, name, child)
