@@ -99,7 +99,7 @@ class HFRunner:
     def quiesce(self) -> None:
         """Called by Engine.close(): waits for background traces (traced.py); the runner stays usable."""
         if self.decode_graphs is not None:
-            self.decode_graphs.quiesce()
+            self.decode_graphs.wait()
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch) -> torch.Tensor:

@@ -34,6 +34,7 @@ import contextlib
 import threading
 import warnings
 from collections.abc import Callable, Iterator
+from concurrent import futures
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
@@ -146,16 +147,10 @@ class DecodeGraphs:
         self.graphs.clear()
         self._pending.clear()
 
-    def quiesce(self) -> None:
-        """Wait for the traces in flight (each holds the runner, hence the weights, until it ends);
-        a trace that failed says so at the next launch of its bucket. The graphs stay usable."""
-        for future in list(self._pending.values()):
-            future.exception()
-
     def wait(self) -> None:
-        """Block until the traces started so far are ready (tests); re-raises a failed trace."""
-        for future in list(self._pending.values()):
-            future.result()
+        """Block until the traces started so far have ended (each holds the runner, hence the
+        weights, while it runs); a trace that failed says so at the next launch of its bucket."""
+        futures.wait(list(self._pending.values()))
 
     def _trace_later(self, key: tuple[int, int], args: tuple, page_size: int, scratch_page: int) -> None:
         started = self._pending.get(key)

@@ -91,7 +91,7 @@ class MoondreamRunner:
     def quiesce(self) -> None:
         """Called by Engine.close(): waits for background traces (traced.py); the runner stays usable."""
         if self.decode_graphs is not None:
-            self.decode_graphs.quiesce()
+            self.decode_graphs.wait()
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
