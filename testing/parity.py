@@ -134,6 +134,16 @@ def reference_greedy(
     return tokens, [step[0].float().cpu() for step in out.logits]
 
 
+def reference_engine_tokens(loaded: Any, folder: Path, prompts: list[PromptInputs], max_new_tokens: int) -> list[list[int]]:
+    """transformers' greedy tokens for each prompt as the engine returns them: without the EOS."""
+    reference = reference_model(folder)
+    family = loaded.runner.family
+    return [
+        [t for t in reference_greedy(reference, p, family, max_new_tokens)[0] if t not in loaded.eos_token_ids]
+        for p in prompts
+    ]
+
+
 def compare(
     loaded: Any, reference_model: Any, prompts: list[PromptInputs], max_new_tokens: int = 8
 ) -> tuple[float, bool]:

@@ -15,11 +15,7 @@ MAX_NEW = 8
 def test_engine_greedy_tokens_match_transformers(family, pipelined, checkpoints):
     loaded = load(checkpoints[family], device="cpu")
     prompts = tiny.family_prompts(loaded)
-    reference = parity.reference_model(checkpoints[family])
-    expected = []
-    for prompt in prompts:
-        tokens, _ = parity.reference_greedy(reference, prompt, loaded.runner.family, MAX_NEW)
-        expected.append([t for t in tokens if t not in loaded.eos_token_ids])  # the engine drops the EOS
+    expected = parity.reference_engine_tokens(loaded, checkpoints[family], prompts, MAX_NEW)
     config = EngineConfig(
         pipelined=pipelined, page_size=4, num_pages=256, max_model_len=256, eos_token_ids=loaded.eos_token_ids
     )

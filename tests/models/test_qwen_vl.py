@@ -70,11 +70,7 @@ def test_image_positions_fall_behind_token_indices(family, qwen):
 def test_engine_matches_transformers(family, pipelined, qwen):
     loaded = load(qwen[family], device="cpu")
     prompts = tiny.family_prompts(loaded)
-    reference = parity.reference_model(qwen[family])
-    expected = []
-    for prompt in prompts:
-        tokens, _ = parity.reference_greedy(reference, prompt, loaded.runner.family, MAX_NEW)
-        expected.append([t for t in tokens if t not in loaded.eos_token_ids])
+    expected = parity.reference_engine_tokens(loaded, qwen[family], prompts, MAX_NEW)
     config = EngineConfig(
         pipelined=pipelined, page_size=4, num_pages=256, max_model_len=256, eos_token_ids=loaded.eos_token_ids
     )
