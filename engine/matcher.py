@@ -5,6 +5,8 @@ is one sequence's state in a token-mask automaton; the engine advances it at com
 for the next token's mask at finalize. A matcher may also offer `forced_tokens() -> list[int]`,
 the tokens its grammar forces next (empty when there is a choice); jump-forward decoding
 (pipeline.py) uses it where present, and every token it returns must be committable in order.
+Such a matcher may also offer `ends_after(tokens) -> bool`: whether committing those tokens
+completes the output, without changing the matcher; a forced run that does gets no launch after it.
 
 Masks are int32 bitmasks of shape (rows, ceil(V / 32)); bit j of word i set means token 32 * i + j
 is allowed. A whole step's masks are filled by one `FillMasks` call: `foveal.grammars.fill_masks`

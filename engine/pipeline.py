@@ -41,6 +41,16 @@ JUMP-FORWARD (DESIGN.md "Less work per answer")
     grammar completing inside F), the t+2 row is a zombie: its tokens are dropped and its pages
     wait for inflight_refs 0. k is capped so that the sampled token after F stays below
     max_tokens and the next step's running rows fit max_step_tokens.
+FINAL RUNS
+    A JSON answer ends in forced text (`"]}`, say): the grammar completes inside F. Carrying F in
+    the launch after the pin would compute K/V and logits nobody reads, a whole zombie row; when
+    32 answers of one shape end together, a whole step of them. So finalize also asks a matcher
+    that offers `ends_after(F)` whether committing F completes the output; if so, F (any k >= 1)
+    is pinned on the step alone, the sequence is marked `final_run` and `schedule()` gives it no
+    further launch: commit t+1 appends the sampled f0 and f1..f(k-1), and the grammar's end
+    finishes it there. A final run is capped only by max_tokens (F's last token stays below it).
+    Should the commit not finish it (a matcher whose `ends_after` was wrong), it ends with ERROR
+    rather than wait for a launch that never comes.
 INVARIANTS (tests/engine/test_pipeline_steps.py steps ticks one by one and checks each)
     1. Greedy or seeded outputs are token-identical in pipelined and blocking mode.
     2. Nothing is emitted after a stop; a zombie's token is dropped.
@@ -51,7 +61,8 @@ INVARIANTS (tests/engine/test_pipeline_steps.py steps ticks one by one and check
     6. After a tick at most one step is in flight (pipelined) or none (blocking).
     7. A sequence is never launched for an output index >= its max_tokens.
     8. Jump-forward: a pinned row samples exactly f0; the launch after it carries F and nothing
-       else for that row; outputs are valid under the grammar and equal in both modes.
+       else for that row (a final run's row: nothing at all); outputs are valid under the grammar
+       and equal in both modes.
 """
 
 from __future__ import annotations
@@ -206,6 +217,10 @@ class Pipeline:
                     continue
                 if forced is not None:
                     self._append_forced(seq, forced)
+                    if seq.final_run and not seq.finalized:  # never left running with no launch to come
+                        self.sequences.finish(
+                            seq, FinishReason.ERROR, "jump-forward: a forced run said to complete the output did not"
+                        )
                 elif self.sequences.append(seq, token):
                     committed.append((seq, token))
             elif seq.inflight_refs == 0:  # a zombie's last step: its token is dropped
@@ -280,7 +295,8 @@ class Pipeline:
 
     def _pin_forced(self, step: Step, num_masked: int) -> None:
         """Jump-forward (module docstring): narrow the masks of rows whose grammar forces >= 2 tokens
-        to the first, and pin the forced tokens for the next launch."""
+        to the first, and pin the forced tokens for the next launch; a forced run that completes the
+        output (FINAL RUNS) is pinned too, whatever its length, and the row gets no launch after it."""
         host = step.slot.np
         budget = self.scheduler.max_step_tokens - step.num_rows  # the next step's running rows need one token each
         for index in range(num_masked):
@@ -289,23 +305,24 @@ class Pipeline:
             forced_tokens = getattr(seq.matcher, "forced_tokens", None)
             if seq.finalized or forced_tokens is None:
                 continue
-            # the sample after F must stay below max_tokens: F ends at output index num_scheduled - 1 + k - 1
-            limit = min(seq.max_tokens - seq.num_scheduled, budget + 1, MAX_JUMP)
-            if limit < 2:
-                continue
-            forced = forced_tokens()[:limit]
-            if len(forced) < 2:
-                continue
-            first = forced[0]
-            mask = host.bitmask[index]
-            if not (int(mask[first >> 5]) >> (first & 31)) & 1:
+            # F starts at this step's output index, num_scheduled - 1, and must end below max_tokens
+            forced = forced_tokens()[: min(seq.max_tokens - seq.num_scheduled + 1, MAX_JUMP)]
+            ends_after = getattr(seq.matcher, "ends_after", None)
+            final = bool(forced) and ends_after is not None and ends_after(forced)
+            if not final:  # the sample after F must stay below max_tokens, and F fit the next step
+                forced = forced[: min(seq.max_tokens - seq.num_scheduled, budget + 1)]
+                if len(forced) < 2:
+                    continue
+            if not _narrow(host.bitmask[index], forced[0]):
                 continue  # the row's own mask (a composite matcher's narrowing) refuses f0: no jump
-            bit = 1 << (first & 31)
-            mask[:] = 0
-            mask[first >> 5] = bit - (1 << 32) if bit >= 1 << 31 else bit  # int32 words
-            step.pinned[row] = seq.jump = forced
-            budget -= len(forced) - 1
-            self.stats.jumps += 1
+            step.pinned[row] = forced
+            if final:
+                seq.final_run = True
+                self.stats.final_runs += 1
+            else:
+                seq.jump = forced
+                budget -= len(forced) - 1
+                self.stats.jumps += 1
 
     # ---- 4. text ------------------------------------------------------------------------------
     def text(self, committed: Committed) -> None:
@@ -342,3 +359,13 @@ class Pipeline:
         ended = time.perf_counter()
         self.stats.phase_s[name] += ended - started
         self.trace.span(name, "scheduler", started, ended)
+
+
+def _narrow(mask: np.ndarray, token: int) -> bool:
+    """Leave `token` the only allowed one in an int32 bitmask row; False (row untouched) if it was not allowed."""
+    if not (int(mask[token >> 5]) >> (token & 31)) & 1:
+        return False
+    bit = 1 << (token & 31)
+    mask[:] = 0
+    mask[token >> 5] = bit - (1 << 32) if bit >= 1 << 31 else bit
+    return True

@@ -3,13 +3,13 @@
 PROBLEM
     Every tick the next step must be formed at once: all running sequences that still need a
     token, plus as many waiting requests as fit the batch, the step's token budget and the KV pool.
-    A sequence that is known to end by max_tokens must not get another forward, and a finished
-    sequence may still be in a step in flight (a zombie).
+    A sequence that is known to end (by max_tokens, or by a forced run that completes its grammar)
+    must not get another forward, and a finished sequence may still be in a step in flight (a zombie).
 SOLUTION
     `Sequence` carries the bookkeeping: `num_scheduled` (output tokens that launched steps will
     produce), `inflight_refs` (steps in flight that include it) and `finalized` (finished; its
     further tokens are dropped). `schedule()` takes, within the step's token budget
-    (`max_step_tokens`): running sequences that decode (num_scheduled < max_tokens; one token, or
+    (`max_step_tokens`): running sequences that decode (num_scheduled < max_tokens, no final run; one token, or
     a jump-forward's k), then the next chunk of running sequences still prefilling, then waiting
     ones in FIFO order; a request that does not fit the free pages waits (head of line, so a big
     one is not starved). Admission also gives the sequence a lane (lanes.py): its fixed per-step
@@ -67,6 +67,7 @@ class Sequence:
     chunk: int = 0  # while prefilling: the query length of its next launch (set by schedule())
     # forced tokens pinned at finalize (pipeline.py, jump-forward) that the next launch carries as its query
     jump: list[int] | None = None
+    final_run: bool = False  # its pinned forced tokens complete the output: no launch after them (pipeline.py)
 
     def __post_init__(self) -> None:
         self.prompt_len = len(self.request.prompt_ids)
@@ -97,7 +98,7 @@ class Scheduler:
 
     def schedule(self) -> list[Sequence]:
         decoding = [s for s in self.running if s.num_prefilled == s.prompt_len]
-        rows = [s for s in decoding if s.num_scheduled < s.max_tokens]
+        rows = [s for s in decoding if s.num_scheduled < s.max_tokens and not s.final_run]
         tokens = len(rows) + sum(len(s.jump) - 1 for s in rows if s.jump)
         for seq in self.running:  # the next chunk of prompts still prefilling, while the budget lasts
             if seq.num_prefilled < seq.prompt_len and tokens < self.max_step_tokens and len(rows) < self.max_batch:

@@ -23,6 +23,7 @@ class Stats:
     cached_tokens: int = 0  # ... of which the prefix cache held the K/V (not computed again)
     jumps: int = 0  # jump-forward: rows whose next launch carried forced tokens
     forced_tokens: int = 0  # ... and the output tokens those launches added without a decode step of their own
+    final_runs: int = 0  # rows whose forced tokens completed the output: no launch after them (pipeline.py)
     active_s: float = 0.0
     phase_s: dict[str, float] = field(
         default_factory=lambda: dict.fromkeys(("launch", "commit", "finalize", "text", "wait"), 0.0)
@@ -62,6 +63,7 @@ class Stats:
             "prefix_hit_rate": self.cached_tokens / self.prompt_tokens if self.prompt_tokens else 0.0,
             "jumps": self.jumps,
             "forced_tokens": self.forced_tokens,
+            "final_runs": self.final_runs,
             "active_s": self.active_s,
             "tokens_per_s": self.tokens / self.active_s if self.active_s else 0.0,
             "phase_ms_per_step": {k: 1e3 * v / steps for k, v in self.phase_s.items()},

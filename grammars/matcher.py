@@ -127,6 +127,14 @@ class Matcher:
         """Tokens the grammar forces next (jump-forward); empty when there is a choice."""
         return self._ll.compute_ff_tokens()
 
+    def ends_after(self, tokens: list[int]) -> bool:
+        """Whether committing `tokens` completes the output (the engine then launches nothing after
+        them: pipeline.py, FINAL RUNS). Probed on a copy of the native matcher (~50 us here for a
+        JSON answer's closing run); this matcher is unchanged. The probe walks only the forced run
+        `forced_tokens()` just computed, whose lexer states exist already."""
+        probe = self._ll.deep_copy()
+        return probe.try_consume_tokens(tokens) == len(tokens) and probe.is_stopped() and not probe.is_error()
+
     def forced_text(self) -> bytes:
         return self._ll.compute_ff_bytes()
 

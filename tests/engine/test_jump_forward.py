@@ -33,6 +33,9 @@ def Forcing(h):
                     return forced
                 tokens.append(token)
 
+        def ends_after(self, tokens: list[int]) -> bool:
+            return bool(tokens) and tokens[-1] == self.eos and self.tokens + tokens[:-1] in self.options
+
     return Forcing
 
 
@@ -61,8 +64,9 @@ def test_a_pinned_row_samples_f0_and_the_next_launch_carries_the_forced_tokens(F
     run_to_idle(pipe)
     out = seq.handle.result(0)
     assert out.finish_reason is FinishReason.STOP and out.token_ids in options
-    assert pipe.stats.steps == 4  # prefill, the jump, EOS, the zombie's ride; one token a step: 8
-    assert pipe.stats.jumps == 1 and pipe.stats.forced_tokens == 4
+    # prefill, the jump, then 20 or 21 whose only continuation, EOS, is a final run: no zombie ride
+    assert pipe.stats.steps == 3  # one token a step: 8 (and a zombie's ride)
+    assert pipe.stats.jumps == 1 and pipe.stats.forced_tokens == 4 and pipe.stats.final_runs == 1
     assert_idle_and_free(pipe)
 
 
@@ -115,16 +119,64 @@ def test_a_jump_never_takes_a_sequence_past_max_tokens(Forcing):
     assert_idle_and_free(pipe)
 
 
-def test_a_grammar_completing_inside_the_jump_leaves_a_zombie_row(Forcing):
+def test_a_grammar_completing_inside_the_jump_leaves_a_zombie_row(h, Forcing):
+    class NoEnd(Forcing):  # a matcher that cannot tell whether a forced run completes the output
+        ends_after = None
+
     pipe = jf_pipeline()
-    seq = add(pipe, [1], max_tokens=20, matcher=Forcing([[40, 41, 42]]), stop=(EOS,))
+    seq = add(pipe, [1], max_tokens=20, matcher=NoEnd([[40, 41, 42]]), stop=(EOS,))
     pipe.tick()  # step 0 pins [40, 41, 42, EOS]
-    assert seq.jump == [40, 41, 42, EOS]
+    assert seq.jump == [40, 41, 42, EOS] and not seq.final_run
     pipe.tick()  # step 1 carries the jump; step 0 commits 40, 41, 42 and EOS: finished, step 1 a zombie
     assert seq.finalized and seq.finish_reason is FinishReason.STOP and seq.inflight_refs == 1
     assert seq.handle.result(0).token_ids == [40, 41, 42]
     run_to_idle(pipe)
     assert seq.released
+    assert_idle_and_free(pipe)
+
+
+@pytest.mark.parametrize("pipelined", [True, False])
+def test_a_final_run_gets_no_launch_after_it(Forcing, pipelined):
+    """FINAL RUNS: the forced run [40, 41, 42, EOS] completes the output, so no launch carries it."""
+    pipe = jf_pipeline(pipelined)
+    seq = add(pipe, [1], max_tokens=20, matcher=Forcing([[40, 41, 42]]), stop=(EOS,))
+    other = add(pipe, [2, 3], max_tokens=5)
+    pipe.tick()  # step 0 (prefill of both) pins the final run
+    assert not pipelined or pipe.inflight[0].pinned == {0: [40, 41, 42, EOS]}
+    assert seq.jump is None and (seq.final_run or seq.finalized)
+    pipe.tick()  # step 1 carries `other` alone; step 0 commits the run: finished and released at once
+    step1 = pipe.inflight[0] if pipelined else None
+    assert step1 is None or step1.rows == [other]
+    assert seq.finalized and seq.finish_reason is FinishReason.STOP and seq.released
+    assert seq.handle.result(0).token_ids == [40, 41, 42]
+    run_to_idle(pipe)
+    assert other.finish_reason is FinishReason.LENGTH and pipe.stats.final_runs == 1
+    assert pipe.stats.decode_rows == 4  # other's four decode steps; seq rode in none
+    assert_idle_and_free(pipe)
+
+
+def test_a_final_run_never_passes_max_tokens(Forcing):
+    pipe = jf_pipeline()
+    seq = add(pipe, [1], max_tokens=3, matcher=Forcing([[40, 41, 42]]), stop=(EOS,))
+    pipe.tick()  # [40, 41, 42, EOS] would end at output index 3: not a final run, a jump of two
+    assert not seq.final_run and seq.jump == [40, 41]
+    run_to_idle(pipe)
+    out = seq.handle.result(0)
+    assert out.finish_reason is FinishReason.LENGTH and out.token_ids == [40, 41, 42]
+    assert_idle_and_free(pipe)
+
+
+def test_a_final_run_that_does_not_end_fails_its_request_and_never_hangs(Forcing):
+    class Wrong(Forcing):
+        def ends_after(self, tokens):
+            return True  # says every forced run completes the output
+
+    pipe = jf_pipeline()
+    seq = add(pipe, [1], max_tokens=20, matcher=Wrong([[40, 41, 42, 43, 50], [40, 41, 42, 43, 51]]), stop=(EOS,))
+    run_to_idle(pipe)
+    out = seq.handle.result(0)
+    assert out.finish_reason is FinishReason.ERROR and "did not" in out.error
+    assert out.token_ids == [40, 41, 42, 43]
     assert_idle_and_free(pipe)
 
 
@@ -155,10 +207,11 @@ def test_no_jump_where_the_rows_mask_refuses_the_first_forced_token(h):
 
 def test_jumps_are_capped_so_the_next_steps_rows_fit_max_step_tokens(Forcing):
     pipe = jf_pipeline(max_step_tokens=8)
-    seqs = [add(pipe, [i], max_tokens=20, matcher=Forcing([list(range(100, 110))]), stop=(EOS,)) for i in (1, 2)]
+    options = [list(range(100, 110)) + [end] for end in (120, 121)]  # F = 100..109 does not end the output
+    seqs = [add(pipe, [i], max_tokens=20, matcher=Forcing(options), stop=(EOS,)) for i in (1, 2)]
     pipe.tick()  # two prefill rows: the next step's running rows may add 8 - 2 = 6 forced tokens
     pinned = pipe.inflight[0].pinned
     assert sum(len(f) - 1 for f in pinned.values()) <= 6 and pinned
     run_to_idle(pipe)
-    assert all(s.handle.result(0).token_ids == list(range(100, 110)) for s in seqs)
+    assert all(s.handle.result(0).token_ids in options for s in seqs)
     assert_idle_and_free(pipe)

@@ -100,6 +100,20 @@ def test_forced_tokens_jump_forward_over_fixed_text(automaton, tok):
     assert m.forced_text() == b""  # the name is free text
 
 
+def test_ends_after_tells_whether_a_forced_run_completes_the_output_and_changes_nothing(automaton, tok):
+    m = automaton.matcher()
+    opening = m.forced_tokens()
+    assert opening and not m.ends_after(opening)  # '{"name":' leaves the answer open
+    for t in tok.encode('{"name": "ab", "n": 7').ids:
+        m.commit(t)
+    mask, count = mask_of(m, automaton.vocab_size), m.num_committed
+    assert m.ends_after(tok.encode("}").ids) and not m.ends_after(tok.encode("1").ids)
+    assert not m.ends_after([])  # nothing committed: the answer is not complete yet
+    assert np.array_equal(mask_of(m, automaton.vocab_size), mask) and m.num_committed == count
+    m.commit(tok.encode("}").ids[0])
+    assert m.is_terminated()
+
+
 def test_fill_masks_equals_per_row_fills_and_skips_absent_rows(automaton, tok):
     other = grammars.compile(grammars.Regex("[0-9]+"), tok, eos_token_id=EOS)
     matchers = [automaton.matcher(), None, other.matcher(), automaton.matcher()]
