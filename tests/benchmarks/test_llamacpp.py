@@ -53,6 +53,23 @@ def test_ratios_compare_each_row_in_its_own_direction(capsys):
     assert "unavailable: ImportError" in capsys.readouterr().out
 
 
+def test_rounds_give_the_median_round_and_the_median_of_paired_ratios():
+    rounds = [{"contender": "x", "requests_per_s": v} for v in (3.0, 1.0, 2.0, 4.0)]
+    row = llamacpp.median_round(rounds)
+    assert row["requests_per_s"] == 2.0 and row["rounds_requests_per_s"] == [3.0, 1.0, 2.0, 4.0]
+    report = {
+        "load": [{"contender": "foveal", "seconds": 1.0}, {"contender": "llama.cpp", "seconds": 1.0}],
+        "free_text": [{"contender": c, "tokens_per_s": 1.0} for c in ("foveal", "llama.cpp")],
+        "json_call": [{"contender": c, "median_ms": 1.0} for c in ("foveal", "llama.cpp")],
+        "concurrent_json": [
+            {"contender": "foveal (all at once)", "requests_per_s": 4.0, "rounds_vs_outlines": [1.5, 2.5, 2.1]},
+            {"contender": "transformers + outlines (batch)", "requests_per_s": 1.0},
+        ],
+    }
+    # each round's pair ran back to back: their ratios' median, not the ratio of the two medians (4.0)
+    assert llamacpp.ratios(report)["concurrent_requests_per_s_vs_outlines"] == pytest.approx(2.1)
+
+
 @pytest.mark.slow  # needs the bench extra (llama-cpp-python, built from source) and the cached GGUF
 def test_a_tiny_run_measures_both_and_checks_every_output():
     pytest.importorskip("llama_cpp", reason="llama-cpp-python is not installed (pip install 'foveal[bench]')")
