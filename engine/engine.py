@@ -62,7 +62,8 @@ class EngineConfig:
     jump_forward: bool = True  # tokens a grammar forces go into the KV cache in one launch (pipeline.py)
     # An idle engine waits this long after the latest arrival (at most 4x in all) before its first
     # launch, so that calls arriving together (threads, a batch) are prefilled in one launch.
-    admission_window_s: float = 0.002
+    # None: 10 ms on CPU, 2 ms on an accelerator (limits.resolve says why).
+    admission_window_s: float | None = None
 
 
 class Engine:

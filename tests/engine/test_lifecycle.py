@@ -109,3 +109,17 @@ def test_a_lone_request_is_not_held_past_the_admission_window(h):
         started = time.perf_counter()
         eng.generate([Request([1], SamplingParams(max_tokens=1, ignore_eos=True))], timeout=10)
         assert time.perf_counter() - started < 4 * 0.05 + 0.5  # the window ends it, not the limit
+
+
+def test_the_admission_window_defaults_by_device_and_refuses_nonsense(h):
+    import torch
+
+    from foveal.engine import limits
+
+    with h.engine() as eng:  # a CPU runner, the window left unset
+        assert eng.config.admission_window_s == limits.CPU_ADMISSION_WINDOW_S == 0.010
+    assert limits._admission_window(None, torch.device("cuda")) == limits.ADMISSION_WINDOW_S == 0.002
+    assert limits._admission_window(0, torch.device("cpu")) == 0.0  # 0: admit at once
+    for bad in (-0.001, float("nan"), "5ms", True):
+        with pytest.raises(ValueError, match="admission_window_s must be"):
+            limits._admission_window(bad, torch.device("cpu"))
