@@ -13,6 +13,7 @@ token ids (the chat template foveal's skills build), greedy, the same number of 
   - load: seconds to a model ready to serve (foveal.load with its engine; llama.cpp's Llama);
   - free text, batch 1: `--free-tokens` tokens each for a few prompts, one call at a time,
     unconstrained; tokens/s = generated tokens / wall seconds (prompt processing included);
+    here and in the next row the two contenders take turns call by call (a shared machine);
   - one JSON-schema call: `--calls` "invent a character" prompts (benchmarks.peers' json workload
     and schema), one at a time; median latency; foveal `model.generate(..., output_type=schema)`,
     llama.cpp its own JSON-schema grammar (`LlamaGrammar.from_json_schema`);
@@ -112,6 +113,23 @@ def llama_one_by_one(llm: Any, prompts: list[list[int]], schema: dict | None, ma
     return {"texts": texts, "seconds": seconds, "tokens": tokens}
 
 
+def taking_turns(
+    model: foveal.Model, llm: Any, asks: list[str], output_type: Any, schema: dict | None, max_tokens: int
+) -> tuple[dict, dict]:
+    """foveal's and llama.cpp's runs of `asks`, the two taking turns call by call, so that each
+    pair of calls meets the same load on a shared machine."""
+    ours: dict[str, list] = {"texts": [], "seconds": [], "tokens": []}
+    theirs: dict[str, list] = {"texts": [], "seconds": [], "tokens": []}
+    for ask, ids in zip(asks, prompt_ids(model, asks), strict=True):
+        for run, one in (
+            (ours, foveal_one_by_one(model, [ask], output_type, max_tokens)),
+            (theirs, llama_one_by_one(llm, [ids], schema, max_tokens)),
+        ):
+            for key, values in one.items():
+                run[key] += values
+    return ours, theirs
+
+
 # ---- rows -----------------------------------------------------------------------------------------------------
 
 
@@ -183,19 +201,14 @@ def run(
         # timed calls reach (a serving process has them); llama.cpp needs none but gets the same.
         foveal_one_by_one(model, ["Tell me about the sea."], None, free_tokens)
         llama_one_by_one(llm, prompt_ids(model, ["Tell me about the sea."]), None, free_tokens)
-        report["free_text"] = [
-            free_row("foveal", foveal_one_by_one(model, free_asks, None, free_tokens)),
-            free_row("llama.cpp", llama_one_by_one(llm, prompt_ids(model, free_asks), None, free_tokens)),
-        ]
+        ours, theirs = taking_turns(model, llm, free_asks, None, None, free_tokens)
+        report["free_text"] = [free_row("foveal", ours), free_row("llama.cpp", theirs)]
         work = peers.json_workload(calls)
         foveal_one_by_one(model, peers.json_workload(1).asks, work.foveal_type, work.max_tokens)  # warm
-        report["json_call"] = [
-            json_row("foveal", foveal_one_by_one(model, work.asks, work.foveal_type, work.max_tokens)),
-            json_row(
-                "llama.cpp",
-                llama_one_by_one(llm, prompt_ids(model, work.asks), peers.PERSON_SCHEMA, work.max_tokens),
-            ),
-        ]
+        ours, theirs = taking_turns(
+            model, llm, work.asks, work.foveal_type, peers.PERSON_SCHEMA, work.max_tokens
+        )
+        report["json_call"] = [json_row("foveal", ours), json_row("llama.cpp", theirs)]
         report["concurrent_json"] = concurrent(model, llm, requests, outlines, rounds)
     finally:
         model.close()
