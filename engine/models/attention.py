@@ -62,6 +62,7 @@ class PagedContext:
     num_seqs: int
     max_query_len: int
     num_keys: int  # L
+    grouped_mask: torch.Tensor | None = None  # [B, 1, G * Q, L]: `mask` for GQA folded into query rows (CPU)
 
 
 _NUMPY_OF_WIDTH = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
@@ -167,6 +168,8 @@ def paged_attention(
         return out.reshape(num_seqs, heads, dim)
     padded = query.new_zeros(num_seqs, ctx.max_query_len, heads, dim)
     padded[ctx.query_seq, ctx.query_row] = query
+    if heads > kv_heads and query.device.type == "cpu":
+        return _grouped_attention(ctx, padded, keys.to(query.dtype), values.to(query.dtype), scaling)
     out = F.scaled_dot_product_attention(
         padded.transpose(1, 2),
         keys.to(query.dtype),
@@ -176,6 +179,28 @@ def paged_attention(
         enable_gqa=heads > kv_heads,
     )
     return out.transpose(1, 2)[ctx.query_seq, ctx.query_row]
+
+
+def _grouped_attention(
+    ctx: PagedContext, padded: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scaling: float | None
+) -> torch.Tensor:
+    """The padded query block [B, Q, H, D] over keys/values [B, Hkv, L, D], GQA folded into query
+    rows as in decode: the G query heads of a KV head are G * Q rows of that head, with the mask
+    repeated per head (built once per launch, on the first layer). On CPU, SDPA's `enable_gqa`
+    took 0.98 ms a layer for 32 sequences of 2 query tokens (L = 96, SmolLM2's 9 / 3 heads)
+    against 0.45 ms folded, 1.0 vs 0.53 ms at 4 tokens, and the same at 27 (a prefill)."""
+    num_seqs, max_q, heads, dim = padded.shape
+    kv_heads = keys.shape[1]
+    group = heads // kv_heads
+    if ctx.grouped_mask is None:
+        shape = (num_seqs, 1, group, max_q, ctx.num_keys)
+        ctx.grouped_mask = ctx.mask[:, :, None].expand(shape).reshape(num_seqs, 1, group * max_q, ctx.num_keys)
+    rows = padded.view(num_seqs, max_q, kv_heads, group, dim).permute(0, 2, 3, 1, 4)
+    out = F.scaled_dot_product_attention(
+        rows.reshape(num_seqs, kv_heads, group * max_q, dim), keys, values, attn_mask=ctx.grouped_mask, scale=scaling
+    )
+    out = out.view(num_seqs, kv_heads, group, max_q, dim).permute(0, 3, 1, 2, 4)
+    return out.reshape(num_seqs, max_q, heads, dim)[ctx.query_seq, ctx.query_row]
 
 
 def paged_attention_forward(
