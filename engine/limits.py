@@ -7,8 +7,8 @@ PROBLEM
     check and refused by another.
 SOLUTION
     `EngineConfig` leaves these sizes (and the idle engine's admission window) None by default;
-    `resolve(config, runner)` fills them from the runner once, with one set of defaults, and refuses a configuration that cannot run one full
-    sequence. `check_request` is the only place a request's prompt and max_tokens are checked
+    `resolve(config, runner)` fills them from the runner once, with one set of defaults, and
+    refuses a configuration that cannot run one full sequence. `check_request` is the only place a request's prompt and max_tokens are checked
     against those limits; the SDK only chooses max_tokens.
 INVARIANTS
     - A resolved config has every size set: max_model_len <= the runner's positions (when known),

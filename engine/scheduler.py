@@ -9,10 +9,10 @@ SOLUTION
     `Sequence` carries the bookkeeping: `num_scheduled` (output tokens that launched steps will
     produce), `inflight_refs` (steps in flight that include it) and `finalized` (finished; its
     further tokens are dropped). `schedule()` takes, within the step's token budget
-    (`max_step_tokens`): running sequences that decode (num_scheduled < max_tokens, no final run; one token, or
-    a jump-forward's k), then the next chunk of running sequences still prefilling, then waiting
-    ones in FIFO order; a request that does not fit the free pages waits (head of line, so a big
-    one is not starved). Admission also gives the sequence a lane (lanes.py): its fixed per-step
+    (`max_step_tokens`): running sequences that decode (num_scheduled < max_tokens and no final
+    run pinned; one token, or a jump-forward's k), then the next chunk of running sequences still
+    prefilling, then waiting ones in FIFO order; a request that does not fit the free pages waits
+    (head of line, so a big one is not starved). Admission also gives the sequence a lane (lanes.py): its fixed per-step
     inputs, written once into host arrays.
     Chunked prefill: a text prompt is prefilled `prefill_chunk` tokens at a time at most (and no
     more than the budget the step has left), so a long prompt never stalls the decoding rows for
