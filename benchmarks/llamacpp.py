@@ -296,10 +296,11 @@ def ratios(report: dict) -> dict:
     f = pick(rows, "foveal")
     for prefix, key in (("llama.cpp", "llamacpp"), ("transformers", "outlines")):
         other = pick(rows, prefix)
-        if other is not None:
-            out[f"concurrent_requests_per_s_vs_{key}"] = f["requests_per_s"] / other["requests_per_s"]
-    if "rounds_vs_outlines" in f:  # the median of the ratios of rounds run back to back
-        out["concurrent_requests_per_s_vs_outlines"] = statistics.median(f["rounds_vs_outlines"])
+        if other is None:
+            continue
+        rounds = f.get(f"rounds_vs_{key}")  # ratios of rounds run back to back: their median
+        ratio = statistics.median(rounds) if rounds else f["requests_per_s"] / other["requests_per_s"]
+        out[f"concurrent_requests_per_s_vs_{key}"] = ratio
     f, ll = (next(r for r in report["load"] if r["contender"] == c) for c in ("foveal", "llama.cpp"))
     out["load_seconds_vs_llamacpp"] = f["seconds"] / ll["seconds"]
     return out

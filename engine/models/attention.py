@@ -168,7 +168,7 @@ def paged_attention(
         return out.reshape(num_seqs, heads, dim)
     padded = query.new_zeros(num_seqs, ctx.max_query_len, heads, dim)
     padded[ctx.query_seq, ctx.query_row] = query
-    if heads > kv_heads and query.device.type == "cpu":
+    if heads > kv_heads and query.device.type == "cpu":  # measured on CPU only; CUDA keeps enable_gqa
         return _grouped_attention(ctx, padded, keys.to(query.dtype), values.to(query.dtype), scaling)
     out = F.scaled_dot_product_attention(
         padded.transpose(1, 2),
