@@ -119,12 +119,12 @@ def check_llama(device: str) -> None:
 
     import transformers as tf
 
-    from foveal.engine import models
+    from foveal import families
 
     tokenizer = make_tokenizer()
     with tempfile.TemporaryDirectory() as folder:
         save_tiny_llama(tokenizer, folder)
-        loaded = models.load(folder, device=device, dtype=torch.float32)
+        loaded = families.load(folder, device=device, dtype=torch.float32)
         reference = tf.LlamaForCausalLM.from_pretrained(folder).to(device).eval()
     prompts = [
         tokenizer.encode(p, add_special_tokens=False).ids

@@ -26,7 +26,7 @@ import torch
 import transformers
 
 from foveal.engine import Engine, EngineConfig, Request, SamplingParams
-from foveal.engine.models import load
+from foveal.families import load
 from foveal.testing import parity, tiny
 
 

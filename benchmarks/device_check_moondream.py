@@ -24,7 +24,7 @@ import numpy as np
 import torch
 
 import foveal
-from foveal.engine.models.moondream.answers import GATE, SIZE
+from foveal.families.moondream.answers import GATE, SIZE
 from foveal.testing import moondream
 
 
@@ -61,7 +61,7 @@ def fixture_answers(fixture: Path) -> dict:
             got = model.point(image, "tok1011 tok77", settings={"max_objects": 3})["points"]
             if got != fig["point"]["result"]:
                 failures.append((name, "point", got))
-            ids = model.loaded.tokenizer.decode(fig["caption_normal"]["greedy_ids"], skip_special_tokens=True)
+            ids = model.family.tokenizer.decode(fig["caption_normal"]["greedy_ids"], skip_special_tokens=True)
             if model.caption(image, settings={"max_tokens": 12})["caption"] != ids:
                 failures.append((name, "caption"))
     return {"ok": not failures, "failures": failures}
@@ -92,7 +92,7 @@ def no_host_sync(folder: Path) -> dict:
 
     with foveal.load(folder, device="cuda") as model:
         model.query(_images()[0], "warm up", settings={"max_tokens": 4})  # kernels warmed outside the check
-        runner = model.loaded.runner
+        runner = model.family.runner
         v, cuda = runner.vocab_size, torch.device("cuda")
         batch = ForwardBatch(
             input_ids=torch.tensor([1, v + 3, v + 2000], device=cuda),

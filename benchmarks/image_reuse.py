@@ -140,9 +140,9 @@ def measure(
         prompt = model.skills.query(QUESTION).prompt
     else:
         prompt = model.skills.detect("red circle", settings["max_objects"]).prompt
-    pixels = model.loaded.processor(prompt, pil).prefill.image_tensors["pixel_values"]
-    hf = model.loaded.runner.model
-    cache = model.loaded.runner.image_cache
+    pixels = model.family.processor(prompt, pil).prefill.image_tensors["pixel_values"]
+    hf = model.family.runner.model
+    cache = model.family.runner.image_cache
     bound = cache.max_bytes if cache_bytes is None else cache_bytes
     call(model, data, settings)  # warm-up: traces, grammar compile
 
@@ -151,7 +151,7 @@ def measure(
             hf.get_image_features(pixels)
 
     uncached, raw, encoded, hits = [], [], [], []
-    encoder = EncoderClock(model.loaded.runner)
+    encoder = EncoderClock(model.family.runner)
     stats = cache.stats
     for _ in range(repeat):  # interleaved, so load from other processes hits all set-ups alike
         cache.resize(0)  # between calls only: the cache is the device thread's while a request runs
@@ -175,7 +175,7 @@ def measure(
         "bytes": len(data),
         "decode_ms": median_ms(lambda: load_image(data), repeat),
         "key_ms": median_ms(lambda: image_key(pil), repeat),
-        "preprocess_ms": median_ms(lambda: model.loaded.processor(prompt, pil), repeat),
+        "preprocess_ms": median_ms(lambda: model.family.processor(prompt, pil), repeat),
         "vision_ms": median_ms(vision, repeat),
         "uncached_per_call_ms": per_call(uncached),
         "raw_per_call_ms": per_call(raw),

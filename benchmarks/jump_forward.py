@@ -32,7 +32,7 @@ from foveal.testing.smollm2 import smollm2_folder
 
 
 def requests(model: foveal.Model, workload: peers.Workload) -> list[Request]:
-    automaton = grammars.compile(workload.foveal_type, model.loaded.tokenizer)
+    automaton = grammars.compile(workload.foveal_type, model.family.tokenizer)
     sampling = SamplingParams(temperature=0.0, max_tokens=workload.max_tokens)
     return [Request(ids, sampling, automaton.matcher()) for ids in peers.prompt_ids(model, workload)]
 

@@ -55,8 +55,8 @@ def _source(model: str, workdir: Path) -> str | None:
 def cycle(source: str | None, image) -> tuple[int, int]:
     """One load -> call -> close; returns (weight storages, of which still alive after close + gc)."""
     model = foveal.load(source, device="cpu")
-    weights = [StorageWeakRef(p.untyped_storage()) for p in model.loaded.runner.model.parameters()]
-    vision = model.loaded.runner.family.has_vision
+    weights = [StorageWeakRef(p.untyped_storage()) for p in model.family.runner.model.parameters()]
+    vision = model.family.runner.family.has_vision
     model.generate(image if vision else None, "hi", settings={"max_tokens": 10})
     model.close()
     del model

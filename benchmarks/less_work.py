@@ -104,13 +104,13 @@ def warm_and_time(run) -> dict[str, Any]:
 
 
 def shared_prefix(model: foveal.Model, hf: Any, n: int, doc_tokens: int) -> list[dict]:
-    doc = prefix_cache.document(model.loaded.tokenizer, doc_tokens)
+    doc = prefix_cache.document(model.family.tokenizer, doc_tokens)
     asks = [f"{doc}\n\nQuestion: {QUESTIONS[i % len(QUESTIONS)]} (#{i}) Answer in JSON." for i in range(n)]
     settings = {"temperature": 0.0, "max_tokens": 48}
     calls = [lambda a=a: model.generate(None, a, FACTS_SCHEMA, settings)["text"] for a in asks]
     ours = warm_and_time(lambda: foveal_threads(calls, valid_facts))
-    prompts = [model.loaded.processor(model.skills.turn(a), None).token_ids for a in asks]
-    theirs = warm_and_time(lambda: peer(hf, model.loaded.tokenizer, prompts, 48, FACTS_SCHEMA, valid_facts))
+    prompts = [model.family.processor(model.skills.turn(a), None).token_ids for a in asks]
+    theirs = warm_and_time(lambda: peer(hf, model.family.tokenizer, prompts, 48, FACTS_SCHEMA, valid_facts))
     return [row("shared prefix", "foveal", ours), row("shared prefix", "transformers + outlines", theirs)]
 
 
@@ -166,7 +166,7 @@ def image_objects(folder: Path, n_images: int, per_image: int, device: str = "cp
             rows.append(row("image objects", f"foveal, prefix cache {'on' if cache else 'off'}", result))
             if cache:
                 prompts, pixels = vlm_prompts(model, images, phrases)
-                tokenizer = model.loaded.tokenizer
+                tokenizer = model.family.tokenizer
     hf = transformers.LlavaForConditionalGeneration.from_pretrained(folder, dtype=torch.float32).to(device).eval()
     theirs = warm_and_time(lambda: peer(hf, tokenizer, prompts, 96, peers.Detection, peers.valid_detect, pixels))
     rows.append(row("image objects", "transformers + outlines", theirs))
@@ -176,7 +176,7 @@ def image_objects(folder: Path, n_images: int, per_image: int, device: str = "cp
 def vlm_prompts(model: foveal.Model, images: list, phrases: list[str]) -> tuple[list[list[int]], torch.Tensor]:
     """The prompt ids and pixels foveal's detect skill builds, for the peer (same text, same image inputs)."""
     task = lambda p: model.skills.detect(p, peers.MAX_OBJECTS).prompt_for(True)  # noqa: E731
-    inputs = [model.loaded.processor(task(p), im) for im in images for p in phrases]
+    inputs = [model.family.processor(task(p), im) for im in images for p in phrases]
     pixels = torch.cat([i.prefill.image_tensors["pixel_values"] for i in inputs])
     return [i.token_ids for i in inputs], pixels
 
@@ -199,8 +199,8 @@ def json_latency(source: Path, hf: Any, calls: int, device: str = "cpu") -> list
             calls,
         )
         model = models[True]
-        prompt = [model.loaded.processor(model.skills.turn(ask), None).token_ids]
-        tokenizer = model.loaded.tokenizer
+        prompt = [model.family.processor(model.skills.turn(ask), None).token_ids]
+        tokenizer = model.family.tokenizer
     finally:
         for model in models.values():
             model.close()
@@ -247,7 +247,7 @@ def concurrent(model: foveal.Model, hf: Any, n: int) -> list[dict]:
         valid = lambda o, w=workload: peers.is_valid(w, o)  # noqa: E731
         rows.append(row(workload.name, "foveal", warm_and_time(ours)))
         rows.append(row(workload.name, "transformers + outlines", warm_and_time(
-            lambda w=workload, p=prompts, v=valid: peer(hf, model.loaded.tokenizer, p, w.max_tokens, w.outlines_type, v))))
+            lambda w=workload, p=prompts, v=valid: peer(hf, model.family.tokenizer, p, w.max_tokens, w.outlines_type, v))))
     return rows
 
 

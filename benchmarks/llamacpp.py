@@ -74,7 +74,7 @@ def load_llama(path: Any, threads: int) -> tuple[Any, float]:
 
 
 def prompt_ids(model: foveal.Model, asks: list[str]) -> list[list[int]]:
-    return [model.loaded.processor(model.skills.turn(a), None).token_ids for a in asks]
+    return [model.family.processor(model.skills.turn(a), None).token_ids for a in asks]
 
 
 # ---- foveal ---------------------------------------------------------------------------------------------------
@@ -229,7 +229,7 @@ def concurrent(model: foveal.Model, llm: Any, requests: int, outlines: bool, rou
             hf = peers.reference_model(smollm2_folder())
             warm = peers.json_workload(4, first=requests + 1)  # outlines compiles its index on first use
             peers.hf_generate(
-                hf, model.loaded.tokenizer, prompt_ids(model, warm.asks), 8, hf_processor(hf, model, warm)
+                hf, model.family.tokenizer, prompt_ids(model, warm.asks), 8, hf_processor(hf, model, warm)
             )
         except Exception as error:  # a missing peer is reported, not hidden
             hf_error = f"{type(error).__name__}: {error}"
@@ -242,7 +242,7 @@ def concurrent(model: foveal.Model, llm: Any, requests: int, outlines: bool, rou
             try:
                 texts, tokens, wall, detail = peers.hf_generate(
                     hf,
-                    model.loaded.tokenizer,
+                    model.family.tokenizer,
                     prompt_ids(model, work.asks),
                     work.max_tokens,
                     hf_processor(hf, model, work),
@@ -270,7 +270,7 @@ def concurrent(model: foveal.Model, llm: Any, requests: int, outlines: bool, rou
 
 
 def hf_processor(hf: Any, model: foveal.Model, work: peers.Workload) -> Any:
-    return peers.outlines_processor(hf, model.loaded.tokenizer, work.outlines_type)
+    return peers.outlines_processor(hf, model.family.tokenizer, work.outlines_type)
 
 
 def median_round(rows: list[dict]) -> dict:

@@ -32,7 +32,7 @@ import transformers
 
 from benchmarks import write_json
 from foveal.engine import Engine, EngineConfig, Request, SamplingParams
-from foveal.engine.models import load
+from foveal.families import load
 from foveal.testing import parity, tiny, tiny_qwen
 from foveal.testing.smollm2 import smollm2_folder, smollm2_gguf
 

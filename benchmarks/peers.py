@@ -222,7 +222,7 @@ def foveal_calls(model: foveal.Model, workload: Workload, constrained: bool) -> 
 
 
 def prompt_ids(model: foveal.Model, workload: Workload) -> list[list[int]]:
-    return [model.loaded.processor(model.skills.turn(a), None).token_ids for a in workload.asks]
+    return [model.family.processor(model.skills.turn(a), None).token_ids for a in workload.asks]
 
 
 def hf_generate(
@@ -358,7 +358,7 @@ def contenders(
     model: foveal.Model, hf: Any, workload: Workload, processor: Any
 ) -> list[tuple[str, bool, Any]]:
     """(name, constrained, run) for every contender; run() -> (outputs, tokens, seconds, detail)."""
-    tokenizer = model.loaded.tokenizer
+    tokenizer = model.family.tokenizer
     prompts = prompt_ids(model, workload)
     n = workload.max_tokens
     return [
@@ -385,7 +385,7 @@ def run_workload(model: foveal.Model, hf: Any, workload: Workload, warm: bool = 
     decode graphs traced for every (rows, pages) bucket the run meets (~0.8 s each for SmolLM2 on
     this CPU, paid once per bucket per process), outlines-core's torch.compile'd mask kernel built.
     generate_batch sizes its cache on every call: that stays timed."""
-    processor = outlines_processor(hf, model.loaded.tokenizer, workload.outlines_type)
+    processor = outlines_processor(hf, model.family.tokenizer, workload.outlines_type)
     rows = []
     for name, constrained, fn in contenders(model, hf, workload, processor):
         try:
@@ -439,7 +439,7 @@ def run(
     `max_tokens`: the answer budget of both workloads (default: 64 for json, 128 for detect)."""
     json_tokens, detect_tokens = (max_tokens, max_tokens) if max_tokens else (64, 128)
     with foveal.load(source, device=device, max_batch_size=requests, max_model_len=MAX_MODEL_LEN) as model:
-        hf = reference_model(source, device, model.loaded.runner.dtype)
+        hf = reference_model(source, device, model.family.runner.dtype)
         rows = run_workload(model, hf, json_workload(requests, json_tokens), warm)
         rows += run_workload(model, hf, detect_workload(requests, detect_tokens), warm)
     return {"model": str(source), "requests": requests, "rows": rows, "ratios": ratios(rows)}

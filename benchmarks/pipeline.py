@@ -149,10 +149,10 @@ def save_tiny_llama(tokenizer, folder: str) -> None:
 
 def tiny_llama(tokenizer, folder: str):
     """The random Llama of `save_tiny_llama`, loaded through foveal.engine.models."""
-    from foveal.engine import models
+    from foveal import families
 
     save_tiny_llama(tokenizer, folder)
-    return models.load(folder, device="cpu")
+    return families.load(folder, device="cpu")
 
 
 def run_real(loaded, automaton, streams: int, pipelined: bool, tokens: int) -> tuple[dict, list]:

@@ -66,7 +66,7 @@ def main() -> None:
     rows = {}
     for cache in (True, False):
         with foveal.load(folder, device="cpu", max_batch_size=args.questions, prefix_cache=cache) as model:
-            doc = document(model.loaded.tokenizer, args.doc_tokens)
+            doc = document(model.family.tokenizer, args.doc_tokens)
             rows["on" if cache else "off"] = run(model, doc, args.questions, args.max_tokens)
     same = rows["on"]["answers"] == rows["off"]["answers"]
     print(f"{args.questions} questions over one {args.doc_tokens}-token document, SmolLM2-135M, greedy")

@@ -40,8 +40,7 @@ from typing import Any
 import torch
 
 from benchmarks import grammar_layer, grammar_peers, image_reuse, less_work, peers, pipeline, write_json
-from foveal import grammars
-from foveal.engine import models as engine_models
+from foveal import families, grammars
 from foveal.testing.smollm2 import smollm2_folder
 
 EMBEDDED = Path(__file__).resolve().parents[1] / "sdk" / "embedded"
@@ -193,7 +192,7 @@ def run(quick: bool, device: str) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         folder, label = embedded_folder(tmp)
         section = start("1. pipelining, embedded model: " + label)
-        loaded = engine_models.load(folder, device=device)
+        loaded = families.load(folder, device=device)
         rows = pipelining(loaded, label, streams, tokens, repeat)
         del loaded
         sections["pipelining_embedded"] = finish(section, rows=rows)
@@ -203,7 +202,7 @@ def run(quick: bool, device: str) -> dict:
 
         source = peers.tiny_llama_folder(Path(tmp) / "tiny") if quick else smollm2_folder()
         name = "tiny random Llama (quick)" if quick else "SmolLM2-135M-Instruct"
-        loaded = engine_models.load(source, device=device)
+        loaded = families.load(source, device=device)
         section = start(f"1-2. pipelining and the cost of structure, {name}")
         rows = pipelining(loaded, name, streams, tokens, repeat)
         automaton = grammars.compile(ENDLESS_BOXES, loaded.tokenizer, vocab_size=loaded.runner.vocab_size)

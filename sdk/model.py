@@ -8,21 +8,22 @@ PROBLEM
     or the other calls.
 SOLUTION
     One `Engine` per `Model`. A call goes through three steps:
-      1. task: arguments and settings are checked and the family's `Skills` turn them into a
-         `Task` (result type, prompt text, output spec), skills.py;
-      2. prepare: the output spec is compiled by foveal.grammars into an automaton that carries
-         the parser of its text (SchemaError here; a spatial spec first gets as many items as the
-         token budget holds), the image is decoded and keyed (ImageError here), the family's
-         processor builds prompt ids and `PrefillInputs` (image tensors, key, prefix): a `Job`
-         holding a `Request`;
+      1. task: arguments and settings are checked (skills.py), the family's declared capabilities
+         are asked, and the family turns the call into a `Task` (prompt, output spec, parser);
+      2. prepare: the family compiles the output spec into an automaton that carries the parser
+         of its text (SchemaError here; a spatial spec first gets as many items as the token
+         budget holds), the images are decoded and keyed (ImageError here), the family renders
+         the prompt (its chat template) and its processor builds prompt ids and `PrefillInputs`
+         (image tensors, key, prefix): a `Job` holding a `Request`;
       3. submit and collect: the engine checks the request against its limits (ValueError here),
          batches every request in flight (from any thread) and detokenizes the answer (special
          tokens kept where the format answers in them); the caller blocks on its handle (or
          iterates its text deltas, or awaits it), then the parser turns the text into the value
          and the task's result type wraps it.
-    Steps 1-2 run on the caller's thread; the processor, the tokenizer and grammar compilation are
-    used under one lock (fast tokenizers must not be shared by threads mid-call), while decoding
-    runs concurrently in the engine. The engine gets its own copy of the tokenizer.
+    Steps 1-2 run on the caller's thread with no lock held: a slow compile or a large image never
+    delays another caller's call (compiled specs are cached by foveal.grammars, which is safe from
+    many threads; the tokenizer is only read). The model has one tokenizer, shared with the
+    engine's detokenizer.
     Lists of images go through the same steps with a bounded window of requests in flight.
 INVARIANTS (tests/sdk/test_model.py, test_concurrency.py)
     1. Every bad input raises before a request is submitted; the engine then serves the next call.
@@ -31,14 +32,14 @@ INVARIANTS (tests/sdk/test_model.py, test_concurrency.py)
     3. Concurrent calls with the same seeds return what sequential calls return.
     4. Batch results come back in input order; a failed image yields its exception in its place.
     5. Each request with an image carries `prefill.image_key` (foveal.vision.image_key of the
-       decoded image), so a runner can reuse that image's encoding across calls.
+       decoded image, or of the call's images together), so a runner can reuse that encoding.
+    6. Nothing here names a model family (tests/sdk/test_architecture.py): the family is asked.
 """
 
 from __future__ import annotations
 
 import asyncio
-import copy
-import threading
+import hashlib
 from collections import deque
 from collections.abc import AsyncIterator, Callable, Generator, Iterable, Mapping
 from dataclasses import dataclass, field, replace
@@ -48,17 +49,19 @@ from typing import Any
 from PIL import Image
 from tqdm import tqdm
 
-from foveal import grammars
+from foveal import families
 from foveal.engine import AsyncEngine, Engine, EngineConfig, FinishReason, Request, SamplingParams, shutdown
 from foveal.engine import models as engine_models
-from foveal.engine.regions import own_masks
 from foveal.engine.request import RequestHandle, RequestOutput
 from foveal.errors import GenerationError, IncompleteOutputError, ModelClosedError
+from foveal.families import Family
+from foveal.families.task import Task
 from foveal.grammars import spatial
 from foveal.grammars.cache import LRUCache
 from foveal.results import (
     AsyncTextStream,
     CaptionResult,
+    ChatResult,
     DetectResult,
     GenerateResult,
     PointResult,
@@ -68,11 +71,11 @@ from foveal.results import (
     Usage,
 )
 from foveal.settings import Settings, validate_settings
-from foveal.skills import Skills, Task, check_length, check_object, check_text, skills_for
+from foveal.skills import RESULTS, check_length, check_object, check_text, conversation, parser
 from foveal.vision import image_key, load_image
 
 EMBEDDED = Path(__file__).parent / "embedded"
-SKILLS = ("caption", "query", "detect", "point", "generate")
+SKILLS = ("caption", "query", "detect", "point", "generate")  # the skills `map` runs over images
 IMAGE_SKILLS = ("caption", "detect", "point")  # meaningless without an image, on every model
 
 
@@ -99,7 +102,11 @@ class Job:
     task: Task
     request: Request
     parse: Callable[[str], Any]  # the task's parser, or its compiled output spec's
-    image: Image.Image | None
+    image: Image.Image | None  # the call's (first) image, which the result is about
+
+    @property
+    def result(self) -> type[Result]:
+        return RESULTS[self.task.skill]
 
 
 # ---- loading ------------------------------------------------------------------------------------------------
@@ -154,32 +161,21 @@ def load(
     blocks as int4 and makes its other layers int4; "int8" makes every layer per-row int8.
     """
     _check_load_args(pipelined, max_batch_size, max_model_len, kv_cache_bytes, max_step_tokens)
-    engine_models.loader.check_quantize(quantize)  # before any weight is read
     for name, flag in (("prefix_cache", prefix_cache), ("jump_forward", jump_forward)):
         if not isinstance(flag, bool):
             raise TypeError(f"{name} must be True or False, got {flag!r}")
-    source = _model_source(path)
-    loaded = engine_models.load(
-        source,
+    family = families.load(
+        _model_source(path),
         device=device,
         dtype=dtype,
         image_cache_bytes=image_cache_bytes,
         image_options=image_options,
         quantize=quantize,
     )
-    folder = Path(source) if Path(source).is_dir() else None
-    family = loaded.runner.family
-    skills = skills_for(
-        folder,
-        loaded.family,
-        loaded.tokenizer,
-        family.image_token if family.has_vision else None,
-        processor=loaded.processor,
-    )
     config = engine_config(
-        loaded, pipelined, max_batch_size, max_model_len, kv_cache_bytes, prefix_cache, max_step_tokens, jump_forward
+        family, pipelined, max_batch_size, max_model_len, kv_cache_bytes, prefix_cache, max_step_tokens, jump_forward
     )
-    return Model(loaded, skills, config)
+    return Model(family, config)
 
 
 def _check_load_args(
@@ -212,7 +208,7 @@ def _model_source(path: str | Path | None) -> str:
 
 
 def engine_config(
-    loaded: engine_models.LoadedModel,
+    family: Family,
     pipelined: bool,
     max_batch_size: int,
     max_model_len: int | None,
@@ -221,7 +217,7 @@ def engine_config(
     max_step_tokens: int | None = None,
     jump_forward: bool = True,
 ) -> EngineConfig:
-    """The engine configuration of a loaded model; sizes left None are derived from its runner by the
+    """The engine configuration of a family's model; sizes left None are derived from its runner by the
     engine (foveal.engine.limits: the model's positions, at most 4096 tokens; a quarter of free memory)."""
     return EngineConfig(
         pipelined=pipelined,
@@ -231,9 +227,8 @@ def engine_config(
         prefix_cache=prefix_cache,
         max_step_tokens=max_step_tokens,
         jump_forward=jump_forward,
-        eos_token_ids=tuple(loaded.eos_token_ids),
-        # Moondream's own matchers (its decode rules, its region automata) fill their masks themselves
-        fill_masks=own_masks(grammars.fill_masks) if loaded.family == "moondream" else grammars.fill_masks,
+        eos_token_ids=tuple(family.eos_token_ids),
+        fill_masks=family.fill_masks,  # the family's mask policy
     )
 
 
@@ -248,20 +243,23 @@ class Model:
     images runs the skill on each (see `map`). Results are dicts (foveal.results).
     """
 
-    def __init__(self, loaded: engine_models.LoadedModel, skills: Skills, config: EngineConfig) -> None:
-        self.loaded = loaded
-        self.skills = skills
-        self.engine = Engine(loaded.runner, copy.deepcopy(loaded.tokenizer), config)
+    def __init__(self, family: Family, config: EngineConfig) -> None:
+        self.family = family
+        self.engine = Engine(family.runner, family.tokenizer, config)
         # A model dropped without close() (a notebook cell run again) stops its engine when collected;
         # streams hold the model, so a stream outlives its `foveal.load()` expression.
         shutdown.close_with(self, self.engine)
         self.config = self.engine.config  # sizes resolved from the runner
-        self._lock = threading.Lock()  # processor, tokenizer and grammar compiles: one caller at a time
-        self._item_tokens_cache: LRUCache[tuple[int, int]] = LRUCache(maxsize=256)  # under _lock
+        self._item_tokens_cache: LRUCache[tuple[int, int]] = LRUCache(maxsize=256)
         self._closed = False
 
     def __repr__(self) -> str:
-        return f"Model(family={self.loaded.family!r}, skills={self.skills.name!r}, source={self.loaded.source!r})"
+        return f"Model(family={self.family.name!r}, source={self.family.source!r})"
+
+    @property
+    def capabilities(self) -> families.Capabilities:
+        """What this model's family declares it can do (skills, images per call, conversations)."""
+        return self.family.capabilities
 
     def close(self) -> None:
         """Stop the engine; calls still running, and calls made later, raise ModelClosedError."""
@@ -312,6 +310,20 @@ class Model:
         literal), or any other type foveal.grammars accepts (the parsers: foveal/grammars/specs.py).
         """
         return self._dispatch(*self._generate_task(prompt, output_type, settings), image, False)
+
+    def chat(
+        self, messages: Any, output_type: Any = None, settings: Mapping | None = None, stream: bool = False
+    ) -> ChatResult:
+        """Answer a conversation: `{"text": str, "output": parsed value}` (output_type as for `generate`;
+        without one, output is the text), or `{"text": iterator of chunks, "output": None}` with stream=True.
+
+        messages: OpenAI-style `[{"role": "system" | "user" | "assistant" | "tool", "content": str | [part]}]`,
+        a part `{"type": "text", "text": ...}` or `{"type": "image", "image": PIL | path | bytes | array}`;
+        images in any user message (as many as `model.capabilities.max_images`). Rendered by the model's
+        own chat template; a model without one takes a single user message (capabilities.conversations).
+        """
+        task, images, s, explicit = self._chat_task(messages, output_type, settings, stream)
+        return self._run(task, images, s, explicit, stream)
 
     def map(
         self, skill: str, images: Iterable[Any], *args: Any, progress: bool | None = True, **kwargs: Any
@@ -364,46 +376,70 @@ class Model:
         """`generate` for asyncio."""
         return await self._adispatch(*self._generate_task(prompt, output_type, settings), image, False)
 
-    # ---- step 1: tasks (arguments and settings, no image) -----------------------------------------------------
+    async def achat(
+        self, messages: Any, output_type: Any = None, settings: Mapping | None = None, stream: bool = False
+    ) -> ChatResult:
+        """`chat` for asyncio; with stream=True the text is an async iterator of chunks."""
+        task, images, s, explicit = self._chat_task(messages, output_type, settings, stream)
+        return await self._arun(task, images, s, explicit, stream)
+
+    # ---- step 1: tasks (arguments, settings, the family's task; no image) ----------------------------------
+
+    def _task(self, skill: str, settings: Mapping | None, make: Callable[[], Task]) -> tuple:
+        s, explicit = _settings(settings, "generate" if skill == "chat" else skill)
+        if skill not in self.family.capabilities.skills:
+            raise self.family.unsupported(skill)
+        task = make()
+        if s.stop and task.spec is not None:
+            raise ValueError(
+                f"settings['stop'] applies to free text; this {skill} answer is decoded under its output "
+                "grammar, which decides where it ends: remove stop"
+            )
+        return task, s, explicit
 
     def _caption_task(self, length: str = "normal", settings: Mapping | None = None) -> tuple:
-        s, explicit = _settings(settings, "caption")
-        return self.skills.caption(check_length(length)), s, explicit
+        check_length(length)
+        return self._task("caption", settings, lambda: self.family.caption(length))
 
     def _query_task(self, question: str, settings: Mapping | None = None) -> tuple:
-        s, explicit = _settings(settings, "query")
-        return self.skills.query(check_text("question", question, 2000).strip()), s, explicit
+        text = check_text("question", question).strip()
+        return self._task("query", settings, lambda: self.family.query(text))
 
     def _detect_task(self, object: str, settings: Mapping | None = None) -> tuple:
-        s, explicit = _settings(settings, "detect")
-        return self.skills.detect(check_object(object), s.max_objects), s, explicit
+        phrase = check_object(object)
+        s, _ = _settings(settings, "detect")
+        return self._task("detect", settings, lambda: self.family.detect(phrase, s.max_objects))
 
     def _point_task(self, object: str, settings: Mapping | None = None) -> tuple:
-        s, explicit = _settings(settings, "point")
-        return self.skills.point(check_object(object), s.max_objects), s, explicit
+        phrase = check_object(object)
+        s, _ = _settings(settings, "point")
+        return self._task("point", settings, lambda: self.family.point(phrase, s.max_objects))
 
     def _generate_task(self, prompt: str, output_type: Any = None, settings: Mapping | None = None) -> tuple:
-        s, explicit = _settings(settings, "generate")
         check_text("prompt", prompt)
-        return self.skills.generate(prompt, output_type), s, explicit
+        return self._task("generate", settings, lambda: self.family.generate(prompt, output_type))
 
-    # ---- step 2: prepare (grammar, image, prompt ids, token budget) -------------------------------------------
+    def _chat_task(self, messages: Any, output_type: Any, settings: Mapping | None, stream: bool) -> tuple:
+        if stream and output_type is not None:
+            raise ValueError("stream=True streams free text; a structured output_type is returned whole")
+        talk, images = conversation(messages)
+        task, s, explicit = self._task("chat", settings, lambda: self.family.chat(talk, output_type))
+        return task, images, s, explicit
 
-    def _prepare(self, task: Task, image: Any, settings: Settings, explicit: bool) -> Job:
+    # ---- step 2: prepare (grammar, images, prompt ids, token budget) ------------------------------------------
+
+    def _prepare(self, task: Task, images: list, settings: Settings, explicit: bool) -> Job:
         if self._closed:
             raise ModelClosedError(task.skill)
         spatial_answer = isinstance(task.spec, spatial.SpatialSpec)
-        with self._lock:  # other specs compile first: a bad output type fails before the image is read
-            automaton = None if spatial_answer else self._compile(task.spec)
-        decoded, key = self._image(image, task.skill)
-        with self._lock:
-            prompt = self.loaded.processor(task.prompt_for(decoded is not None), decoded, image_key=key)
-            if task.for_prompt is not None:  # the answer's scale is the processed image's (Qwen2.5-VL)
-                task = task.for_prompt(task, prompt)
-            max_tokens = self._budget(len(prompt.token_ids), settings.max_tokens, explicit)
-            if spatial_answer:  # its item count is sized to the budget, then compiled
-                task = self._fit_items(task, len(prompt.token_ids), max_tokens)
-                automaton = self._compile(task.spec)
+        # other specs compile first: a bad output type fails before the image is read
+        automaton = None if spatial_answer else self.family.compile(task.spec)
+        decoded, key = self._images(images, task.skill)
+        prompt, task = self.family.encode(task, decoded, key)
+        max_tokens = self._budget(len(prompt.token_ids), settings.max_tokens, explicit)
+        if spatial_answer:  # its item count is sized to the budget, then compiled
+            task = self._fit_items(task, len(prompt.token_ids), max_tokens)
+            automaton = self.family.compile(task.spec)
         if automaton is not None and automaton.min_tokens > max_tokens:
             raise ValueError(
                 f"every answer of this output type starts with {automaton.min_tokens} tokens of fixed text, "
@@ -415,11 +451,12 @@ class Model:
             top_p=settings.top_p,
             max_tokens=max_tokens,
             seed=settings.seed,
+            stop=settings.stop,
             skip_special_tokens=not task.keep_special,  # the text the parser reads, made by the engine
         )
         matcher = automaton.matcher() if automaton is not None else task.rules() if task.rules is not None else None
         request = Request(prompt.token_ids, sampling, matcher, prompt.prefill)
-        return Job(task, request, task.parser(automaton), decoded)
+        return Job(task, request, parser(task, automaton), decoded[0] if decoded else None)
 
     def _fit_items(self, task: Task, prompt_len: int, max_tokens: int) -> Task:
         """A spatial answer's max_objects lowered to the items `max_tokens` holds (canonical spelling,
@@ -447,39 +484,37 @@ class Model:
         cached = self._item_tokens_cache.get(key)
         if cached is None:
             one, two = (
-                len(self.loaded.tokenizer(spec.example_answer(n), add_special_tokens=False)["input_ids"])
+                len(self.family.tokenizer(spec.example_answer(n), add_special_tokens=False)["input_ids"])
                 for n in (1, 2)
             )
             cached = (one, max(two - one, 1))
             self._item_tokens_cache.put(key, cached)
         return cached
 
-    def _compile(self, spec: Any) -> grammars.Automaton | None:
-        if spec is None:
-            return None
-        if getattr(spec, "is_automaton", False):  # a family's own answer automaton (Moondream's regions)
-            return spec
-        return grammars.compile(spec, self.loaded.tokenizer, vocab_size=self.loaded.runner.vocab_size)
-
-    def _image(self, image: Any, skill: str) -> tuple[Image.Image | None, str | None]:
-        family = self.loaded.runner.family
-        if image is None:
+    def _images(self, images: list, skill: str) -> tuple[list[Image.Image], str | None]:
+        """The call's images decoded, and their content key (one image's key, or a key of all of them)."""
+        caps, name = self.family.capabilities, self.family.name
+        if not images:
             if skill in IMAGE_SKILLS:
-                what = (
-                    ""
-                    if family.has_vision
-                    else f"; this {family.name} model is text-only: use query or generate"
-                )
-                raise ValueError(f"{skill} needs an image; pass image=...{what}")
-            if family.has_vision and family.prefix_attention:
-                raise ValueError(f"{skill} on this {family.name} model needs an image; pass image=...")
-            return None, None
-        if not family.has_vision:
-            raise ValueError(f"this {family.name} model is text-only; pass image=None")
-        if isinstance(image, EncodedImage):
-            return image.image, image.key
-        decoded = load_image(image)
-        return decoded, image_key(decoded)
+                raise ValueError(f"{skill} needs an image; pass image=...")
+            if caps.image_required:
+                raise ValueError(f"{skill} on this {name} model needs an image; pass image=...")
+            return [], None
+        if not caps.vision:
+            raise ValueError(f"this {name} model is text-only; pass image=None")
+        if len(images) > caps.max_images:
+            raise ValueError(
+                f"this {name} model takes at most {caps.max_images} image(s) per call; {len(images)} were given"
+            )
+        decoded, keys = [], []
+        for image in images:
+            encoded = image if isinstance(image, EncodedImage) else None
+            picture = encoded.image if encoded else load_image(image)
+            decoded.append(picture)
+            keys.append(encoded.key if encoded else image_key(picture))
+        if len(keys) == 1:
+            return decoded, keys[0]
+        return decoded, hashlib.sha256("|".join(keys).encode()).hexdigest()
 
     def _budget(self, prompt_len: int, max_tokens: int, explicit: bool) -> int:
         """max_tokens for this prompt: a skill's default shrinks to the room the prompt leaves; an
@@ -491,14 +526,18 @@ class Model:
     # ---- step 3: submit and collect --------------------------------------------------------------------------
 
     def _dispatch(self, task: Task, settings: Settings, explicit: bool, image: Any, stream: bool) -> Any:
+        """A skill call on one image (or none), or on each image of a list."""
         if isinstance(image, list | tuple):
             if stream:
                 raise ValueError("stream=True takes one image, not a list")
             return self._batch(task, list(image), settings, explicit, progress=None)
-        job = self._prepare(task, image, settings, explicit)
+        return self._run(task, [] if image is None else [image], settings, explicit, stream)
+
+    def _run(self, task: Task, images: list, settings: Settings, explicit: bool, stream: bool) -> Any:
+        job = self._prepare(task, images, settings, explicit)
         handle = self._submit(job)
         if stream:
-            return task.result.of_answer("", TextStream(self._stream(job, handle)), job.image)
+            return job.result.of_answer("", TextStream(self._stream(job, handle)), job.image)
         return self._result(job, handle.result())
 
     def _stream(self, job: Job, handle: RequestHandle) -> Generator[str, None, Usage]:
@@ -512,7 +551,7 @@ class Model:
 
     def _result(self, job: Job, output: RequestOutput) -> Result:
         self._check(job, output)
-        result = job.task.result.of_answer(output.text, job.parse(output.text), job.image)
+        result = job.result.of_answer(output.text, job.parse(output.text), job.image)
         result.usage = _usage(output)
         return result
 
@@ -559,7 +598,7 @@ class Model:
         try:
             for index, image in enumerate(images):
                 try:
-                    job = self._prepare(task, image, settings, explicit)
+                    job = self._prepare(task, [image], settings, explicit)
                     window.append((index, job, self._submit(job)))
                 except Exception as error:
                     results[index] = error
@@ -580,11 +619,14 @@ class Model:
         if isinstance(image, list | tuple):
             if stream:
                 raise ValueError("stream=True takes one image, not a list")
-            calls = [self._adispatch(task, settings, explicit, one, False) for one in image]
+            calls = [self._arun(task, [one], settings, explicit, False) for one in image]
             return list(await asyncio.gather(*calls, return_exceptions=True))
-        job = await asyncio.to_thread(self._prepare, task, image, settings, explicit)
+        return await self._arun(task, [] if image is None else [image], settings, explicit, stream)
+
+    async def _arun(self, task: Task, images: list, settings: Settings, explicit: bool, stream: bool) -> Any:
+        job = await asyncio.to_thread(self._prepare, task, images, settings, explicit)
         if stream:
-            return task.result.of_answer("", AsyncTextStream(self._astream(job)), job.image)
+            return job.result.of_answer("", AsyncTextStream(self._astream(job)), job.image)
         return self._result(job, await AsyncEngine(self.engine).generate(job.request))
 
     async def _astream(self, job: Job) -> AsyncIterator[str | Usage]:

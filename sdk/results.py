@@ -237,3 +237,17 @@ class GenerateResult(Result):
     @classmethod
     def of_answer(cls, text: str, value: Any, image: Any = None) -> Result:
         return cls(text, value, image=image)
+
+
+class ChatResult(GenerateResult):
+    """`{"text": the reply, "output": its parsed value}` (the text itself without an output type), or
+    `{"text": TextStream, "output": None}` when streamed."""
+
+    __slots__ = ()
+    SKILL = "chat"
+
+    @classmethod
+    def of_answer(cls, text: str, value: Any, image: Any = None) -> Result:
+        if isinstance(value, TextStream | AsyncTextStream):
+            return cls(value, None, image=image)
+        return cls(text, value, image=image)

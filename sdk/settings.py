@@ -8,11 +8,16 @@ to a skill that returns no objects. A `Settings` can only exist with valid value
 checks them, so `dataclasses.replace` and direct construction are safe too.
 
 Accepted keys and ranges:
-    temperature  float, finite, >= 0 (0 means greedy: always the most likely allowed token)
+    temperature  float, 0 <= temperature <= MAX_TEMPERATURE (2.0, as OpenAI's API; 0 means greedy:
+                 always the most likely allowed token; above 2 sampling is close to uniform over the
+                 allowed tokens and free text turns to noise)
     top_p        float, 0 < top_p <= 1 (1 disables nucleus sampling)
     max_tokens   int, 1 <= max_tokens <= MAX_TOKENS_CEILING (8192)
     max_objects  int, 1 <= max_objects <= MAX_OBJECTS_CEILING (1000); detect and point only
     seed         int, 0 <= seed < 2**64, or None (no seed)
+    stop         a list (or tuple) of at most MAX_STOPS (16) non-empty strings: free text ends before
+                 the first of them (not included) and the usage's finish_reason is "stop"; skills
+                 whose answer is decoded under a grammar refuse it (the grammar decides the end)
 """
 
 from __future__ import annotations
@@ -26,6 +31,8 @@ from numbers import Integral, Real
 from typing import Any
 
 MAX_TOKENS_CEILING = 8192
+MAX_TEMPERATURE = 2.0
+MAX_STOPS = 16
 MAX_OBJECTS_CEILING = 1000
 SEED_LIMIT = 2**64
 OBJECT_SKILLS = ("detect", "point")  # generate's output_type states its own limits (e.g. maxItems)
@@ -40,19 +47,21 @@ class Settings:
     max_tokens: int = 512
     max_objects: int = 50
     seed: int | None = None
+    stop: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         # object.__setattr__: the dataclass is frozen; values are normalized to plain Python numbers.
         object.__setattr__(
             self,
             "temperature",
-            _real("temperature", self.temperature, 0.0, math.inf, "finite number >= 0 (0 = greedy)"),
+            _real("temperature", self.temperature, 0.0, MAX_TEMPERATURE, f"number in [0, {MAX_TEMPERATURE}] (0 = greedy)"),
         )
         object.__setattr__(self, "top_p", _top_p(self.top_p))
         object.__setattr__(self, "max_tokens", _int("max_tokens", self.max_tokens, 1, MAX_TOKENS_CEILING))
         object.__setattr__(self, "max_objects", _int("max_objects", self.max_objects, 1, MAX_OBJECTS_CEILING))
         if self.seed is not None:
             object.__setattr__(self, "seed", _int("seed", self.seed, 0, SEED_LIMIT - 1, "2**64 - 1"))
+        object.__setattr__(self, "stop", _stops(self.stop))
 
     @property
     def greedy(self) -> bool:
@@ -100,6 +109,15 @@ def _top_p(value: Any) -> float:
     if top_p == 0.0:
         raise ValueError("setting 'top_p' = 0 is not accepted; it must be a number with 0 < top_p <= 1")
     return top_p
+
+
+def _stops(value: Any) -> tuple[str, ...]:
+    accepted = f"a list of at most {MAX_STOPS} non-empty strings, e.g. ['\\n\\n']"
+    if isinstance(value, str) or not isinstance(value, list | tuple):
+        raise ValueError(f"setting 'stop' = {value!r:.80} is not accepted; it must be {accepted}")
+    if len(value) > MAX_STOPS or not all(isinstance(v, str) and v for v in value):
+        raise ValueError(f"setting 'stop' = {value!r:.80} is not accepted; it must be {accepted}")
+    return tuple(value)
 
 
 def _int(key: str, value: Any, low: int, high: int, high_text: str = "") -> int:

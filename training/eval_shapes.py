@@ -25,7 +25,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from foveal.shapes_format import ShapesFormat
+from foveal.families.shapes.format import ShapesFormat
 from foveal.vision import scenes
 
 ENGINES = {

@@ -43,7 +43,7 @@ import torch
 import torch.nn.functional as F
 from PIL import Image
 
-from foveal.shapes_format import ShapesFormat
+from foveal.families.shapes.format import ShapesFormat
 from foveal.vision import scenes
 
 TRAIN_SEED_BASE = 1_000_000_000

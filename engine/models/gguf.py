@@ -53,7 +53,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from foveal.engine.models.families import ModelLoadError
+from foveal.engine.models.arch import ModelLoadError
 from foveal.engine.models.quant import (
     GROUP_SIZE,
     HalfEmbedding,

@@ -14,7 +14,7 @@ from pathlib import Path
 from huggingface_hub import snapshot_download
 from huggingface_hub.errors import LocalEntryNotFoundError
 
-from foveal.engine.models.families import ModelLoadError
+from foveal.engine.models.arch import ModelLoadError
 
 HUB_ID = re.compile(r"^[A-Za-z0-9][\w.\-]*/[\w.\-]+$")
 ALLOW_PATTERNS = ["*.json", "*.safetensors", "*.model", "*.txt", "*.jinja"]

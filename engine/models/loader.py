@@ -1,13 +1,16 @@
-"""`load(path_or_hub_id)`: a checkpoint -> `LoadedModel` (runner, tokenizer, input processor, eos ids, family).
+"""Loading a checkpoint onto the engine's building blocks: options, sources, transformers models, GGUF files.
 
-Sources: a local Hugging Face folder (config, safetensors, tokenizer, image processor), a hub id
-resolved through huggingface_hub's cache (`hub.py`), or a `.gguf` file: on CPU a llama-architecture
-file is read straight from the mapped file (`gguf.py`: fp16 weights for fbgemm's GEMM on x86, or
-the int4/int8 weight-only kernels of `quant.py`); other architectures, or CUDA, go through
-transformers, which dequantizes. `quantize=` ("int8" | "int4" | "fp16", CPU only) quantizes a
-folder's decoder weights at load (`quant.quantize_model`). Nothing from the folder is executed (no trust_remote_code) and nothing is
-unpickled (safetensors only). Every check runs before the weights are read, so a bad folder fails
-in milliseconds with a message that says what to do.
+A family plugin (`foveal.families`) decides what a checkpoint is; this module does the generic part
+of loading it: options checked and resolved (`resolve_options`), a source resolved to a local path
+(`resolve_source`: a folder, a .gguf file, or a hub id already in the local cache, `hub.py`), the
+folder's safety checks (`read_config`: config.json, safetensors only, a tokenizer), a transformers
+model with its attention on foveal's paged attention (`load_transformers`, `quantize=` "int8" |
+"int4" | "fp16" on CPU through `quant.quantize_model`), a .gguf file (`load_gguf`: on CPU a llama
+file is read straight from the mapped file, `gguf.py`; other architectures, or CUDA, through
+transformers, which dequantizes), and the runner + input processor + eos ids (`assemble`).
+Nothing from a folder is executed (no trust_remote_code) and nothing is unpickled (safetensors
+only). Every check runs before the weights are read, so a bad folder fails in milliseconds with a
+message that says what to do.
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ import importlib
 import importlib.util
 import json
 import os
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,8 +28,8 @@ from typing import Any
 import torch
 import transformers
 
+from foveal.engine.models.arch import Architecture, ModelLoadError
 from foveal.engine.models.attention import ATTN_NAME
-from foveal.engine.models.families import Family, ModelLoadError, family_for
 from foveal.engine.models.hub import looks_like_hub_id, resolve_hub_id
 from foveal.engine.models.image_cache import DEFAULT_IMAGE_CACHE_BYTES
 from foveal.engine.models.processor import InputProcessor
@@ -40,49 +44,49 @@ SUPPORTED_DEVICES = ("cpu", "cuda")  # the engine's device streams (engine/devic
 
 @dataclass(slots=True)
 class LoadedModel:
-    runner: HFRunner
+    """A checkpoint on the engine's building blocks: what a family plugin is built from."""
+
+    runner: Any  # an engine ModelRunner (HFRunner or a family's own)
     tokenizer: Any  # a transformers tokenizer
-    processor: InputProcessor  # (text, image=None) -> PromptInputs
+    processor: Any  # (prompt, images=None, image_key=None) -> PromptInputs
     eos_token_ids: tuple[int, ...]
-    family: str
     source: str
 
 
-def load(
-    path_or_hub_id: str | os.PathLike,
+@dataclass(frozen=True, slots=True)
+class LoadOptions:
+    """`load`'s options, checked and resolved before any weights are read."""
+
+    device: torch.device
+    dtype: torch.dtype
+    image_cache_bytes: int = DEFAULT_IMAGE_CACHE_BYTES
+    quantize: str | None = None
+    image_options: dict[str, Any] | None = None
+
+
+def resolve_options(
     device: str | torch.device = "auto",
     dtype: str | torch.dtype | None = None,
     image_cache_bytes: int = DEFAULT_IMAGE_CACHE_BYTES,
     quantize: str | None = None,
     image_options: dict[str, Any] | None = None,
-) -> LoadedModel:
-    """Load a checkpoint for the engine. device "auto": CUDA when available; dtype None: bf16 on CUDA, fp32 on CPU
-    (bf16 under quantize "int8" / "int4", whose kernels want bf16 activations; fp32 under "fp16").
-
-    `image_cache_bytes`: bound of the runner's cache of image features by image key (0: off).
-    `quantize`: None, "int8", "int4" or "fp16" (CPU): weight-only quantization of the text decoder's
-    linear layers (quant.py; the LM head is int8 under "int8"/"int4", fp16 under "fp16"). A llama
-    GGUF file on CPU is always read quantized: None means "fp16" where torch has fbgemm (x86; the
-    fastest and most exact layout measured there, quant.py), else its own blocks (Q4 as int4, the
-    rest int8); "int4" keeps the file's Q4 blocks as int4 and makes its other layers int4, "int8"
-    makes every layer per-row int8; the vocabulary matrix is int8 under both.
-    `image_options`: the image processor's resolution bounds where the family has them (Qwen-VL:
-    {"min_pixels": .., "max_pixels": ..}); refused for families without.
-    """
+    gguf: bool = False,
+) -> LoadOptions:
+    """Check and resolve load options. device "auto": CUDA when available; dtype None: bf16 on CUDA, fp32
+    on CPU (bf16 under quantize "int8" / "int4", whose kernels want bf16 activations; fp32 under "fp16").
+    `gguf`: the source is a .gguf file, which on CPU is always read quantized: None means "fp16" where
+    torch has fbgemm (x86), else its own blocks (Q4 as int4, the rest int8)."""
     if isinstance(image_cache_bytes, bool) or not isinstance(image_cache_bytes, int) or image_cache_bytes < 0:
         raise ModelLoadError(
             f"image_cache_bytes must be an int >= 0 (0 turns the cache off), got {image_cache_bytes!r}"
         )
     check_quantize(quantize)
     dev = resolve_device(device)
-    source = str(path_or_hub_id)
-    path = Path(source)
-    if quantize is None and path.suffix == ".gguf" and dev.type == "cpu" and fp16_kernel_available():
+    if quantize is None and gguf and dev.type == "cpu" and fp16_kernel_available():
         quantize = "fp16"
-    # Weight-only int kernels want bf16 activations: with fp32 ones they took 10-60x longer here
-    # (576 x 1536 at batch 1, one thread: int4 0.14 ms with bf16, 1.7 ms with fp32; quant.py).
-    # fbgemm's fp16 GEMM takes float32 activations only.
-    int_kernels = quantize in ("int8", "int4") or (quantize is None and path.suffix == ".gguf" and dev.type == "cpu")
+    # Weight-only int kernels want bf16 activations (with fp32 ones they are an order of magnitude
+    # slower, quant.py); fbgemm's fp16 GEMM takes float32 activations only.
+    int_kernels = quantize in ("int8", "int4") or (quantize is None and gguf and dev.type == "cpu")
     torch_dtype = torch.bfloat16 if dtype is None and int_kernels else resolve_dtype(dtype, dev)
     if quantize == "fp16" and torch_dtype != torch.float32:
         raise ModelLoadError(f"quantize='fp16' multiplies float32 activations; leave dtype unset (got {dtype!r})")
@@ -93,19 +97,31 @@ def load(
             f"quantize={quantize!r} uses torch's CPU weight-only kernels; on {dev.type} load without quantize "
             "(dtype='bfloat16' halves the weights)"
         )
+    if gguf and image_options:
+        raise ModelLoadError("image_options apply to Qwen-VL folders; a .gguf file has no image processor")
+    return LoadOptions(dev, torch_dtype, image_cache_bytes, quantize, dict(image_options) if image_options else None)
+
+
+def resolve_source(source: str | os.PathLike) -> Path:
+    """The local path of a checkpoint: a .gguf file, a folder, or a hub id already in the local cache."""
+    text = str(source)
+    path = Path(text)
     if path.suffix == ".gguf":
         if not path.is_file():
             raise ModelLoadError(f"no such GGUF file: {path}")
-        if image_options:
-            raise ModelLoadError(
-                "image_options apply to Qwen-VL folders; a .gguf file has no image processor"
-            )
-        return _load_gguf(path, dev, torch_dtype, image_cache_bytes, quantize)
-    if not path.exists():
-        if not looks_like_hub_id(source):
-            raise ModelLoadError(f"{source!r} is neither a folder nor a hub id of the form 'org/name'")
-        path = resolve_hub_id(source)
-    return _load_folder(path, dev, torch_dtype, source, image_cache_bytes, quantize, image_options)
+        return path
+    if path.exists():
+        return path
+    if not looks_like_hub_id(text):
+        raise ModelLoadError(f"{text!r} is neither a folder nor a hub id of the form 'org/name'")
+    return resolve_hub_id(text)
+
+
+def read_config(path: Path) -> dict:
+    """config.json of a checkpoint folder, read as JSON (AutoConfig would ask for trust_remote_code first),
+    after the folder's checks."""
+    check_folder(path)
+    return json.loads((path / "config.json").read_text())
 
 
 def check_quantize(quantize: object) -> None:
@@ -194,92 +210,68 @@ def check_attention(text_config: dict) -> None:
             )
 
 
-def _load_folder(
-    path: Path,
-    device: torch.device,
-    dtype: torch.dtype,
-    source: str,
-    image_cache_bytes: int,
-    quantize: str | None = None,
-    image_options: dict[str, Any] | None = None,
-) -> LoadedModel:
-    check_folder(path)
-    # The architecture is checked from the raw JSON: AutoConfig would ask for trust_remote_code first.
-    raw = json.loads((path / "config.json").read_text())
-    from foveal.engine.models import moondream  # lazily: it imports this module
+def check_vision_files(path: Path) -> None:
+    if not any((path / n).is_file() for n in ("preprocessor_config.json", "processor_config.json")):
+        raise ModelLoadError(f"{path} has no preprocessor_config.json; save the image processor with the model")
 
-    if moondream.is_moondream(raw):  # foveal's own implementation, no transformers class
-        for name, value in (("quantize", quantize), ("image_options", image_options)):
-            if value:
-                raise ModelLoadError(f"{name} is not supported for Moondream 2 (its own implementation); leave it unset")
-        return moondream.load_folder(path, device, dtype, source, image_cache_bytes)
-    family, arch = family_for(raw.get("architectures"))
-    adapter = _adapter(family)
-    if image_options and adapter is None:
-        raise ModelLoadError(
-            f"image_options are not supported for {family.name}; its image processor has fixed sizes"
-        )
+
+def load_transformers(
+    path: Path, arch: Architecture, class_name: str, options: LoadOptions, processor: tuple[Any, Any] | None = None
+) -> tuple[Any, Any, Any]:
+    """(model on the device, hf processor or None, tokenizer) of a folder whose model is transformers'
+    `class_name`, its attention on foveal's paged attention. `processor`: a (hf processor, tokenizer)
+    pair the family built itself; default: the architecture's processor class (or the tokenizer)."""
+    raw = json.loads((path / "config.json").read_text())
     check_attention(raw.get("text_config") or raw)
-    if adapter is not None:
-        adapter.check_config(raw, path)
-    if family.has_vision and not any(
-        (path / n).is_file() for n in ("preprocessor_config.json", "processor_config.json")
-    ):
-        raise ModelLoadError(
-            f"{path} has no preprocessor_config.json; save the image processor with the model"
-        )
-    if adapter is not None:
-        hf_processor, tokenizer = adapter.load_processor(family, path, image_options)
-    else:
-        hf_processor, tokenizer = _load_processor(family, path)
-    model = getattr(transformers, arch).from_pretrained(
-        path, dtype=dtype, attn_implementation=_attn_implementation(family), use_safetensors=True
+    if arch.has_vision:
+        check_vision_files(path)
+    hf_processor, tokenizer = processor if processor is not None else _load_processor(arch, path)
+    model = getattr(transformers, class_name).from_pretrained(
+        path, dtype=options.dtype, attn_implementation=_attn_implementation(arch), use_safetensors=True
     )
-    if quantize is not None:
+    if options.quantize is not None:
         try:
-            quantize_model(model, quantize)
+            quantize_model(model, options.quantize)
         except ValueError as error:
             raise ModelLoadError(str(error)) from None
-    return _assemble(model.to(device), family, tokenizer, hf_processor, source, image_cache_bytes)
+    return model.to(options.device), hf_processor, tokenizer
 
 
-def _adapter(family: Family) -> Any:
-    """The module with a family's own loading code (Family.adapter), or None."""
-    return importlib.import_module(family.adapter) if family.adapter else None
-
-
-def _load_gguf(
-    path: Path, device: torch.device, dtype: torch.dtype, image_cache_bytes: int, quantize: str | None
-) -> LoadedModel:
+def load_gguf(
+    path: Path, options: LoadOptions, arch_for: Callable[[list[str]], tuple[Architecture, str]]
+) -> tuple[LoadedModel, Architecture]:
+    """A .gguf file: on CPU a llama file is read straight from the mapped file (gguf.py); others, or CUDA,
+    through transformers, which dequantizes. `arch_for(architectures)`: the family's architecture."""
     if importlib.util.find_spec("gguf") is None:
         raise ModelLoadError("loading a .gguf file needs gguf: pip install 'foveal[bench]'")
     header = check_gguf(path)  # a broken file is refused first, whatever else is missing
     from foveal.engine.models import gguf as direct
 
+    device, dtype, quantize = options.device, options.dtype, options.quantize
     if device.type == "cpu" and direct.is_direct(header):
         config = direct.llama_config(path, header)
         config._attn_implementation = ATTN_NAME
-        family, _ = family_for(config.architectures)
+        arch, _ = arch_for(config.architectures)
         # The tokenizer's conversion is Python (it holds the GIL); unpacking and packing weights
         # mostly release it, so the two overlap.
         with ThreadPoolExecutor(1) as pool:
             tokenizer = pool.submit(direct.tokenizer, header)
             model = direct.load_quantized(header, config, dtype, quantize)
-            return _assemble(model, family, tokenizer.result(), None, str(path), image_cache_bytes)
+            return assemble(model, arch, tokenizer.result(), None, str(path), options), arch
     if importlib.util.find_spec("accelerate") is None:
         raise ModelLoadError("loading this .gguf file needs accelerate: pip install 'foveal[bench]'")
     kwargs = {"gguf_file": path.name}
     config = transformers.AutoConfig.from_pretrained(path.parent, **kwargs)
-    family, arch = family_for(
+    arch, class_name = arch_for(
         getattr(config, "architectures", None) or [f"{config.model_type.capitalize()}ForCausalLM"]
     )
-    model = getattr(transformers, arch).from_pretrained(
+    model = getattr(transformers, class_name).from_pretrained(
         path.parent, dtype=dtype, attn_implementation=ATTN_NAME, **kwargs
     )
     if quantize is not None:
         quantize_model(model, quantize)
     tokenizer = transformers.AutoTokenizer.from_pretrained(path.parent, **kwargs)
-    return _assemble(model.to(device), family, tokenizer, None, str(path), image_cache_bytes)
+    return assemble(model.to(device), arch, tokenizer, None, str(path), options), arch
 
 
 def check_gguf(path: Path) -> Any:
@@ -308,39 +300,43 @@ def check_gguf(path: Path) -> Any:
     return header
 
 
-def _load_processor(family: Family, path: Path) -> tuple[Any, Any]:
-    if not family.has_vision:
+def _load_processor(arch: Architecture, path: Path) -> tuple[Any, Any]:
+    if not arch.has_vision:
         return None, transformers.AutoTokenizer.from_pretrained(path)
-    processor = getattr(transformers, family.processor_class).from_pretrained(path)
+    processor = getattr(transformers, arch.processor_class).from_pretrained(path)
     return processor, processor.tokenizer
 
 
-def _attn_implementation(family: Family) -> str | dict[str, str]:
-    if not family.has_vision:
+def _attn_implementation(arch: Architecture) -> str | dict[str, str]:
+    if not arch.has_vision:
         return ATTN_NAME
     return {"": ATTN_NAME, "text_config": ATTN_NAME, "vision_config": "sdpa"}
 
 
-def _assemble(
-    model: Any, family: Family, tokenizer: Any, hf_processor: Any, source: str, image_cache_bytes: int
+def assemble(
+    model: Any,
+    arch: Architecture,
+    tokenizer: Any,
+    hf_processor: Any,
+    source: str,
+    options: LoadOptions,
+    runner_class: type[HFRunner] = HFRunner,
+    processor: Callable[[HFRunner], Any] | None = None,
 ) -> LoadedModel:
-    adapter = _adapter(family)
-    if adapter is not None:
-        runner = adapter.make_runner(model, family, image_cache_bytes)
-    else:
-        runner = HFRunner(model, family, image_cache_bytes=image_cache_bytes)
+    """The runner (`runner_class`), the input processor (`processor(runner)`, default InputProcessor)
+    and the eos ids of a loaded transformers model."""
+    runner = runner_class(model, arch, image_cache_bytes=options.image_cache_bytes)
     if len(tokenizer) > runner.vocab_size:
         raise ModelLoadError(
             f"the tokenizer has {len(tokenizer)} tokens but the model's vocabulary has {runner.vocab_size}: "
             "they do not belong together; save the checkpoint's own tokenizer into the folder"
         )
-    image_token_id = getattr(model.config, "image_token_id", None) if family.has_vision else None
-    if adapter is not None:
-        processor = adapter.make_input_processor(family, tokenizer, hf_processor, model, runner)
+    if processor is not None:
+        input_processor = processor(runner)
     else:
-        device, dtype = runner.device, runner.dtype
-        processor = InputProcessor(family, tokenizer, hf_processor, device, dtype, image_token_id)
-    return LoadedModel(runner, tokenizer, processor, _eos_ids(model, tokenizer), family.name, source)
+        image_token_id = getattr(model.config, "image_token_id", None) if arch.has_vision else None
+        input_processor = InputProcessor(arch, tokenizer, hf_processor, runner.device, runner.dtype, image_token_id)
+    return LoadedModel(runner, tokenizer, input_processor, _eos_ids(model, tokenizer), source)
 
 
 def _eos_ids(model: Any, tokenizer: Any) -> tuple[int, ...]:

@@ -20,7 +20,7 @@ import numpy as np
 import torch
 from PIL import Image
 
-from foveal.engine.models.families import Family
+from foveal.engine.models.arch import Architecture
 from foveal.engine.request import PrefillInputs
 
 
@@ -46,46 +46,53 @@ def to_pil(image: Any) -> Image.Image:
 
 
 class InputProcessor:
-    """Callable `(text, image=None) -> PromptInputs` for one loaded model."""
+    """Callable `(text, images=None, image_key=None) -> PromptInputs` for one loaded model."""
 
     def __init__(
         self,
-        family: Family,
+        arch: Architecture,
         tokenizer: Any,
         hf_processor: Any,
         device: torch.device,
         dtype: torch.dtype,
         image_token_id: int | None = None,
     ):
-        if family.has_vision and image_token_id is None:
-            raise ValueError(f"a {family.name} processor needs the model config's image_token_id")
-        self.family = family
+        if arch.has_vision and image_token_id is None:
+            raise ValueError(f"a {arch.name} processor needs the model config's image_token_id")
+        self.arch = arch
         self.image_token_id = image_token_id
         self.tokenizer = tokenizer
         self.hf_processor = hf_processor
         self.device = device
         self.dtype = dtype
 
-    def __call__(self, text: str, image: Any = None, image_key: str | None = None) -> PromptInputs:
-        if image is None:
-            return self._text_only(text)
-        if not self.family.has_vision:
-            raise ValueError(f"{self.family.name} is a text-only model; call it with image=None")
-        if self.family.image_token and self.family.image_token not in text:
-            text = self.family.image_token + text
-        out = self.hf_processor(images=[to_pil(image)], text=[text], return_tensors="pt")
+    def __call__(
+        self, text: str, image: Any = None, image_key: str | None = None, add_special_tokens: bool = True
+    ) -> PromptInputs:
+        """Prompt ids and PrefillInputs of `text` with one image, a list of images, or none. A prompt
+        rendered by a chat template that already holds BOS is tokenized with add_special_tokens=False."""
+        pictures = [] if image is None else list(image) if isinstance(image, (list, tuple)) else [image]
+        if not pictures:
+            return self._text_only(text, add_special_tokens)
+        if not self.arch.has_vision:
+            raise ValueError(f"{self.arch.name} is a text-only model; call it with image=None")
+        if self.arch.image_token and self.arch.image_token not in text:
+            text = self.arch.image_token * len(pictures) + text
+        # Only the non-default is passed: PaliGemma's processor places BOS itself.
+        special = {} if add_special_tokens else {"add_special_tokens": False}
+        out = self.hf_processor(images=[to_pil(one) for one in pictures], text=[text], return_tensors="pt", **special)
         tensors = {}
-        for key in self.family.image_keys:
+        for key in self.arch.image_keys:
             value = out[key]
             dtype = self.dtype if value.is_floating_point() else value.dtype
             tensors[key] = value.to(self.device, dtype)
         ids = out["input_ids"][0]
-        prefix_len = int((out["token_type_ids"][0] == 0).sum()) if self.family.prefix_attention else 0
+        prefix_len = int((out["token_type_ids"][0] == 0).sum()) if self.arch.prefix_attention else 0
         num_image_tokens = int((ids == self.image_token_id).sum())
         prefill = PrefillInputs(tensors, num_image_tokens, image_key, prefix_len, self.image_token_id)
         return PromptInputs(ids.tolist(), prefill)
 
-    def _text_only(self, text: str) -> PromptInputs:
-        if self.family.name == "paligemma":
-            raise ValueError("PaliGemma needs an image with every prompt; pass image=...")
-        return PromptInputs(self.tokenizer(text)["input_ids"], None)
+    def _text_only(self, text: str, add_special_tokens: bool = True) -> PromptInputs:
+        if self.arch.image_required:
+            raise ValueError(f"{self.arch.name} needs an image with every prompt; pass image=...")
+        return PromptInputs(self.tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"], None)

@@ -39,8 +39,8 @@ from typing import Any
 import torch
 from transformers.modeling_outputs import BaseModelOutputWithPooling
 
+from foveal.engine.models.arch import Architecture
 from foveal.engine.models.attention import PagedKV, build_context, kv_zeros, prefix_lens
-from foveal.engine.models.families import Family
 from foveal.engine.models.image_cache import DEFAULT_IMAGE_CACHE_BYTES, ImageFeatureCache, cached_or_encoded
 from foveal.engine.models.lean import LeanDecoder
 from foveal.engine.models.traced import DecodeGraphs
@@ -54,13 +54,13 @@ class HFRunner:
     def __init__(
         self,
         model: torch.nn.Module,
-        family: Family,
+        arch: Architecture,
         trace_decode: bool | None = None,
         image_cache_bytes: int = DEFAULT_IMAGE_CACHE_BYTES,
         lean: bool = True,
     ) -> None:
         self.model = model.eval().requires_grad_(False)
-        self.family = family
+        self.arch = arch
         # Touched only from the thread that calls forward (the engine's device thread): no lock.
         self.image_cache = ImageFeatureCache(image_cache_bytes)
         text = model.config.get_text_config()
@@ -112,7 +112,7 @@ class HFRunner:
 
     def _eager(self, batch: ForwardBatch, ks: list[torch.Tensor], vs: list[torch.Tensor]) -> torch.Tensor:
         kv = PagedKV(ks, vs, self.kv.page_size, self.kv.scratch_page)
-        prefix = prefix_lens(batch, self.device) if self.family.prefix_attention else None
+        prefix = prefix_lens(batch, self.device) if self.arch.prefix_attention else None
         context = build_context(batch, kv, prefix, self.dtype)
         # images whose tokens the prefix cache held entirely need no features (nor an encoder run)
         images = [p for p in batch.prefill if p is not None and p.num_image_tokens > p.cached_image_tokens]
@@ -133,7 +133,7 @@ class HFRunner:
     def position_ids(self, batch: ForwardBatch) -> torch.Tensor:
         """The model's `position_ids`: [1, T], the batch's positions shifted by the family's offset.
         Families with multimodal positions override it (qwen_vl.py: M-RoPE, [3, 1, T])."""
-        return (batch.positions + self.family.position_offset)[None]
+        return (batch.positions + self.arch.position_offset)[None]
 
     def _image_inputs(self, images: list[PrefillInputs]) -> dict[str, Any]:
         """`mm_encoder_outputs` for the launch's images in sequence order: cached features, misses encoded at once.
@@ -151,12 +151,12 @@ class HFRunner:
                 )
         # features only for the image tokens in this launch's queries (past those the prefix cache held)
         joined = torch.cat([feats[image.cached_image_tokens :] for image, feats in zip(images, features, strict=True)])
-        pooled = [joined] if self.family.features_as_list else joined
+        pooled = [joined] if self.arch.features_as_list else joined
         return {"mm_encoder_outputs": {"image": BaseModelOutputWithPooling(pooler_output=pooled)}}
 
     def encode_images(self, images: list[PrefillInputs]) -> list[torch.Tensor]:
         """The family's image features of each request's image, [image tokens, hidden], in one encoder call."""
-        pooled = self.model.get_image_features(**self.family.image_kwargs(images)).pooler_output
+        pooled = self.model.get_image_features(**self.arch.image_kwargs(images)).pooler_output
         if isinstance(pooled, (list, tuple)):
             flat = torch.cat([p.reshape(-1, p.shape[-1]) for p in pooled])
         else:

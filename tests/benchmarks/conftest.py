@@ -23,6 +23,6 @@ def tiny_folder(tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def tiny_loaded(tiny_folder):
     """The tiny Llama loaded by foveal.engine.models, as the pipelining sections run it."""
-    from foveal.engine import models
+    from foveal import families
 
-    return models.load(tiny_folder, device="cpu")
+    return families.load(tiny_folder, device="cpu")

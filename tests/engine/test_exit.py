@@ -209,7 +209,7 @@ def test_a_dropped_model_frees_its_weights():
     before = set(threading.enumerate())  # engines of other tests' models may still run: not this one's
     model = foveal.load()  # Model.__init__ registers shutdown.close_with(model, model.engine)
     its_threads = [t for t in threading.enumerate() if t not in before and t.name.startswith("foveal-")]
-    weights = [StorageWeakRef(p.untyped_storage()) for p in model.loaded.runner.model.parameters()]
+    weights = [StorageWeakRef(p.untyped_storage()) for p in model.family.runner.model.parameters()]
     model.generate(scenes.render(scenes.generate_scene(1)), "hi", settings={"max_tokens": 4})
     model = None
     gc.collect()

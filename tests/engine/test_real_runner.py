@@ -14,7 +14,7 @@ import transformers as tf
 from foveal import grammars
 from foveal.engine import Engine, EngineConfig, FinishReason, Request, SamplingParams
 
-models = pytest.importorskip("foveal.engine.models")
+families = pytest.importorskip("foveal.families")
 
 PROMPTS = ["the quick brown", "héllo wörld", "a", '{"x": 0.25', "日本語 🙂 and more text here"]
 
@@ -40,7 +40,7 @@ def llama(tokenizer, tmp_path_factory):
     folder = tmp_path_factory.mktemp("llama")
     tf.LlamaForCausalLM(config).save_pretrained(folder)
     hf_tok.save_pretrained(folder)
-    loaded = models.load(folder, device="cpu")
+    loaded = families.load(folder, device="cpu")
     reference = tf.LlamaForCausalLM.from_pretrained(folder).eval()
     return loaded, reference
 

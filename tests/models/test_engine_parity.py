@@ -3,7 +3,7 @@
 import pytest
 
 from foveal.engine import Engine, EngineConfig, Request, SamplingParams
-from foveal.engine.models import load
+from foveal.families import load
 from foveal.testing import parity, tiny
 
 MAX_NEW = 8

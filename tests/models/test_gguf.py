@@ -8,9 +8,10 @@ import pytest
 import torch
 import transformers
 
-from foveal.engine.models import ModelLoadError, load
+from foveal.engine.models import ModelLoadError
 from foveal.engine.models.loader import check_gguf
 from foveal.engine.models.quant import HalfLinear, QuantLinear, fp16_kernel_available
+from foveal.families import load
 from foveal.testing import parity
 from foveal.testing.smollm2 import GGUF_NAME, smollm2_folder, smollm2_gguf
 
@@ -55,7 +56,7 @@ def test_smollm2_gguf_fp32_folder_greedy_tokens_equal_transformers_gguf_path():
     fp32 path (the folder `smollm2_folder` wrote) give transformers' own tokens."""
     path = smollm2_gguf()
     loaded = load(smollm2_folder(), device="cpu")
-    assert loaded.family == "llama" and loaded.runner.vocab_size == 49152
+    assert loaded.name == "llama" and loaded.runner.vocab_size == 49152
     reference = transformers.AutoModelForCausalLM.from_pretrained(
         path.parent, gguf_file=path.name, dtype=torch.float32
     )

@@ -29,7 +29,6 @@ import pytest
 import torch
 import transformers
 
-from foveal.engine.models import load
 from foveal.engine.models.processor import PromptInputs
 from foveal.engine.models.quant import (
     HalfEmbedding,
@@ -38,6 +37,7 @@ from foveal.engine.models.quant import (
     QuantLinear,
     fp16_kernel_available,
 )
+from foveal.families import load
 from foveal.testing import parity
 
 gguf = pytest.importorskip("gguf")
@@ -234,7 +234,7 @@ def test_fp16_greedy_tokens_and_logits_match_transformers_on_the_files_weights(f
     loaded = load(tiny.path, device="cpu", quantize="fp16")
     runner = loaded.runner
     assert runner.dtype == torch.float32 and runner.vocab_size == VOCAB
-    assert loaded.family == "llama" and EOS_ID in loaded.eos_token_ids
+    assert loaded.name == "llama" and EOS_ID in loaded.eos_token_ids
     assert all(isinstance(layer, HalfLinear) for _, layer in _all_linears(loaded))
     assert isinstance(runner.model.lm_head, HalfLinear)
     assert isinstance(runner.model.get_decoder().embed_tokens, HalfEmbedding)

@@ -11,7 +11,8 @@ import pytest
 import torch
 
 import foveal
-from foveal.engine.models import ImageFeatureCache, PromptInputs, load
+from foveal.engine.models import ImageFeatureCache, PromptInputs
+from foveal.families import load
 from foveal.testing import parity, tiny
 
 
@@ -187,7 +188,7 @@ def test_sdk_calls_on_one_image_encode_it_once(checkpoints):
         again = model.query(a, "red circle", settings={"max_tokens": 4})
         assert len(calls) == 1 and again == first
         model.query(b, "red circle", settings={"max_tokens": 4})
-        assert len(calls) == 2 and len(model.loaded.runner.image_cache) == 2
+        assert len(calls) == 2 and len(model.family.runner.image_cache) == 2
 
 
 def test_sdk_load_can_turn_the_cache_off(checkpoints):

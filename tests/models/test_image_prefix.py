@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from foveal.engine import Engine, EngineConfig, Request, SamplingParams
-from foveal.engine.models import load
+from foveal.families import load
 from foveal.testing import tiny
 from tests.models.test_image_cache import count_encoder_calls
 

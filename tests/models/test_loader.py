@@ -7,7 +7,8 @@ import shutil
 import pytest
 import torch
 
-from foveal.engine.models import ModelLoadError, load, pages_for_budget, supported_architectures
+from foveal.engine.models import ModelLoadError, pages_for_budget
+from foveal.families import load, supported_architectures
 from foveal.testing import parity, tiny
 
 
@@ -18,7 +19,7 @@ def copy(src, dst):
 
 def test_loaded_record_has_runner_tokenizer_processor_eos(checkpoints):
     loaded = load(checkpoints["llama"], device="cpu")
-    assert loaded.family == "llama"
+    assert loaded.name == "llama"
     assert loaded.eos_token_ids == (loaded.tokenizer.eos_token_id,)
     prompt = loaded.processor("red circle")
     assert prompt.token_ids[0] == loaded.tokenizer.bos_token_id
@@ -85,7 +86,7 @@ def test_hub_id_resolves_through_the_cache(checkpoints, tmp_path, monkeypatch):
     monkeypatch.setattr("huggingface_hub.constants.HF_HUB_CACHE", str(cache))
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     loaded = load("tiny-org/tiny-llama", device="cpu")
-    assert loaded.family == "llama"
+    assert loaded.name == "llama"
     assert "snapshots" in str(loaded.runner.model.name_or_path)
 
 

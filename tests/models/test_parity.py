@@ -8,7 +8,7 @@ reference is transformers' `generate` on each prompt alone.
 
 import pytest
 
-from foveal.engine.models import load
+from foveal.families import load
 from foveal.testing import parity, tiny
 
 TOLERANCE = 1e-4
@@ -18,7 +18,7 @@ FAMILIES = ["llama", "gemma", "paligemma", "idefics3", "smolvlm", "llava"]
 @pytest.mark.parametrize("family", FAMILIES)
 def test_greedy_tokens_and_logits_match_transformers(family, checkpoints):
     loaded = load(checkpoints[family], device="cpu")
-    assert loaded.family == family
+    assert loaded.name == family
     prompts = tiny.family_prompts(loaded)
     assert len({len(p.token_ids) for p in prompts}) >= 5
     reference = parity.reference_model(checkpoints[family])

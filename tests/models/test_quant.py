@@ -4,9 +4,10 @@ lean forward's scope."""
 import pytest
 import torch
 
-from foveal.engine.models import ModelLoadError, load
+from foveal.engine.models import ModelLoadError
 from foveal.engine.models.lean import LeanDecoder
 from foveal.engine.models.quant import HalfEmbedding, HalfLinear, QuantEmbedding, QuantLinear, pack_int4
+from foveal.families import load
 from foveal.testing import parity, tiny
 
 
@@ -107,7 +108,7 @@ def test_foveal_load_passes_quantize_down_and_checks_it_first(checkpoints):
     with pytest.raises(ModelLoadError, match="quantize='fp8' is not supported"):
         foveal.load(checkpoints["llama"], device="cpu", quantize="fp8")
     with foveal.load(checkpoints["llama"], device="cpu", quantize="int8", max_model_len=64) as model:
-        assert isinstance(model.loaded.runner.model.get_output_embeddings(), QuantLinear)
+        assert isinstance(model.family.runner.model.get_output_embeddings(), QuantLinear)
         out = model.generate(None, "hello", None, {"temperature": 0.0, "max_tokens": 4})
         assert isinstance(out["text"], str)
 

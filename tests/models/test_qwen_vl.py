@@ -15,8 +15,9 @@ import pytest
 import torch
 
 from foveal.engine import Engine, EngineConfig, Request, SamplingParams
-from foveal.engine.models import ModelLoadError, load
-from foveal.engine.models.qwen_vl import PLACEHOLDER, POSITIONS
+from foveal.engine.models import ModelLoadError
+from foveal.families import load
+from foveal.families.qwen_vl.model import PLACEHOLDER, POSITIONS
 from foveal.testing import parity, tiny, tiny_qwen
 
 FAMILIES = list(tiny_qwen.FAMILIES)
@@ -33,7 +34,7 @@ def qwen(tmp_path_factory):
 @pytest.mark.parametrize("family", FAMILIES)
 def test_runner_matches_transformers(family, qwen):
     loaded = load(qwen[family], device="cpu")
-    assert loaded.family == family
+    assert loaded.name == family
     prompts = tiny.family_prompts(loaded)
     grids = [
         tuple(g) for p in prompts if p.prefill for g in p.prefill.image_tensors["image_grid_thw"].tolist()

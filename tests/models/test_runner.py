@@ -5,8 +5,8 @@ import dataclasses
 import pytest
 import torch
 
-from foveal.engine.models import load
 from foveal.engine.models.traced import bucket
+from foveal.families import load
 from foveal.testing import parity, tiny
 
 

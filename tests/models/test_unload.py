@@ -27,10 +27,10 @@ def _global_traces() -> int:
 
 def _load_call_close(image) -> list[StorageWeakRef]:
     model = foveal.load()
-    weights = [StorageWeakRef(p.untyped_storage()) for p in model.loaded.runner.model.parameters()]
+    weights = [StorageWeakRef(p.untyped_storage()) for p in model.family.runner.model.parameters()]
     model.generate(image, "hi", settings={"max_tokens": 6})  # prefill + decode steps, traced beside them
-    model.loaded.runner.decode_graphs.wait()
-    assert model.loaded.runner.decode_graphs.graphs, "a decode step should have been traced"
+    model.family.runner.decode_graphs.wait()
+    assert model.family.runner.decode_graphs.graphs, "a decode step should have been traced"
     model.close()
     return weights
 

@@ -22,7 +22,7 @@ import pytest
 from PIL import Image
 
 import foveal
-from foveal.shapes_format import ShapesFormat
+from foveal.families.shapes.format import ShapesFormat
 from foveal.testing import tiny
 
 

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 import foveal
-from foveal.shapes_format import ShapesFormat
+from foveal.families.shapes.format import ShapesFormat
 from foveal.training import eval_shapes
 from foveal.training.train_shapes import EXPORTED_FILES
 from foveal.vision import scenes
@@ -51,7 +51,7 @@ def test_detect_recall_on_50_held_out_scenes_through_foveal_load():
     tasks = [eval_shapes.eval_tasks(s, i) for i, s in enumerate(scene_list)]
     found = total = 0
     with foveal.load() as model:
-        assert Path(model.loaded.source) == EMBEDDED
+        assert Path(model.family.source) == EMBEDDED
         for scene, task in zip(scene_list, tasks, strict=True):
             boxes = model.detect(scenes.render(scene), task["phrase"])["objects"]
             truth = [o.box(scene.width, scene.height) for o in scenes.objects_matching(scene, task["phrase"])]

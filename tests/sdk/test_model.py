@@ -21,7 +21,8 @@ import foveal
 from foveal.grammars import spatial
 from foveal.model import EncodedImage
 from foveal.results import CaptionResult, DetectResult, GenerateResult, PointResult, QueryResult
-from foveal.skills import ChatSkills, PaliGemmaSkills, ShapesSkills
+from foveal.families import PaliGemmaFamily, ShapesFamily
+from foveal.families.chat import ChatFamily
 from foveal.vision import ImageError, image_key, load_image
 
 BOX = ("x_min", "y_min", "x_max", "y_max")
@@ -68,9 +69,9 @@ class Spy:
 
 
 def test_skills_follow_the_family(shapes_model, paligemma_model, llama_model):
-    assert isinstance(shapes_model.skills, ShapesSkills) and shapes_model.skills.fmt.n_bins == 32
-    assert isinstance(paligemma_model.skills, PaliGemmaSkills)
-    assert isinstance(llama_model.skills, ChatSkills)
+    assert isinstance(shapes_model.family, ShapesFamily) and shapes_model.family.fmt.n_bins == 32
+    assert type(paligemma_model.family) is PaliGemmaFamily
+    assert type(llama_model.family) is ChatFamily
     assert "paligemma" in repr(paligemma_model)
 
 
@@ -100,7 +101,7 @@ def test_bad_load_arguments_fail_before_reading_weights(kwargs, error, shapes_fo
     def no_weights(*args, **kwargs):
         raise AssertionError("weights were read before the arguments were checked")
 
-    monkeypatch.setattr(model_module.engine_models, "load", no_weights)
+    monkeypatch.setattr(model_module.families, "load", no_weights)
     name = next(iter(kwargs))
     with pytest.raises(error, match=name):
         foveal.load(shapes_folder, **kwargs)  # a loadable folder: only the argument check can refuse
@@ -337,7 +338,7 @@ def test_query_without_an_image_on_a_vision_chat_model_has_no_image_placeholder(
     spy = Spy(idefics3_model, monkeypatch)
     answer = idefics3_model.query(None, "what is it?", settings={"max_tokens": 4})["answer"]
     assert isinstance(answer, str)
-    placeholder = idefics3_model.loaded.tokenizer.convert_tokens_to_ids("<image>")
+    placeholder = idefics3_model.family.tokenizer.convert_tokens_to_ids("<image>")
     assert placeholder not in spy.requests[0].prompt_ids
 
 
@@ -518,8 +519,8 @@ def test_a_phrase_too_long_for_any_answer_is_refused_before_work(shapes_model, i
 def test_max_objects_is_lowered_to_what_max_tokens_holds(shapes_model, image, monkeypatch):
     """A complete answer always fits: the grammar allows only as many items as the budget holds."""
     spy = Spy(shapes_model, monkeypatch)
-    tokens = len(shapes_model.loaded.tokenizer(
-        shapes_model.skills.detect("shape", 1).spec.example_answer(2), add_special_tokens=False
+    tokens = len(shapes_model.family.tokenizer(
+        shapes_model.family.detect("shape", 1).spec.example_answer(2), add_special_tokens=False
     )["input_ids"])
     result = shapes_model.detect(image, "shape", {"max_tokens": tokens + 1, "max_objects": 50})
     assert 0 <= len(result["objects"]) <= 2

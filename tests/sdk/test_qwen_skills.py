@@ -46,7 +46,7 @@ def test_grounding_task_is_native_and_on_the_family_scale(models, family, scale,
     assert isinstance(spec, GroundingSpec) and (spec.width, spec.height) == scale
     assert spec.label == "red circle" and spec.max_objects == 2
     what = "bbox" if skill == "detect" else "point"
-    text = model.loaded.tokenizer.decode(job.request.prompt_ids)
+    text = model.family.tokenizer.decode(job.request.prompt_ids)
     assert f"Locate every red circle in the image and output the {what} coordinates in JSON format." in text
     assert text.count("<|image_pad|>") == job.request.prefill.num_image_tokens > 0
 

@@ -1,4 +1,6 @@
-"""Skills per family (prompt, output spec, parser) and generate's output parsers, without a model."""
+"""Skills per family (prompt, output spec, parser) and generate's output parsers, without model weights.
+
+Families are built over a `LoadedModel` that holds only a tokenizer: a skill call reads nothing else."""
 
 from __future__ import annotations
 
@@ -16,20 +18,34 @@ from pydantic import BaseModel
 
 import foveal
 from foveal import grammars
+from foveal.engine.models import Architecture, LoadedModel, ModelLoadError
 from foveal.errors import GenerationError
+from foveal.families import PaliGemmaFamily, ShapesFamily, family_for
+from foveal.families.chat import ChatFamily
+from foveal.families.conversation import user_turn
+from foveal.families.shapes.format import ShapesFormat
 from foveal.grammars import spatial
-from foveal.shapes_format import ShapesFormat
-from foveal.skills import (
-    ChatSkills,
-    PaliGemmaSkills,
-    ShapesSkills,
-    Skills,
-    check_length,
-    check_object,
-    check_text,
-    skills_for,
-)
+from foveal.skills import check_length, check_object, check_text, parser
 from foveal.vision import scenes
+
+VISION = Architecture("llava", ("LlavaForConditionalGeneration",), "LlavaProcessor", image_token="<image>")
+TEXT = Architecture("llama", ("LlamaForCausalLM",))
+
+
+def loaded(tokenizer=None) -> LoadedModel:
+    return LoadedModel(None, tokenizer, None, (), "test")
+
+
+def ShapesSkills(fmt, tokenizer=None):  # noqa: N802 (reads as the family it builds)
+    return ShapesFamily(loaded(tokenizer), fmt)
+
+
+def PaliGemmaSkills(tokenizer=None):  # noqa: N802
+    return PaliGemmaFamily(loaded(tokenizer))
+
+
+def ChatSkills(tokenizer=None, image_token="<image>"):  # noqa: N802
+    return ChatFamily(loaded(tokenizer), VISION if image_token else TEXT)
 
 TEMPLATE = (
     "{{ bos_token }}{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}<|end|>{% endfor %}"
@@ -115,7 +131,7 @@ def test_object_phrases_that_break_the_location_format_are_refused(phrase, messa
 
 def test_special_token_text_in_user_text_is_refused(tokenizer):
     """ "<eos>" in an object phrase or question would be read as the token itself, not as text."""
-    for skills in (ChatSkills(tokenizer, "<image>"), skills_for(None, "paligemma", tokenizer, "<image>")):
+    for skills in (ChatSkills(tokenizer, "<image>"), PaliGemmaSkills(tokenizer)):
         with pytest.raises(ValueError, match="'<image>', a special token"):
             skills.detect("a <image> car", 3)
         with pytest.raises(ValueError, match="'<eos>', a special token"):
@@ -131,14 +147,14 @@ def test_special_token_text_in_user_text_is_refused(tokenizer):
         (ShapesSkills(ShapesFormat()), "detect", "<loc0001><loc0002> circle"),
         (ShapesSkills(ShapesFormat()), "point", "<loc0001><loc0002> circle ; "),
         (PaliGemmaSkills(), "point", "<loc0001>"),
-        (Skills(), "generate", '{"a": '),
+        (ChatSkills(), "generate", '{"a": '),
     ],
 )
 def test_a_parse_failure_is_a_generation_error_naming_the_skill(skills, skill, text):
     task = skills.generate("x", {"type": "object"}) if skill == "generate" else getattr(skills, skill)("circle", 3)
     json_automaton = types.SimpleNamespace(parse=json.loads)  # what compile({"type": "object"}) carries
     with pytest.raises(GenerationError, match=f"^{skill}: the constrained answer"):
-        task.parser(json_automaton)(text)
+        parser(task, json_automaton)(text)
 
 
 # ---- PaliGemma ---------------------------------------------------------------------------------------------------
@@ -169,94 +185,50 @@ def test_paligemma_point_is_the_centre_of_detect_boxes():
 
 def test_chat_without_template_uses_a_plain_layout(tokenizer):
     skills = ChatSkills(tokenizer, image_token=None)
-    assert skills.query("why?").prompt == "Question: why?\nAnswer:"
+    assert skills.template.render(user_turn("why?"))[0] == "Question: why?\nAnswer:"
+    assert ChatSkills(tokenizer).template.render(user_turn("why?", 1))[0] == "Question: <image>\nwhy?\nAnswer:"
     task = skills.detect("car", 3)
     assert task.spec == spatial.boxes("json", max_objects=3) and not task.keep_special
     assert task.parse('{"objects": [{"x_min": 0, "y_min": 0.5, "x_max": 1, "y_max": 0.75}]}') == [
         {"x_min": 0, "y_min": 0.5, "x_max": 1, "y_max": 0.75}
     ]
     assert skills.point("car", 3).parse('{"points": [{"x": 0.25, "y": 1}]}') == [{"x": 0.25, "y": 1}]
+    with pytest.raises(ValueError, match="no chat template, so it takes one user message"):
+        skills.template.render((*user_turn("hi"), *user_turn("again")))
 
 
-def test_chat_template_from_the_tokenizer_without_a_second_bos(builders):
+def test_chat_template_renders_as_transformers_tokenizes(builders):
+    """The template writes BOS here, so the ids are the rendered text's without special tokens added:
+    what tokenizer.apply_chat_template(tokenize=True) gives."""
+    tok = builders.train_tokenizer()
+    tok.chat_template = TEMPLATE
+    text, special = ChatSkills(tok, image_token=None).template.render(user_turn("what is it?"))
+    assert text == "<bos><|user|>what is it?<|end|><|assistant|>" and not special
+    expected = tok.apply_chat_template(
+        [{"role": "user", "content": "what is it?"}], tokenize=True, add_generation_prompt=True
+    )
+    expected = expected["input_ids"] if isinstance(expected, dict) or hasattr(expected, "keys") else expected
+    assert tok(text, add_special_tokens=special)["input_ids"] == list(expected)
+
+
+def test_a_skill_task_holds_the_ask_and_the_turn_is_built_with_the_calls_images(builders):
     tok = builders.train_tokenizer()
     tok.chat_template = TEMPLATE
     skills = ChatSkills(tok, image_token="<image>")
-    prompt = skills.query("what is it?").prompt
-    assert prompt == "<|user|><image>\nwhat is it?<|end|><|assistant|>"  # BOS is added by tokenization
-    ids = tok(prompt)["input_ids"]
-    assert ids.count(tok.bos_token_id) == 1
+    task = skills.query("what is it?")
+    assert task.prompt == "what is it?"
+    assert skills.conversation(task, 1) == user_turn("what is it?", 1)
+    assert skills.conversation(task, 0) == user_turn("what is it?", 0)
 
 
-class Guarded:
-    """A tokenizer that fails the test when used after `armed` is set (by calls, not construction)."""
-
-    def __init__(self, tokenizer):
-        self.tokenizer = tokenizer
-        self.armed = False
-
-    def __getattr__(self, name):
-        if "tokenizer" not in self.__dict__:  # deepcopy looks up attributes before __init__ state exists
-            raise AttributeError(name)
-        if self.armed:
-            raise AssertionError(f"tokenizer.{name} used by a skill call, outside the model lock")
-        return getattr(self.tokenizer, name)
-
-    def __call__(self, *args, **kwargs):
-        if self.armed:
-            raise AssertionError("tokenizer(...) called by a skill call, outside the model lock")
-        return self.tokenizer(*args, **kwargs)
-
-
-@pytest.mark.parametrize("template", [TEMPLATE, TEMPLATE.replace("m['content']", "m['content'] | upper")])
-def test_chat_skills_never_use_the_shared_tokenizer_per_call(builders, template):
-    """Calls run on the callers' threads; the tokenizer is read once, at construction (a template
-    that transforms the text is rendered on a private copy instead)."""
-    tok = builders.train_tokenizer()
-    tok.chat_template = template
-    reference = ChatSkills(tok, image_token="<image>")
-    guarded = Guarded(tok)
-    skills = ChatSkills(guarded, image_token="<image>")
-    guarded.armed = True
-    tasks = [
-        skills.query("what is it?"),
-        skills.caption("long"),
-        skills.detect("car", 2),
-        skills.point("car", 2),
-    ]
-    tasks.append(skills.generate("say hi", None))
-    expected = [reference.query("what is it?"), reference.caption("long"), reference.detect("car", 2)]
-    expected += [reference.point("car", 2), reference.generate("say hi", None)]
-    assert [t.prompt for t in tasks] == [t.prompt for t in expected]
-    boxes = skills.generate("boxes", spatial.boxes("json"))
-    automaton = types.SimpleNamespace(parse=lambda text: {"parsed": text})
-    assert boxes.parser(automaton)("{}") == {"parsed": "{}"}  # generate keeps its output type's parser
-    rendered = tok.apply_chat_template(
-        [{"role": "user", "content": "<image>\nwhat is it?"}], tokenize=False, add_generation_prompt=True
-    )
-    assert tasks[0].prompt == rendered.removeprefix("<bos>")
-
-
-def test_chat_prompt_without_an_image_has_no_placeholder(builders):
-    tok = builders.train_tokenizer()
-    tok.chat_template = TEMPLATE
-    for skills in (ChatSkills(tok, image_token="<image>"), ChatSkills(builders.train_tokenizer(), "<image>")):
-        task = skills.query("what is it?")
-        assert "<image>" in task.prompt_for(True) and "<image>" not in task.prompt_for(False)
-        assert task.prompt_for(False).count("what is it?") == 1
-    assert (
-        ChatSkills(tok, image_token=None).query("why?").prompt_for(False)
-        == "<|user|>why?<|end|><|assistant|>"
-    )
-
-
-def test_skills_for_picks_the_family(tmp_path, tokenizer):
-    assert isinstance(skills_for(None, "paligemma", tokenizer, "<image>"), PaliGemmaSkills)
-    assert isinstance(skills_for(None, "llama", tokenizer, None), ChatSkills)
+def test_family_for_picks_the_family(tmp_path):
+    raw = {"architectures": ["PaliGemmaForConditionalGeneration"]}
+    assert family_for(raw, tmp_path) is PaliGemmaFamily
+    assert family_for({"architectures": ["LlamaForCausalLM"]}, tmp_path) is ChatFamily
     ShapesFormat(n_bins=8).save(tmp_path)
-    assert skills_for(tmp_path, "paligemma", tokenizer, "<image>").fmt.n_bins == 8
-    with pytest.raises(ValueError, match="describes a 'paligemma' model but the checkpoint is 'llama'"):
-        skills_for(tmp_path, "llama", tokenizer, None)
+    assert family_for(raw, tmp_path) is ShapesFamily
+    with pytest.raises(ModelLoadError, match="unsupported architecture"):
+        family_for({"architectures": ["BertModel"]}, tmp_path)
 
 
 # ---- argument checks ------------------------------------------------------------------------------------------

@@ -19,9 +19,9 @@ import pytest
 from PIL import Image
 
 import foveal
+from foveal.families.shapes.format import ShapesFormat
 from foveal.server import ServerConfig, create_app
 from foveal.server.background import BackgroundServer
-from foveal.shapes_format import ShapesFormat
 from foveal.testing import tiny
 from foveal.vision import scenes
 

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from foveal.shapes_format import ShapesFormat
+from foveal.families.shapes.format import ShapesFormat
 from foveal.training import train_shapes as ts
 from foveal.vision import scenes
 
@@ -129,7 +129,7 @@ def test_soft_location_targets_cost_less_for_near_misses(tiny_cfg):
     assert loss_for(5) < loss_for(6) < loss_for(9)
 
 
-# ---- task formats (foveal.shapes_format) -------------------------------------------------------
+# ---- task formats (foveal.families.shapes.format) -------------------------------------------------------
 
 
 def test_location_bins_encode_and_decode():

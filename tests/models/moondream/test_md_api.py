@@ -9,7 +9,7 @@ import threading
 import pytest
 
 import foveal
-from foveal.moondream_skills import parse_regions
+from foveal.families.moondream.family import parse_regions
 
 IMAGES = ("gradient_300x200", "multicrop_900x500", "small_64x64")
 QUESTION = "tok1012 tok318 tok428 tok30"
@@ -24,7 +24,7 @@ def model(request, md_dir):
 
 def expected(model, md_dir, figures, name):
     fig = figures["images"][name]
-    decode = model.loaded.tokenizer.decode
+    decode = model.family.tokenizer.decode
     return {
         "caption": decode(fig["caption_normal"]["greedy_ids"], skip_special_tokens=True),
         "answer": decode(fig["query"]["greedy_ids"], skip_special_tokens=True),
@@ -84,14 +84,14 @@ def test_sharing_the_batch(model, md_dir, md_figures):
     for name in IMAGES:
         assert results[name] == expected(model, md_dir, md_figures, name)
     ids = md_figures["text_only"]["greedy_ids"]
-    assert results["text"] == model.loaded.tokenizer.decode(ids, skip_special_tokens=True)
+    assert results["text"] == model.family.tokenizer.decode(ids, skip_special_tokens=True)
 
 
 def test_streaming_and_image_reuse(model, md_dir, md_figures):
     name = "multicrop_900x500"
     image = model.encode_image(md_dir / md_figures["images"][name]["image"]["file"])
     model.caption(image, settings={"max_tokens": 2})
-    runner = model.loaded.runner
+    runner = model.family.runner
     encoded, cached = runner.images_encoded, model.engine.stats()["cached_prompt_tokens"]
     chunks = list(model.query(image, QUESTION, stream=True, settings={"max_tokens": 12})["answer"])
     assert "".join(chunks) == expected(model, md_dir, md_figures, name)["answer"]

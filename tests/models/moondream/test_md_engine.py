@@ -88,7 +88,7 @@ def test_a_cut_region_answer_is_incomplete(models):
 
 def test_image_encoded_once_across_calls(models):
     model = models[0]
-    runner = model.loaded.runner
+    runner = model.family.runner
     image = (np.random.default_rng(7).random((64, 64, 3)) * 255).astype(np.uint8)
     first = model.query(image, "how many?", settings={"max_tokens": 4})
     encoded = runner.images_encoded
@@ -164,7 +164,7 @@ def test_cancel_mid_answer_frees_everything(models):
 def test_bfloat16_on_cpu(folder):
     """Stored bf16 weights used as bf16: answers are well formed (bf16 is not compared with fp32)."""
     with foveal.load(folder, dtype="bfloat16") as model:
-        assert model.loaded.runner.dtype == torch.bfloat16
+        assert model.family.runner.dtype == torch.bfloat16
         result = model.detect(images()[0], "car", settings={"max_objects": 2})
         assert len(result["objects"]) == 2
         assert model.caption(images()[0], settings={"max_tokens": 4})["caption"]

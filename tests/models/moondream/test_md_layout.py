@@ -9,8 +9,8 @@ import torch
 from safetensors.torch import save_file
 
 from foveal.engine.models import ModelLoadError
-from foveal.engine.models.moondream.config import MoondreamConfig
-from foveal.engine.models.moondream.weights import MoondreamWeights, load_weights
+from foveal.families.moondream.config import MoondreamConfig
+from foveal.families.moondream.weights import MoondreamWeights, load_weights
 
 TINY = {
     "text": {"dim": 128, "ff_dim": 256, "n_layers": 2, "vocab_size": 1024, "n_heads": 2, "n_kv_heads": 2},

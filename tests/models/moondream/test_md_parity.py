@@ -14,13 +14,13 @@ import pytest
 import torch
 from PIL import Image
 
-from foveal.engine.models.families import family_named
-from foveal.engine.models.moondream.answers import COORD, GATE, SIZE
-from foveal.engine.models.moondream.config import MoondreamConfig
-from foveal.engine.models.moondream.processor import MoondreamProcessor, MoondreamPrompt
-from foveal.engine.models.moondream.runner import MoondreamRunner
-from foveal.engine.models.moondream.weights import load_weights
+from foveal.engine.models.arch import family_named
 from foveal.engine.runner import ForwardBatch
+from foveal.families.moondream.answers import COORD, GATE, SIZE
+from foveal.families.moondream.config import MoondreamConfig
+from foveal.families.moondream.processor import MoondreamProcessor, MoondreamPrompt
+from foveal.families.moondream.runner import MoondreamRunner
+from foveal.families.moondream.weights import load_weights
 
 from .conftest import tolerance
 

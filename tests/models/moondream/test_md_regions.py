@@ -5,10 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from foveal.engine.models.moondream.answers import COORD, GATE, SIZE, AnswerMatcher, RegionMatcher
-from foveal.engine.models.moondream.region import coord_id, size_id, value_of
 from foveal.engine.regions import own_masks, stage_kinds
-from foveal.moondream_skills import parse_regions
+from foveal.families.moondream.answers import COORD, GATE, SIZE, AnswerMatcher, RegionMatcher
+from foveal.families.moondream.family import parse_regions
+from foveal.families.moondream.region import coord_id, size_id, value_of
 
 V, EOS = 1024, 0
 

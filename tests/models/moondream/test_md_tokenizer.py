@@ -8,8 +8,8 @@ import pytest
 from tokenizers import Tokenizer, models, pre_tokenizers
 
 from foveal.engine.models import ModelLoadError
-from foveal.engine.models.moondream.region import coord_id, size_id
-from foveal.engine.models.moondream.tokenizer import load_tokenizer
+from foveal.families.moondream.region import coord_id, size_id
+from foveal.families.moondream.tokenizer import load_tokenizer
 from foveal.testing import moondream
 
 

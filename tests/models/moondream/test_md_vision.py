@@ -7,9 +7,9 @@ import pytest
 import torch
 from PIL import Image
 
-from foveal.engine.models.moondream import vision
-from foveal.engine.models.moondream.config import MoondreamConfig
-from foveal.engine.models.moondream.weights import load_weights
+from foveal.families.moondream import vision
+from foveal.families.moondream.config import MoondreamConfig
+from foveal.families.moondream.weights import load_weights
 
 from .conftest import tolerance
 

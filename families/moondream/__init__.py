@@ -12,9 +12,10 @@ DESIGN terms, one concept per file:
     runner.py    `MoondreamRunner`, the engine's ModelRunner (image-embedding cache, region sampling)
     processor.py prompt ids + PrefillInputs (crops, tiling, image key, prefix 730)
     tokenizer.py the folder's tokenizer or starmie-v1 from the HF cache; region values spelled as text
-    loader.py    `load_folder`, called by engine/models/loader.py for model_type `moondream1`
+    load.py      `load_folder`: the checkpoint on foveal's engine (model_type `moondream1`)
+    family.py    `MoondreamFamily`, the plugin: skills in Moondream's own prompts, answers and decode rules
 
-Region decoding inside the two-slot pipeline (forward now, sample later; engine/regions.py):
+Region decoding inside the two-slot pipeline (forward now, sample later; foveal.engine.regions):
     launch t+1   the forward of step t+1 is queued before commit t. A decode row's input id is gathered
                  on the device from where step t's sampler wrote it; for a region step that id is a
                  *value id* past the vocabulary (V + bin for a coordinate, V + 1024 + 1024 w + h for a
@@ -37,6 +38,7 @@ Region decoding inside the two-slot pipeline (forward now, sample later; engine/
 Blocking mode runs the same steps with a wait after each, so pipelined == blocking (tested).
 """
 
-from foveal.engine.models.moondream.loader import is_moondream, load_folder
+from foveal.families.moondream.family import MoondreamFamily
+from foveal.families.moondream.load import is_moondream, load_folder
 
-__all__ = ["is_moondream", "load_folder"]
+__all__ = ["MoondreamFamily", "is_moondream", "load_folder"]

@@ -24,7 +24,7 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
-from foveal.engine.models.families import ModelLoadError
+from foveal.engine.models.arch import ModelLoadError
 
 from .config import MoondreamConfig
 from .region import RegionHeads

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-from foveal.engine.models.families import ModelLoadError, family_named
+from foveal.engine.models.arch import Architecture, ModelLoadError
 from foveal.engine.models.loader import LoadedModel
 
 from .config import MoondreamConfig
@@ -22,6 +22,9 @@ from .runner import MoondreamRunner
 from .tokenizer import load_tokenizer
 from .weights import load_weights
 
+# The runner's description: a vision model whose processor is MoondreamProcessor (processor.py).
+MOONDREAM = Architecture("moondream", ("HfMoondream",), processor_class="MoondreamProcessor")
+
 
 def is_moondream(raw: dict) -> bool:
     return raw.get("model_type") == "moondream1" or "HfMoondream" in (raw.get("architectures") or [])
@@ -29,7 +32,7 @@ def is_moondream(raw: dict) -> bool:
 
 def load_folder(
     path: Path, device: torch.device, dtype: torch.dtype, source: str, image_cache_bytes: int
-) -> LoadedModel:
+) -> tuple[LoadedModel, MoondreamConfig]:
     raw = json.loads((path / "config.json").read_text())
     config = MoondreamConfig.from_dict(raw.get("config"))
     weights_file = path / "model.safetensors"
@@ -37,8 +40,7 @@ def load_folder(
         shards = sorted(p.name for p in path.glob("*.safetensors"))
         raise ModelLoadError(f"{path} has no model.safetensors (found {shards}); Moondream 2 ships one file")
     tokenizer = load_tokenizer(path, config.text.vocab_size, config.tokenizer.eos_id)
-    tokenizer.moondream_config = config  # the skills read templates and special ids from it
     weights = load_weights(weights_file, config, device, dtype)
-    runner = MoondreamRunner(weights, family_named("moondream"), image_cache_bytes)
+    runner = MoondreamRunner(weights, MOONDREAM, image_cache_bytes)
     processor = MoondreamProcessor(config, tokenizer, device, dtype)
-    return LoadedModel(runner, tokenizer, processor, (config.tokenizer.eos_id,), "moondream", source)
+    return LoadedModel(runner, tokenizer, processor, (config.tokenizer.eos_id,), source), config

@@ -1,4 +1,4 @@
-"""`MoondreamSkills`: caption, query, detect, point and generate in Moondream 2's own format.
+"""`MoondreamFamily`: Moondream 2 (foveal's own implementation), its skills in the model's own format.
 
 Moondream's prompts are template ids from its config around the user's text (`MoondreamPrompt`):
     caption  the caption template of the length (short / normal / long);
@@ -6,7 +6,8 @@ Moondream's prompts are template ids from its config around the user's text (`Mo
              suffix twice when reasoning is off); without an image the same after BOS, causal;
     detect   detect.prefix + " " + object + detect.suffix (the object text gets a leading space);
     point    point.prefix + " " + object + point.suffix;
-    generate the query layout, the answer constrained by the output type's grammar.
+    generate the query layout, the answer constrained by the output type's grammar;
+    chat     one user message, asked as a query (Moondream has no chat template).
 Decode rules (the reference's): a caption / query answer may start with any token, later tokens
 never with the answer id (`AnswerMatcher`, through `Task.rules`); detect / point answers are
 region automata (`RegionMatcher`): stop-or-x, y, (size), ... decoded by the engine's region steps,
@@ -23,16 +24,24 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
 
-from foveal.engine.models.moondream.answers import AnswerMatcher, RegionMatcher
-from foveal.engine.models.moondream.config import MoondreamConfig
-from foveal.engine.models.moondream.processor import MoondreamPrompt
-from foveal.engine.models.moondream.region import coord_from_bin, size_from_bins
-from foveal.results import CaptionResult, DetectResult, GenerateResult, PointResult, QueryResult
-from foveal.skills import Skills, Task, _guarded, special_texts
+from foveal import grammars
+from foveal.engine.matcher import FillMasks
+from foveal.engine.models.arch import ModelLoadError
+from foveal.engine.models.loader import LoadedModel, LoadOptions
+from foveal.engine.regions import own_masks
+from foveal.families.base import Capabilities, Family
+from foveal.families.conversation import Conversation
+from foveal.families.moondream.answers import AnswerMatcher, RegionMatcher
+from foveal.families.moondream.config import MoondreamConfig
+from foveal.families.moondream.load import is_moondream, load_folder
+from foveal.families.moondream.processor import MoondreamPrompt
+from foveal.families.moondream.region import coord_from_bin, size_from_bins
+from foveal.families.task import Task
 
 VALUE = re.compile(r"<(coord|size) (\d+)(?: (\d+))?>")
 
@@ -72,14 +81,42 @@ def parse_regions(text: str, with_size: bool, clip: bool = True) -> list[dict[st
     return out
 
 
-class MoondreamSkills(Skills):
-    name = "moondream"
+SKILLS = frozenset({"caption", "query", "detect", "point", "generate", "chat"})
 
-    def __init__(self, config: MoondreamConfig, tokenizer: Any) -> None:
-        super().__init__(special_texts(tokenizer))
+
+class MoondreamFamily(Family):
+    name = "moondream"
+    architectures = ("HfMoondream",)
+
+    def __init__(self, loaded: LoadedModel, config: MoondreamConfig) -> None:
+        lengths = tuple((config.tokenizer.templates.get("caption") or {}).keys())
+        super().__init__(loaded, Capabilities(SKILLS, vision=True, caption_lengths=lengths))
         self.config = config
         self.ids = config.tokenizer
         self.templates = config.tokenizer.templates
+
+    @classmethod
+    def matches(cls, raw: dict, folder: Path) -> bool:
+        return is_moondream(raw)
+
+    @classmethod
+    def load(cls, folder: Path, raw: dict, options: LoadOptions) -> MoondreamFamily:
+        for name, value in (("quantize", options.quantize), ("image_options", options.image_options)):
+            if value:
+                raise ModelLoadError(f"{name} is not supported for Moondream 2 (its own implementation); leave it unset")
+        loaded, config = load_folder(folder, options.device, options.dtype, str(folder), options.image_cache_bytes)
+        return cls(loaded, config)
+
+    def compile(self, spec: Any) -> grammars.Automaton | None:
+        if isinstance(spec, RegionAnswer):  # its own automaton: nothing to compile
+            return spec
+        return super().compile(spec)
+
+    @property
+    def fill_masks(self) -> FillMasks:
+        """Moondream's own matchers (its decode rules, its region automata) fill their rows themselves."""
+        return own_masks(grammars.fill_masks)
+
 
     def _template(self, skill: str) -> dict:
         template = self.templates.get(skill)
@@ -98,31 +135,40 @@ class MoondreamSkills(Skills):
             raise ValueError(
                 f"this Moondream checkpoint has no {length!r} caption; use one of {', '.join(template)}"
             )
-        return Task(CaptionResult, MoondreamPrompt(tuple(template[length])), rules=self._rules)
+        return Task("caption", MoondreamPrompt(tuple(template[length])), rules=self._rules)
 
     def _query_prompt(self, text: str) -> MoondreamPrompt:
         template = self._template("query")
         return MoondreamPrompt(tuple(template["prefix"]), text, tuple(template["suffix"]) * 2)
 
     def query(self, question: str) -> Task:
-        return Task(QueryResult, self._query_prompt(self.plain("question", question)), rules=self._rules)
+        return Task("query", self._query_prompt(self.plain("question", question)), rules=self._rules)
 
     def detect(self, phrase: str, max_objects: int) -> Task:
-        return self._region_task(DetectResult, "detect", phrase, max_objects, with_size=True)
+        return self._region_task("detect", phrase, max_objects, with_size=True)
 
     def point(self, phrase: str, max_objects: int) -> Task:
-        return self._region_task(PointResult, "point", phrase, max_objects, with_size=False)
+        return self._region_task("point", phrase, max_objects, with_size=False)
 
-    def _region_task(self, result: type, skill: str, phrase: str, max_objects: int, with_size: bool) -> Task:
+    def _region_task(self, skill: str, phrase: str, max_objects: int, with_size: bool) -> Task:
         template = self._template(skill)
         prompt = MoondreamPrompt(
             tuple(template["prefix"]), " " + self.plain("object", phrase), tuple(template["suffix"])
         )
         spec = RegionAnswer(with_size, max_objects, self.config.text.vocab_size, self.ids.eos_id)
-        parse = _guarded(skill, lambda text: parse_regions(text, with_size))
-        return Task(result, prompt, spec, parse, keep_special=True)
+        return Task(skill, prompt, spec, lambda text: parse_regions(text, with_size), keep_special=True)
 
     def generate(self, prompt: str, output_type: Any) -> Task:
+        return self._ask("generate", self.plain("prompt", prompt), output_type)
+
+    def chat(self, conversation: Conversation, output_type: Any) -> Task:
+        if len(conversation) != 1 or conversation[0].role != "user":
+            raise ValueError(
+                "Moondream has no chat template: chat takes one user message (with its image), asked as a query"
+            )
+        return self._ask("chat", self.plain("message", conversation[0].text), output_type)
+
+    def _ask(self, skill: str, text: str, output_type: Any) -> Task:
         if output_type is None:
-            return Task(GenerateResult, self._query_prompt(self.plain("prompt", prompt)), rules=self._rules)
-        return Task(GenerateResult, self._query_prompt(self.plain("prompt", prompt)), output_type)
+            return Task(skill, self._query_prompt(text), rules=self._rules)
+        return Task(skill, self._query_prompt(text), output_type)

@@ -70,7 +70,7 @@ import transformers
 from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 from transformers.models.qwen3_vl.modeling_qwen3_vl import BaseModelOutputWithDeepstackFeatures
 
-from foveal.engine.models.families import Family, ModelLoadError
+from foveal.engine.models.arch import Architecture, ModelLoadError
 from foveal.engine.models.image_cache import DEFAULT_IMAGE_CACHE_BYTES
 from foveal.engine.models.processor import InputProcessor, PromptInputs, to_pil
 from foveal.engine.models.runner import HFRunner
@@ -142,13 +142,13 @@ def images_only(processor_class: type) -> type:
     return type(f"{processor_class.__name__}ImagesOnly", (processor_class,), {"__init__": __init__})
 
 
-def load_processor(family: Family, path: Path, image_options: Mapping[str, Any] | None) -> tuple[Any, Any]:
+def load_processor(arch: Architecture, path: Path, image_options: Mapping[str, Any] | None) -> tuple[Any, Any]:
     """(hf processor, tokenizer) of a Qwen-VL folder: its image processor and tokenizer under the images-only class."""
     options = dict(image_options or {})
     unknown = sorted(set(options) - set(IMAGE_OPTIONS))
     if unknown:
         raise ModelLoadError(
-            f"image_options {', '.join(unknown)} are not understood for {family.name}; use {', '.join(IMAGE_OPTIONS)}"
+            f"image_options {', '.join(unknown)} are not understood for {arch.name}; use {', '.join(IMAGE_OPTIONS)}"
         )
     for name, value in options.items():
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -167,7 +167,9 @@ def load_processor(family: Family, path: Path, image_options: Mapping[str, Any] 
         raise ModelLoadError(
             f"{path}: the tokenizer has no {IMAGE_PAD} token; save the checkpoint's own tokenizer"
         )
-    processor = images_only(getattr(transformers, family.processor_class))(image_processor, tokenizer)
+    # The processor renders conversations with the checkpoint's template, as the real class would.
+    processor_class = images_only(getattr(transformers, arch.processor_class))
+    processor = processor_class(image_processor, tokenizer, chat_template=tokenizer.chat_template)
     return processor, tokenizer
 
 
@@ -175,10 +177,10 @@ class QwenInputProcessor(InputProcessor):
     """Text + one image or a list of images -> prompt ids and PrefillInputs with the M-RoPE position table."""
 
     def __init__(
-        self, family: Family, tokenizer: Any, hf_processor: Any, model: Any, runner: HFRunner
+        self, arch: Architecture, tokenizer: Any, hf_processor: Any, model: Any, runner: HFRunner
     ) -> None:
         super().__init__(
-            family, tokenizer, hf_processor, runner.device, runner.dtype, model.config.image_token_id
+            arch, tokenizer, hf_processor, runner.device, runner.dtype, model.config.image_token_id
         )
         # The model's own rope-index computation: it reads the config only, so it runs here on CPU tensors.
         self.rope_index = model.model.get_rope_index
@@ -186,9 +188,11 @@ class QwenInputProcessor(InputProcessor):
         self.patch_size: int = image_processor.patch_size
         self.merge_size: int = image_processor.merge_size
 
-    def __call__(self, text: str, image: Any = None, image_key: str | None = None) -> PromptInputs:
-        if image is None:
-            return self._text_only(text)
+    def __call__(
+        self, text: str, image: Any = None, image_key: str | None = None, add_special_tokens: bool = True
+    ) -> PromptInputs:
+        if image is None or (isinstance(image, (list, tuple)) and not image):
+            return self._text_only(text, add_special_tokens)
         pictures = [to_pil(one) for one in (image if isinstance(image, (list, tuple)) else [image])]
         if PLACEHOLDER not in text:
             text = PLACEHOLDER * len(pictures) + text
@@ -197,7 +201,8 @@ class QwenInputProcessor(InputProcessor):
                 f"the prompt has {text.count(PLACEHOLDER)} image placeholders ({PLACEHOLDER}) for {len(pictures)} images; "
                 "write one per image, or none to put them all in front"
             )
-        out = self.hf_processor(images=pictures, text=[text], return_tensors="pt")
+        special = {} if add_special_tokens else {"add_special_tokens": False}
+        out = self.hf_processor(images=pictures, text=[text], return_tensors="pt", **special)
         ids = out["input_ids"]
         positions, _ = self.rope_index(
             ids, mm_token_type_ids=out["mm_token_type_ids"], image_grid_thw=out["image_grid_thw"]
@@ -232,11 +237,11 @@ class QwenVLRunner(HFRunner):
     def __init__(
         self,
         model: torch.nn.Module,
-        family: Family,
+        arch: Architecture,
         image_cache_bytes: int = DEFAULT_IMAGE_CACHE_BYTES,
         trace_decode: bool | None = None,
     ):
-        super().__init__(model, family, trace_decode=trace_decode, image_cache_bytes=image_cache_bytes)
+        super().__init__(model, arch, trace_decode=trace_decode, image_cache_bytes=image_cache_bytes)
         self.hidden: int = model.config.get_text_config().hidden_size
         self.deepstack: int = len(getattr(model.config.vision_config, "deepstack_visual_indexes", None) or ())
         self.row_delta: torch.Tensor | None = None
@@ -300,7 +305,7 @@ class QwenVLRunner(HFRunner):
     def encode_images(self, images: list[PrefillInputs]) -> list[torch.Tensor]:
         if not self.deepstack:
             return super().encode_images(images)
-        out = self.model.get_image_features(**self.family.image_kwargs(images))
+        out = self.model.get_image_features(**self.arch.image_kwargs(images))
         parts = [torch.cat(out.pooler_output)] + [torch.cat(maps) for maps in out.deepstack_features]
         joined = torch.cat(parts, dim=-1)  # [tokens, hidden * (1 + deepstack)]
         return list(joined.split([image.num_image_tokens for image in images]))
@@ -316,13 +321,3 @@ class QwenVLRunner(HFRunner):
             pooler_output=[main], deepstack_features=[[m] for m in maps]
         )
         return {"mm_encoder_outputs": {"image": outputs}}
-
-
-def make_runner(model: Any, family: Family, image_cache_bytes: int) -> QwenVLRunner:
-    return QwenVLRunner(model, family, image_cache_bytes=image_cache_bytes)
-
-
-def make_input_processor(
-    family: Family, tokenizer: Any, hf_processor: Any, model: Any, runner: HFRunner
-) -> QwenInputProcessor:
-    return QwenInputProcessor(family, tokenizer, hf_processor, model, runner)

@@ -21,7 +21,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
-from foveal.engine.models.families import ModelLoadError
+from foveal.engine.models.arch import ModelLoadError
 
 HEAD_DIM = 64
 ROTARY_DIM = 32

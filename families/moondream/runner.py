@@ -29,8 +29,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from foveal.engine.models.arch import Architecture
 from foveal.engine.models.attention import PagedKV, build_context, kv_zeros, prefix_lens
-from foveal.engine.models.families import Family
 from foveal.engine.models.image_cache import DEFAULT_IMAGE_CACHE_BYTES, ImageFeatureCache, cached_or_encoded
 from foveal.engine.models.traced import DecodeGraphs
 from foveal.engine.request import PrefillInputs
@@ -47,13 +47,13 @@ class MoondreamRunner:
     def __init__(
         self,
         weights: MoondreamWeights,
-        family: Family,
+        arch: Architecture,
         image_cache_bytes: int = DEFAULT_IMAGE_CACHE_BYTES,
         trace_decode: bool | None = None,
     ) -> None:
         self.weights = weights.eval().requires_grad_(False)
         self.config: MoondreamConfig = weights.config
-        self.family = family
+        self.arch = arch
         parts = weights.model
         self.vision, self.text, self.region = parts.vision, parts.text, parts.region
         text = self.config.text

@@ -20,7 +20,7 @@ from typing import Any
 
 from transformers import PreTrainedTokenizerFast
 
-from foveal.engine.models.families import ModelLoadError
+from foveal.engine.models.arch import ModelLoadError
 
 from .region import value_of
 

@@ -1,0 +1,95 @@
+"""Model families as plugins: one folder per family, and the registry that maps a checkpoint to its family.
+
+Each family (`base.Family`) owns everything foveal knows of its checkpoints: how they load onto the
+engine's building blocks (runner, processor), how each skill asks them and reads their answer, their
+answer automata and mask policy, and what they declare they can do (`Capabilities`). The SDK asks the
+loaded model's family and never names one; the engine is generic and names none either.
+
+    family = foveal.families.load("/path/to/checkpoint")   # the family's plugin, its checkpoint loaded
+    family.capabilities.skills                             # frozenset({"caption", "query", ...})
+    task = family.detect("red circle", max_objects=10)     # prompt + output spec + parser
+
+Adding a family: a new folder here with a `Family` subclass (`matches` and `load` for the registry,
+the skills it declares), and one line in `FAMILIES`. Order matters where two families match one
+folder: the more specific comes first (the shapes model is a PaliGemma folder with a foveal.json).
+
+Families: Moondream 2 (`moondream/`, foveal's own implementation), the embedded shapes model
+(`shapes/`), PaliGemma (`paligemma/`), Qwen2.5-VL and Qwen3-VL (`qwen_vl/`), and chat / instruct
+models on transformers' modules: Llama-style and Gemma text models, Idefics3 / SmolVLM, LLaVA
+(`chat/`, also llama .gguf files).
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+from foveal.engine.models.arch import ModelLoadError
+from foveal.engine.models.image_cache import DEFAULT_IMAGE_CACHE_BYTES
+from foveal.engine.models.loader import LoadOptions, read_config, resolve_options, resolve_source
+from foveal.families.base import Capabilities, Family, UnsupportedSkill
+from foveal.families.chat import ChatFamily
+from foveal.families.moondream import MoondreamFamily
+from foveal.families.paligemma import PaliGemmaFamily
+from foveal.families.qwen_vl import QwenVLFamily
+from foveal.families.shapes import ShapesFamily
+
+FAMILIES: tuple[type[Family], ...] = (
+    MoondreamFamily,
+    ShapesFamily,
+    PaliGemmaFamily,
+    QwenVLFamily,
+    ChatFamily,
+)
+
+
+def supported_architectures() -> list[str]:
+    return list(dict.fromkeys(arch for family in FAMILIES for arch in family.architectures))
+
+
+def family_for(raw: dict, folder: Path) -> type[Family]:
+    """The family that loads the folder whose config.json is `raw`; ModelLoadError with the supported list."""
+    for family in FAMILIES:
+        if family.matches(raw, folder):
+            return family
+    raise ModelLoadError(
+        f"unsupported architecture {raw.get('architectures')!r}; foveal supports: "
+        f"{', '.join(supported_architectures())}. Use a checkpoint of one of these, or add a family in "
+        "foveal/families (a folder with a Family subclass and one line in FAMILIES)."
+    )
+
+
+def load(
+    source: str | os.PathLike,
+    device: Any = "auto",
+    dtype: Any = None,
+    image_cache_bytes: int = DEFAULT_IMAGE_CACHE_BYTES,
+    quantize: str | None = None,
+    image_options: dict[str, Any] | None = None,
+) -> Family:
+    """Load a checkpoint as its family's plugin. `source`: a local Hugging Face folder (safetensors), a hub id
+    already in the local cache, or a .gguf file. Options as `foveal.load`'s; all are checked before any
+    weights are read."""
+    gguf = Path(str(source)).suffix == ".gguf"
+    options = resolve_options(device, dtype, image_cache_bytes, quantize, image_options, gguf=gguf)
+    path = resolve_source(source)
+    if gguf:
+        return ChatFamily.load_gguf(path, options)
+    raw = read_config(path)
+    family = family_for(raw, path).load(path, raw, options)
+    family.source = str(source)  # as the caller named it (a hub id stays a hub id)
+    return family
+
+
+__all__ = [
+    "FAMILIES",
+    "Capabilities",
+    "Family",
+    "LoadOptions",
+    "ModelLoadError",
+    "UnsupportedSkill",
+    "family_for",
+    "load",
+    "supported_architectures",
+]

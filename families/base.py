@@ -1,0 +1,159 @@
+"""`Family`: the plugin contract between the SDK and one model family, and what every family shares.
+
+PROBLEM
+    A skill call (`caption`, `query`, `detect`, `point`, `generate`, `chat`) means the same thing on
+    every model, but each family was trained to be asked differently, answers in its own format, may
+    need its own runner and processor, and decodes under its own rules. The SDK must run every
+    family without naming one, and adding a family must not touch the SDK, the grammars or the engine.
+SOLUTION
+    A family is one object, built at load (`foveal.families.load`) and carried by the loaded model. It
+    owns the loaded checkpoint (runner, tokenizer, processor, eos ids), declares what it can do
+    (`Capabilities`), turns each skill call into a `Task` (prompt, output spec, parser), renders and
+    encodes a task's prompt with the call's images into engine inputs (`encode`), compiles the
+    output spec (`compile`: grammars.compile, or the family's own answer automaton) and says how a
+    step's masks are filled (`fill_masks`). The SDK checks arguments and settings, calls these, and
+    submits to the engine; it reads nothing else of a family.
+INVARIANTS
+    - Every method that takes user text refuses text the tokenizer would read as one of its special
+      or added tokens (`plain`), before any work: user text can never smuggle control tokens into a
+      prompt or an answer's grammar.
+    - A skill a family does not declare raises `UnsupportedSkill` (a ValueError) naming what it does
+      support; `capabilities.skills` is exactly the set of skills that do not.
+    - Families are used from many threads at once: nothing here mutates shared state per call.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, ClassVar
+
+from PIL import Image
+
+from foveal import grammars
+from foveal.engine.matcher import FillMasks
+from foveal.engine.models.loader import LoadedModel, LoadOptions
+from foveal.engine.models.processor import PromptInputs
+from foveal.families.conversation import Conversation
+
+ALL_SKILLS = ("caption", "query", "detect", "point", "generate", "chat")
+IMAGE_SKILLS = ("caption", "detect", "point")  # meaningless without an image
+
+
+class UnsupportedSkill(ValueError):
+    """A skill, an input or an option this family does not support; the message says what it does."""
+
+
+@dataclass(frozen=True, slots=True)
+class Capabilities:
+    skills: frozenset[str]  # the skills this family answers
+    vision: bool  # takes images
+    image_required: bool = False  # every call needs an image (no text-only prompts)
+    max_images: int = 1  # images one call may carry (0: text-only)
+    conversations: bool = False  # system turns and several turns, rendered by the model's own template
+    caption_lengths: tuple[str, ...] = ("short", "normal", "long")
+
+
+class Family:
+    """The base of every family plugin (see the module docstring). Subclasses set `name` and
+    `capabilities`, implement `matches` / `load` for the registry and the skills they declare."""
+
+    name: str = "base"  # the family's name, for messages (a class attribute, or set per instance)
+    architectures: ClassVar[tuple[str, ...]] = ()  # config.json architectures this family loads
+
+    def __init__(self, loaded: LoadedModel, capabilities: Capabilities) -> None:
+        self.loaded = loaded
+        self.runner = loaded.runner
+        self.tokenizer = loaded.tokenizer
+        self.processor = loaded.processor
+        self.eos_token_ids = loaded.eos_token_ids
+        self.source = loaded.source
+        self.capabilities = capabilities
+        self._special = _special_pattern(special_texts(loaded.tokenizer))
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(source={self.source!r})"
+
+    # ---- the registry's hooks ---------------------------------------------------------------------------------
+
+    @classmethod
+    def matches(cls, raw: dict, folder: Path) -> bool:
+        """Whether this family loads the checkpoint folder whose config.json is `raw`."""
+        return any(arch in cls.architectures for arch in raw.get("architectures") or [])
+
+    @classmethod
+    def load(cls, folder: Path, raw: dict, options: LoadOptions) -> Family:
+        raise NotImplementedError
+
+    # ---- skills: a call -> a Task -----------------------------------------------------------------------------
+
+    def caption(self, length: str) -> Any:
+        raise self.unsupported("caption")
+
+    def query(self, question: str) -> Any:
+        raise self.unsupported("query")
+
+    def detect(self, phrase: str, max_objects: int) -> Any:
+        raise self.unsupported("detect")
+
+    def point(self, phrase: str, max_objects: int) -> Any:
+        raise self.unsupported("point")
+
+    def generate(self, prompt: str, output_type: Any) -> Any:
+        raise self.unsupported("generate")
+
+    def chat(self, conversation: Conversation, output_type: Any) -> Any:
+        raise self.unsupported("chat")
+
+    def unsupported(self, skill: str) -> UnsupportedSkill:
+        supported = ", ".join(s for s in ALL_SKILLS if s in self.capabilities.skills)
+        if not self.capabilities.vision and skill in IMAGE_SKILLS:
+            return UnsupportedSkill(f"this {self.name} model is text-only: {skill} needs an image; use {supported}")
+        return UnsupportedSkill(f"this {self.name} model does not support {skill}; it supports {supported}")
+
+    # ---- running a task ---------------------------------------------------------------------------------------
+
+    def encode(self, task: Any, images: list[Image.Image], image_key: str | None) -> tuple[PromptInputs, Any]:
+        """The engine inputs of `task` with the call's decoded images (in order), and the task as it
+        applies to them (a family whose answer's scale depends on the processed image rebinds it)."""
+        return self.processor(task.prompt, images or None, image_key=image_key), task
+
+    def compile(self, spec: Any) -> grammars.Automaton | None:
+        """The automaton of an output spec (cached by grammars.compile), or None for free text."""
+        if spec is None:
+            return None
+        return grammars.compile(spec, self.tokenizer, vocab_size=self.runner.vocab_size)
+
+    @property
+    def fill_masks(self) -> FillMasks:
+        """How one step's masks are filled: one native call over every row."""
+        return grammars.fill_masks
+
+    # ---- user text ---------------------------------------------------------------------------------------------
+
+    def plain(self, name: str, text: str) -> str:
+        """`text` if it is plain text for this model's tokenizer; ValueError naming the token otherwise."""
+        found = self._special.search(text) if self._special else None
+        if found:
+            raise ValueError(
+                f"{name} {text!r} holds {found[0]!r}, a special token of this model's tokenizer; "
+                "user text must be plain text: remove it or spell it differently"
+            )
+        return text
+
+
+def special_texts(tokenizer: Any) -> list[str]:
+    """Texts the tokenizer turns into one special or added token (what user text must not hold)."""
+    if tokenizer is None:
+        return []
+    texts = list(getattr(tokenizer, "all_special_tokens", []) or [])
+    added = getattr(tokenizer, "added_tokens_decoder", None) or {}
+    texts += [str(getattr(token, "content", token)) for token in added.values()]
+    return texts
+
+
+def _special_pattern(texts: Iterable[str]) -> re.Pattern | None:
+    ordered = sorted({t for t in texts if t}, key=len, reverse=True)
+    return re.compile("|".join(map(re.escape, ordered))) if ordered else None
