@@ -25,15 +25,19 @@ import os
 from pathlib import Path
 from typing import Any
 
-from foveal.engine.models.arch import ModelLoadError
-from foveal.engine.models.image_cache import DEFAULT_IMAGE_CACHE_BYTES
-from foveal.engine.models.loader import LoadOptions, read_config, resolve_options, resolve_source
-from foveal.families.base import Capabilities, Family, UnsupportedSkill
-from foveal.families.chat import ChatFamily
-from foveal.families.moondream import MoondreamFamily
-from foveal.families.paligemma import PaliGemmaFamily
-from foveal.families.qwen_vl import QwenVLFamily
-from foveal.families.shapes import ShapesFamily
+from foveal._guard import require_foveal_name
+
+require_foveal_name(__name__, "foveal.families")
+
+from foveal.engine.models.arch import ModelLoadError  # noqa: E402
+from foveal.engine.models.image_cache import DEFAULT_IMAGE_CACHE_BYTES  # noqa: E402
+from foveal.engine.models.loader import LoadOptions, read_config, resolve_options, resolve_source  # noqa: E402
+from foveal.families.base import Capabilities, Family, UnsupportedSkill  # noqa: E402
+from foveal.families.chat import ChatFamily  # noqa: E402
+from foveal.families.moondream import MoondreamFamily  # noqa: E402
+from foveal.families.paligemma import PaliGemmaFamily  # noqa: E402
+from foveal.families.qwen_vl import QwenVLFamily  # noqa: E402
+from foveal.families.shapes import ShapesFamily  # noqa: E402
 
 FAMILIES: tuple[type[Family], ...] = (
     MoondreamFamily,

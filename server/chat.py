@@ -1,26 +1,30 @@
-"""OpenAI chat requests turned into one `Model` call: which skill, which image, which prompt, which
-output type, which settings. No HTTP here (openai_api.py does that).
+"""OpenAI chat requests turned into one `Model.chat` call: the conversation, its images, the output type,
+the settings. No HTTP here (openai_api.py does that).
 
-- messages: `content` is a string or a list of parts (`{"type": "text", "text"}`,
-  `{"type": "image_url", "image_url": {"url": "data:..."}}`); at most one image in the whole
-  conversation (foveal's models take one). The prompt is the text of the last user message when
-  it is the only message with text; otherwise the conversation as "role: text" lines.
-- response_format: `text` (or none) -> `query` (the model's question-answering skill, which
-  streams); `json_object` -> `generate` with the schema `{"type": "object"}`; `json_schema` ->
-  `generate` with the given schema, always enforced by the grammar (`strict` true or false).
-- settings: max_completion_tokens (or max_tokens), temperature, top_p, seed, passed to the SDK,
-  which validates them. n must be 1. `stop` is applied by the server (stops.py), to text answers only.
+- messages: roles system (and OpenAI's `developer`, read as system), user and assistant; `content` a
+  string or a list of parts (`{"type": "text", "text"}`, `{"type": "image_url", "image_url": {"url":
+  "data:..."}}`; http(s) URLs are refused: the server fetches nothing). The conversation goes to
+  `model.chat` as it is, images in the user turns where they were, and is rendered by the model's own
+  chat template; what a model cannot take (several images, earlier turns without a template) is
+  refused by the model with a message that says so.
+- response_format: `text` (or none) -> free text (streams); `json_object` -> the schema
+  `{"type": "object"}`; `json_schema` -> the given schema, always enforced by the grammar (`strict`
+  true or false).
+- settings: max_completion_tokens (or max_tokens), temperature, top_p, seed, stop, passed to the SDK,
+  which validates them. n must be 1.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any
 
 from pydantic import BaseModel, ConfigDict
 
 from foveal.server.errors import ApiError
 from foveal.server.images import image_bytes
+
+ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
 
 
 class ChatRequest(BaseModel):
@@ -48,17 +52,18 @@ class ChatRequest(BaseModel):
 
 @dataclass(frozen=True, slots=True)
 class ChatCall:
-    skill: Literal["query", "generate"]
-    image: bytes | None
-    prompt: str
+    messages: list[dict[str, Any]]  # foveal's messages (images as bytes), for Model.chat
     output_type: dict[str, Any] | None
     settings: dict[str, Any]
-    stops: list[str]
+
+    @property
+    def has_image(self) -> bool:
+        return any(isinstance(m["content"], list) and any(p["type"] == "image" for p in m["content"]) for m in self.messages)
 
 
 def chat_call(body: ChatRequest) -> ChatCall:
     _check_unsupported(body)
-    prompt, image = _conversation(body.messages)
+    messages = _messages(body.messages)
     output_type = _output_type(body.response_format)
     stops = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
     if stops and output_type is not None:
@@ -78,11 +83,11 @@ def chat_call(body: ChatRequest) -> ChatCall:
             ("temperature", body.temperature),
             ("top_p", body.top_p),
             ("seed", body.seed),
+            ("stop", [s for s in stops if s] or None),
         )
         if value is not None
     }
-    skill = "query" if output_type is None else "generate"
-    return ChatCall(skill, image, prompt, output_type, settings, stops)
+    return ChatCall(messages, output_type, settings)
 
 
 def _check_unsupported(body: ChatRequest) -> None:
@@ -97,72 +102,50 @@ def _check_unsupported(body: ChatRequest) -> None:
         raise ApiError(400, "logprobs are not supported; leave logprobs out", param="logprobs")
 
 
-def _conversation(messages: list[dict[str, Any]]) -> tuple[str, bytes | None]:
+def _messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
     if not messages:
         raise ApiError(400, "messages is empty; send at least one user message", param="messages")
-    texts: list[tuple[str, str]] = []
-    image: bytes | None = None
+    out = []
     for i, message in enumerate(messages):
         role = message.get("role")
-        if role not in ("system", "developer", "user", "assistant"):
+        if role not in ROLES:
             raise ApiError(
                 400,
                 f"messages[{i}].role {role!r} is not supported; use system, user or assistant",
                 param=f"messages[{i}].role",
             )
-        text, found = _content(message.get("content"), i)
-        if found is not None:
-            if image is not None:
-                raise ApiError(
-                    400,
-                    "more than one image in messages; foveal's models take one image per request",
-                    param=f"messages[{i}].content",
-                )
-            image = found
-        if text:
-            texts.append((role, text))
-    if not texts:
-        raise ApiError(400, "messages hold no text; add a user message with the question", param="messages")
-    if len(texts) == 1:
-        return texts[0][1], image
-    return "\n".join(f"{role}: {text}" for role, text in texts), image
+        out.append({"role": ROLES[role], "content": _content(message.get("content"), i)})
+    return out
 
 
-def _content(content: Any, i: int) -> tuple[str, bytes | None]:
+def _content(content: Any, i: int) -> str | list[dict[str, Any]]:
     if isinstance(content, str):
-        return content, None
+        return content
     if not isinstance(content, list):
         raise ApiError(
             400,
             f"messages[{i}].content must be a string or a list of content parts",
             param=f"messages[{i}].content",
         )
-    texts: list[str] = []
-    image: bytes | None = None
+    parts: list[dict[str, Any]] = []
     for j, part in enumerate(content):
         where = f"messages[{i}].content[{j}]"
         kind = part.get("type") if isinstance(part, dict) else None
         if kind == "text" and isinstance(part.get("text"), str):
-            texts.append(part["text"])
+            parts.append({"type": "text", "text": part["text"]})
         elif kind == "image_url":
             url = part.get("image_url")
             url = url.get("url") if isinstance(url, dict) else url
             if not isinstance(url, str):
                 raise ApiError(400, f"{where}.image_url.url must be a data URL string", param=where)
-            if image is not None:
-                raise ApiError(
-                    400,
-                    "more than one image in messages; foveal's models take one image per request",
-                    param=where,
-                )
-            image = image_bytes(url, f"{where}.image_url.url")
+            parts.append({"type": "image", "image": image_bytes(url, f"{where}.image_url.url")})
         else:
             raise ApiError(
                 400,
                 f"{where}: content parts must be {{'type': 'text', 'text': ...}} or {{'type': 'image_url', 'image_url': {{'url': 'data:...'}}}}",
                 param=where,
             )
-    return "\n".join(texts), image
+    return parts
 
 
 def _output_type(response_format: dict[str, Any] | None) -> dict[str, Any] | None:

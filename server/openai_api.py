@@ -1,13 +1,12 @@
 """OpenAI's chat API: `POST /v1/chat/completions` and `GET /v1/models`, as the `openai` client sends them.
 
-chat.py turns the request into one Model call. Text answers (`query`) are always decoded as a
-stream inside the server, so that a `stop` string cancels the generation where it appears and a
-streamed response forwards each chunk as it comes. JSON answers (`generate` under the schema's
-grammar) come whole; streamed, they are sent as one content chunk. An answer cut by max_tokens is
-OpenAI's `finish_reason: "length"` with the text so far, not an error (the openai client's
-`parse()` then raises its LengthFinishReasonError). `usage` is the engine's own count (usage.py;
-estimated only where the server cut the answer at a stop string). Streams: `chat.completion.chunk` objects, a last chunk with `finish_reason`, a
-usage chunk when `stream_options.include_usage`, then `data: [DONE]`.
+chat.py turns the request into one `Model.chat` call, the conversation passed through as it came.
+Text answers stream from the engine (a `stop` string ends the generation where it appears, in the
+engine); JSON answers (under the schema's grammar) come whole, and streamed they are sent as one
+content chunk. An answer cut by max_tokens is OpenAI's `finish_reason: "length"` with the text so
+far, not an error (the openai client's `parse()` then raises its LengthFinishReasonError). `usage`
+is the engine's own count (usage.py). Streams: `chat.completion.chunk` objects, a last chunk with
+`finish_reason`, a usage chunk when `stream_options.include_usage`, then `data: [DONE]`.
 """
 
 from __future__ import annotations
@@ -25,9 +24,8 @@ from foveal.results import Usage
 from foveal.server.chat import ChatCall, ChatRequest, chat_call
 from foveal.server.errors import error_event
 from foveal.server.state import ServerState, call, state_of, stream_call
-from foveal.server.stops import StopCutter
 from foveal.server.streaming import EventStream, sse
-from foveal.server.usage import finish_reason
+from foveal.server.usage import finish_reason, usage
 
 router = APIRouter(prefix="/v1", tags=["openai"])
 
@@ -43,16 +41,15 @@ async def models(request: Request) -> dict[str, Any]:
 async def chat_completions(body: ChatRequest, request: Request) -> Any:
     plan = chat_call(body)
     state = state_of(request)
-    if plan.skill == "query" and body.stream:
+    if plan.output_type is None and body.stream:
         return await stream_call(
             request,
-            lambda m: m.aquery(plan.image, plan.prompt, True, plan.settings),
-            lambda result: _chat_events(state, body, plan, result["answer"]),
+            lambda m: m.achat(plan.messages, None, plan.settings, stream=True),
+            lambda result: _chat_events(state, body, result["text"]),
         )
-    answer = _generate if plan.skill == "generate" else _answer
-    text, counted = await call(request, lambda m: answer(m, plan))
+    text, counted = await call(request, lambda m: _answer(m, plan))
     if body.stream:  # a JSON answer, whole: one content chunk
-        return _one_chunk_stream(state, body, plan, text, counted)
+        return _one_chunk_stream(state, body, text, counted)
     return {
         "id": _id(),
         "object": "chat.completion",
@@ -66,40 +63,23 @@ async def chat_completions(body: ChatRequest, request: Request) -> Any:
                 "logprobs": None,
             }
         ],
-        "usage": _usage(state, plan, counted, text),
+        "usage": _usage(state, counted),
     }
 
 
-async def _generate(model: Any, plan: ChatCall) -> tuple[str, Usage | None]:
+async def _answer(model: Any, plan: ChatCall) -> tuple[str, Usage]:
     try:
-        result = await model.agenerate(plan.image, plan.prompt, plan.output_type, plan.settings)
+        result = await model.achat(plan.messages, plan.output_type, plan.settings)
     except IncompleteOutputError as cut:  # OpenAI's finish_reason "length", with the text so far
         return cut.text, cut.usage
     return result["text"], result.usage
 
 
-async def _answer(model: Any, plan: ChatCall) -> tuple[str, Usage | None]:
-    """A text answer, read as a stream and cut at the first stop string (which cancels the rest);
-    its usage None when it was cut there (the engine counted no end)."""
-    chunks = (await model.aquery(plan.image, plan.prompt, True, plan.settings))["answer"]
-    cutter = StopCutter(plan.stops)
-    parts: list[str] = []
-    try:
-        async for chunk in chunks:
-            parts.append(cutter.feed(chunk))
-            if cutter.stopped:
-                return "".join(parts), None
-    finally:
-        with anyio.CancelScope(shield=True):
-            await chunks.aclose()  # after a stop: cancels the generation
-    return "".join(parts) + cutter.flush(), chunks.usage
-
-
-def _usage(state: ServerState, plan: ChatCall, counted: Usage | None, text: str) -> dict[str, int]:
+def _usage(state: ServerState, counted: Usage) -> dict[str, int]:
     """OpenAI's `usage` of an answer (usage.py), its completion tokens counted in the metrics."""
-    usage = state.tokens.usage(counted, plan.prompt, plan.image is not None, text)
-    state.metrics.completion_tokens += usage["completion_tokens"]
-    return usage
+    out = usage(counted)
+    state.metrics.completion_tokens += out["completion_tokens"]
+    return out
 
 
 def _id() -> str:
@@ -130,49 +110,35 @@ class _Chunks:
         }
 
 
-async def _chat_events(
-    state: ServerState, body: ChatRequest, plan: ChatCall, chunks: Any
-) -> AsyncIterator[str]:
+async def _chat_events(state: ServerState, body: ChatRequest, chunks: Any) -> AsyncIterator[str]:
     frames = _Chunks(state, body)
-    cutter = StopCutter(plan.stops)
-    sent: list[str] = []
     try:
         yield sse(frames.chunk({"role": "assistant", "content": ""}))
         async for chunk in chunks:
-            text = cutter.feed(chunk)
-            if text:
-                sent.append(text)
-                yield sse(frames.chunk({"content": text}))
-            if cutter.stopped:
-                break
-        rest = cutter.flush() if not cutter.stopped else ""
-        if rest:
-            sent.append(rest)
-            yield sse(frames.chunk({"content": rest}))
-        counted = None if cutter.stopped else chunks.usage
-        usage = _usage(state, plan, counted, "".join(sent))
+            if chunk:
+                yield sse(frames.chunk({"content": chunk}))
+        counted = chunks.usage
+        out = _usage(state, counted)
         yield sse(frames.chunk({}, finish_reason(counted)))
         if frames.include_usage:
-            yield sse(frames.usage(usage))
+            yield sse(frames.usage(out))
         yield sse("[DONE]")
     except Exception as error:  # after the 200 went out, an error can only be an event
         yield sse(error_event(error))
     finally:
         with anyio.CancelScope(shield=True):
-            await chunks.aclose()  # a stop, a disconnect or an error: cancel the generation
+            await chunks.aclose()  # a disconnect or an error: cancel the generation
 
 
-def _one_chunk_stream(
-    state: ServerState, body: ChatRequest, plan: ChatCall, text: str, counted: Usage | None
-) -> EventStream:
+def _one_chunk_stream(state: ServerState, body: ChatRequest, text: str, counted: Usage) -> EventStream:
     frames = _Chunks(state, body)
-    usage = _usage(state, plan, counted, text)
+    out = _usage(state, counted)
 
     async def lines() -> AsyncIterator[str]:
         yield sse(frames.chunk({"role": "assistant", "content": text}))
         yield sse(frames.chunk({}, finish_reason(counted)))
         if frames.include_usage:
-            yield sse(frames.usage(usage))
+            yield sse(frames.usage(out))
         yield sse("[DONE]")
 
     return EventStream(lines())

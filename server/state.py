@@ -14,7 +14,6 @@ from foveal.server.config import ServerConfig
 from foveal.server.errors import ApiError
 from foveal.server.metrics import Metrics
 from foveal.server.streaming import EventStream
-from foveal.server.usage import TokenCounter
 
 T = TypeVar("T")
 
@@ -25,14 +24,12 @@ class ServerState:
     metrics: Metrics = field(default_factory=Metrics)
     model: Any = None  # a foveal.Model once loaded
     load_error: str | None = None
-    tokens: TokenCounter | None = None
     admission: Admission = field(init=False)
 
     def __post_init__(self) -> None:
         self.admission = Admission(self.config.max_queue, self.metrics)
 
     def set_model(self, model: Any) -> None:
-        self.tokens = TokenCounter.of_model(model)
         self.model = model
 
     def ready_model(self) -> Any:

@@ -212,7 +212,7 @@ def _greedy_against_transformers(loaded, reference) -> tuple[bool, float, float]
     ours = parity.greedy(loaded.runner, prompts, NEW_TOKENS, loaded.eos_token_ids)
     equal, worst, largest = True, 0.0, 0.0
     for seq, prompt in enumerate(prompts):
-        tokens, logits = parity.reference_greedy(reference, prompt, loaded.runner.family, NEW_TOKENS)
+        tokens, logits = parity.reference_greedy(reference, prompt, loaded.runner.arch, NEW_TOKENS)
         equal &= tokens == ours.tokens[seq]
         for a, b in zip(ours.logits[seq], logits, strict=False):
             worst = max(worst, float((a - b).abs().max()))

@@ -230,7 +230,7 @@ def test_hub_id_not_cached_is_downloaded_without_pickles(checkpoints, tmp_path, 
 
     monkeypatch.setattr("foveal.engine.models.hub.snapshot_download", fake_snapshot_download)
     monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
-    assert load("tiny-org/tiny-llama", device="cpu").family == "llama"
+    assert load("tiny-org/tiny-llama", device="cpu").name == "llama"
     (_, cached_only, _), (_, _, patterns) = calls
     assert cached_only
     assert "*.safetensors" in patterns and not any(p.endswith((".bin", ".pt", ".pth")) for p in patterns)

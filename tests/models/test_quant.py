@@ -89,7 +89,7 @@ def test_lean_forward_covers_every_family_and_can_be_turned_off(checkpoints):
     from foveal.engine.models.runner import HFRunner
 
     loaded = load(checkpoints["llama"], device="cpu")
-    off = HFRunner(loaded.runner.model, loaded.runner.family, lean=False)
+    off = HFRunner(loaded.runner.model, loaded.runner.arch, lean=False)
     assert off.lean is None
     prompts = [loaded.processor(p) for p in tiny.PROMPTS[:3]]
     assert parity.greedy(off, prompts, 4).logits_close(parity.greedy(loaded.runner, prompts, 4), atol=1e-5)

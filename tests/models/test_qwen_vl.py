@@ -46,7 +46,7 @@ def test_runner_matches_transformers(family, qwen):
     ours = parity.greedy(parity.trace_in_launch(loaded.runner), prompts, MAX_NEW, loaded.eos_token_ids)
     worst = 0.0
     for seq, prompt in enumerate(prompts):
-        tokens, logits = parity.reference_greedy(reference, prompt, loaded.runner.family, MAX_NEW)
+        tokens, logits = parity.reference_greedy(reference, prompt, loaded.runner.arch, MAX_NEW)
         assert ours.tokens[seq] == tokens, f"{family} prompt {seq}: greedy tokens differ"
         for a, b in zip(ours.logits[seq], logits, strict=True):
             worst = max(worst, float((a - b).abs().max()))

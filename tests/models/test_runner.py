@@ -58,7 +58,7 @@ def test_paligemma_prefix_is_bidirectional(checkpoints):
     loaded = load(checkpoints["paligemma"], device="cpu")
     prompts = tiny.family_prompts(loaded)[:3]
     prefix = parity.greedy(loaded.runner, prompts, 1).logits
-    loaded.runner.family = dataclasses.replace(loaded.runner.family, prefix_attention=False)
+    loaded.runner.arch = dataclasses.replace(loaded.runner.arch, prefix_attention=False)
     causal = parity.greedy(loaded.runner, prompts, 1).logits
     assert max(float((a[0] - b[0]).abs().max()) for a, b in zip(prefix, causal, strict=True)) > 1e-3
 

@@ -19,6 +19,7 @@ FOLDERS = {
     "foveal": "sdk",
     "foveal.batch": "batch",
     "foveal.engine": "engine",
+    "foveal.families": "families",
     "foveal.grammars": "grammars",
     "foveal.server": "server",
     "foveal.testing": "testing",
@@ -37,7 +38,7 @@ def test_subpackages_import_under_foveal():
         assert Path(module.__file__).parent == ROOT / folder
 
 
-@pytest.mark.parametrize("bare", ["sdk", "engine", "grammars", "testing", "training", "vision"])
+@pytest.mark.parametrize("bare", ["sdk", "engine", "families", "grammars", "testing", "training", "vision"])
 def test_bare_names_do_not_import_outside_the_repo(bare, tmp_path):
     result = subprocess.run(
         [sys.executable, "-c", f"import {bare}"], cwd=tmp_path, capture_output=True, text=True
@@ -46,7 +47,7 @@ def test_bare_names_do_not_import_outside_the_repo(bare, tmp_path):
     assert "ModuleNotFoundError" in result.stderr
 
 
-@pytest.mark.parametrize("bare", ["engine", "grammars", "testing", "training", "vision"])
+@pytest.mark.parametrize("bare", ["engine", "families", "grammars", "testing", "training", "vision"])
 def test_bare_names_are_refused_from_the_repo_root(bare):
     result = subprocess.run(
         [sys.executable, "-c", f"import {bare}"], cwd=ROOT, capture_output=True, text=True

@@ -14,7 +14,7 @@ import pytest
 import torch
 from PIL import Image
 
-from foveal.engine.models.arch import family_named
+from foveal.families.moondream.load import MOONDREAM
 from foveal.engine.runner import ForwardBatch
 from foveal.families.moondream.answers import COORD, GATE, SIZE
 from foveal.families.moondream.config import MoondreamConfig
@@ -32,7 +32,7 @@ PAGE = 16
 def runner(md_dir):
     config = MoondreamConfig.from_dict(json.loads((md_dir / "config.json").read_text())["config"])
     weights = load_weights(md_dir / "model.safetensors", config, torch.device("cpu"), torch.float32)
-    runner = MoondreamRunner(weights, family_named("moondream"))
+    runner = MoondreamRunner(weights, MOONDREAM)
     runner.allocate_kv(128, PAGE)
     return runner
 
