@@ -237,11 +237,11 @@ def family_prompts(loaded: Any) -> list[PromptInputs]:
     """Five prompts of different lengths (with five different images for vision families); vision
     families that can also take a text-only prompt get a sixth one without an image. Qwen-VL: chat
     prompts with images of four sizes, one prompt with two images, one without (tiny_qwen.prompts)."""
-    if loaded.family in tiny_qwen.FAMILIES:
+    if loaded.name in tiny_qwen.FAMILIES:
         return tiny_qwen.prompts(loaded)
-    if loaded.runner.family.processor_class is None:
+    if loaded.runner.arch.processor_class is None:
         return [loaded.processor(p) for p in PROMPTS]
     prompts = [loaded.processor(p, im) for p, im in zip(PROMPTS, images(), strict=True)]
-    if loaded.family != "paligemma":
+    if not loaded.runner.arch.image_required:
         prompts.append(loaded.processor("a blue square"))
     return prompts

@@ -121,7 +121,7 @@ def test_devices_foveal_cannot_run_on_are_refused_in_one_line_before_loading(
     from foveal.engine.models import loader
 
     monkeypatch.setattr(
-        loader, "_load_folder", lambda *a: pytest.fail("weights read before the device was checked")
+        loader, "load_transformers", lambda *a: pytest.fail("weights read before the device was checked")
     )
     with pytest.raises(ModelLoadError, match=re.escape(message)) as caught:
         load(checkpoints["llama"], device=device)
