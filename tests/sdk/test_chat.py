@@ -206,3 +206,36 @@ def test_a_slow_compile_does_not_hold_up_another_callers_call(shapes_model, imag
 def test_conversations_are_plain_data():
     """Parts are text or an image's index: hashable, so a family may cache by them."""
     assert hash((Message("user", (0, "hi")),)) is not None
+
+
+def test_prompts_built_from_many_threads_at_once_equal_sequential_ones(qwen_model):
+    """No lock guards the template, the tokenizer or the processor: they are only read. Threads
+    rendering and tokenizing at once (the engine detokenizing beside them) give the sequential ids."""
+    family = qwen_model.family
+    pictures = [scene_image(seed, (32 + 8 * seed, 40)) for seed in range(4)]
+    tasks = [family.chat(((Message("user", (0, f"question {i}\nline two")),)), None) for i in range(12)]
+    expected = [family.encode(t, [pictures[i % 4]], None)[0].token_ids for i, t in enumerate(tasks)]
+    got: dict[int, list[int]] = {}
+    errors = []
+
+    def work(k: int) -> None:
+        try:
+            for _ in range(5):
+                for i, task in enumerate(tasks):
+                    if i % 4 == k % 4:
+                        ids = family.encode(task, [pictures[i % 4]], None)[0].token_ids
+                        assert got.setdefault(i, ids) == ids
+        except Exception as error:  # reported below, with the thread's own error
+            errors.append(error)
+
+    threads = [threading.Thread(target=work, args=(k,)) for k in range(8)]
+    background = threading.Thread(
+        target=lambda: qwen_model.chat([{"role": "user", "content": "hi"}], settings={"max_tokens": 16})
+    )
+    background.start()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    background.join(120)
+    assert not errors and [got[i] for i in range(len(tasks))] == expected
