@@ -9,7 +9,7 @@ PROBLEM
     std::terminate: "terminate called without an active exception", SIGABRT, exit status 134.
     Any script that ends without `close()` while a step is still on the device hits it: a call in
     flight on another thread, or the zombie step that rides one step past a finished request
-    (issue 13; gdb shows the device thread in `torch::jit::runAndInsertCall` -> `take_gil` ->
+    (gdb shows the device thread in `torch::jit::runAndInsertCall` -> `take_gil` ->
     `pthread_exit` -> `std::terminate`).
 SOLUTION
     Each engine registers here when it starts; an `atexit` handler closes every engine still

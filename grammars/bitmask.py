@@ -9,7 +9,7 @@ pool size is `mask_threads()`: `set_mask_threads(n)` if called, else the environ
 faster than 1 (p50 47 / 152 / 251 µs for 8 / 32 / 64 rows either way); beside a busy 2-thread
 matmul loop, 2 threads filled 64 rows in 458 µs p50 against 513 µs for 1, but the loop kept 77% of
 its solo rate against 84%. The forward is ~100x longer than a fill, so the default here is 1. The
-cap of 4 for larger machines is a guess, not measured here.
+cap of 4 for larger machines is a guess, not a measurement.
 
 Bit `t % 32` of word `t // 32` in a row is set when token `t` is allowed. Buffers may be numpy
 arrays or CPU torch tensors (pinned or not); llguidance writes into them by raw pointer with the GIL

@@ -4,7 +4,7 @@ PROBLEM: outlines maps int, float, bool, date, time and datetime to regexes that
 the parsers the values are read with: `\\d{4}` allows year 0000 (and, read by Rust, any Unicode
 digit), `\\s` lets a newline separate date and time, day 31 is allowed in every month, and an int
 may have more digits than `int()` converts. A model sampling under such a mask could emit text the
-parser then refuses, after all the decoding work (issue 13: `'0000-11-10\\n00:57:57'`).
+parser then refuses, after all the decoding work (e.g. `'0000-11-10\\n00:57:57'`).
 SOLUTION: our own regex per type, written so that every string it accepts is one its parser reads,
 and the parser carried with it (`ScalarType.parse`).
 INVARIANTS (tests/grammars/test_valid_by_construction.py walks the masks and parses the walks):

@@ -14,7 +14,7 @@ A Lark grammar allows a special token only where it names one (`<|im_end|>` or `
 Why it needs care: llguidance computes the mask over forced text ("the next bytes must be
 `<|im_end|>x`") by tokenizing that text, and a `tokenizers.Tokenizer` always splits special-token text
 into the special token, while the token trie (what `commit` checks) gives special tokens bytes no
-text can match. The mask then allowed a token that commit refused (issue 13). So llguidance gets the
+text can match. The mask then allowed a token that commit refused. So llguidance gets the
 tokenizer through a `TokenizerWrapper` whose encoder has `encode_special_tokens = True` (special-token
 text tokenized as text); token bytes and special-token ids are those llguidance reads from the
 tokenizer's JSON, so masks are otherwise unchanged.

@@ -593,7 +593,7 @@ def _periodic_eval(trainer: Trainer, run: Path, log) -> None:
     log.write(json.dumps(rec) + "\n")
     log.flush()
     best = run / "best.json"
-    score = sum(metrics[k] for k in BARS)  # every metric issue 6 sets a bar on, equally weighted
+    score = sum(metrics[k] for k in BARS)  # every metric with a bar, equally weighted
     if not best.is_file() or score > json.loads(best.read_text())["score"]:
         trainer.save_checkpoint(run / "best.pt")
         best.write_text(json.dumps({"step": trainer.step, "score": score, "eval": metrics}, indent=2))

@@ -2,13 +2,13 @@
 
 PROBLEM
     transformers loads a GGUF by dequantizing every tensor to fp32 in numpy and building the model
-    from those: SmolLM2-135M's 98 MB Q4_1 file took 32.5 s to load and became 540 MB of fp32 weights
-    (issue 19), which a memory-bound CPU decode then reads in full at every step.
+    from those: a file of 4-bit blocks becomes five times its size in fp32 weights, slowly, which a
+    memory-bound CPU decode then reads in full at every step.
 
 SOLUTION
     The file is memory-mapped and its header parsed by transformers' GGUF reader
-    (`transformers.integrations.gguf.reader`: 0.04 s here; the `gguf` package's `GGUFReader` takes
-    3-10 s on this file, walking its 98,000 vocabulary strings one numpy view at a time), so each
+    (`transformers.integrations.gguf.reader`, which reads the vocabulary in bulk; the `gguf`
+    package's `GGUFReader` walks a large vocabulary one numpy view at a time), so each
     tensor's raw blocks are a numpy view of the mapped file. The config is read from the metadata
     (`llama_config`), the tokenizer built by transformers' GGUF tokenizer conversion. The blocks are
     unpacked with a few vectorised numpy ops into foveal's `QuantLinear` (quant.py):
@@ -300,8 +300,8 @@ def linear_from_gguf(
     """One GGUF weight [N, K] as a QuantLinear, or a HalfLinear when `mode` is "fp16".
 
     Decoder layers (`head=False`): Q4_0/Q4_1 blocks are kept as int4 (codes and groups) unless `mode` is "int8"
-    (then requantized per row: the int8 kernel was 1.6x faster than the int4 one at batch 1 on the
-    first issue-19 machine, quant.py) or "fp16"; Q8_0 becomes per-row int8 (None, "int8") or int4
+    (then requantized per row: on CPUs where the int8 kernel is the faster one at batch 1, quant.py)
+    or "fp16"; Q8_0 becomes per-row int8 (None, "int8") or int4
     ("int4"); anything else is dequantized, then quantized to `mode` (None: int8). The vocabulary
     matrix (`head=True`) is per-row int8 whatever its type, except under "fp16".
     """

@@ -14,27 +14,23 @@ SOLUTION
       - "int8": `_weight_int8pack_mm`, one scale per output feature: w = q * scale, q in -127..127.
         GGUF's Q8_0 (one scale per 32 weights) is requantized onto it (per-row scale; the rounding
         error is at most half a step of the row's scale).
-    Measured in issue 19 (2 threads), the 576 x 49,152 SmolLM2 head: fp32 9.8 ms at batch 1, int8
-    1.7 ms, int4 0.8 ms; at batch 32 fp32 24.4, int8 28, int4 12.6, bf16 8.1. Measured here (one
-    thread, bf16 activations, batch 1, fast quintile of 200): 1536 x 576 int8 86 us, int4 139 us;
-    576 x 576 int8 41 us, int4 62 us: on this CPU the int8 kernel is the faster one at batch 1,
-    and both are 10-60x slower with fp32 activations (so quantized models compute in bf16). So
-    quantized kernels serve decode (few rows); `quantize_model` applies them to the decoder's
-    linear layers (int4 or int8) and to the LM head (always int8: the head decides every token).
-    `QuantEmbedding` reads token rows from the head's int8 weight when the two are tied, so a tied
-    model keeps one 8-bit copy of its 28M-parameter vocabulary matrix.
+    Which kernel wins depends on the rows and the CPU: at batch 1 both weight-only kernels beat a
+    dense fp32 matmul by reading fewer bytes, and both are an order of magnitude slower with fp32
+    activations than with bf16 ones, so quantized models compute in bf16. So quantized kernels
+    serve decode (few rows; from `DENSE_ROWS` rows on, one dense matmul of the dequantized weight is
+    faster); `quantize_model` applies them to the decoder's linear layers (int4 or int8) and to the
+    LM head (always int8: the head decides every token). `QuantEmbedding` reads token rows from the
+    head's int8 weight when the two are tied, so a tied model keeps one 8-bit copy of its
+    vocabulary matrix.
 
     `HalfLinear` ("fp16") keeps the weight as fp16 in fbgemm's packed layout and multiplies float32
     activations by it (`quantized::linear_dynamic_fp16`: fp16 weights converted in registers, fp32
-    arithmetic). Measured on an AVX2 CPU without native bf16 (AMD EPYC, the machine of the second
-    issue-19 session), one thread, SmolLM2-135M through the lean forward: a batch-1 step 28-42 ms
-    against the int4 kernel's 28.6 (a step reads 270 MB of fp16 weights, bandwidth-bound), 8 rows
-    66 vs 81 ms, 32 rows 178-208 vs 280-394 ms (fp32 dense: 227-283); and, its activations being
-    exact, the GGUF's greedy answers agree with the fp32 weights' on 101 of 101 tokens (int4 with
-    bf16 activations: 70). So it is the default for a GGUF on x86 CPUs (loader.py); it needs
-    torch's fbgemm backend (`fp16_kernel_available`). fbgemm's int8 dynamic linear was measured too
-    and refused: it quantizes activations per tensor, and with SmolLM2's outlier activations the
-    first logits were off by 24.
+    arithmetic). A step then reads half the fp32 bytes, and its activations are exact, so its greedy
+    answers are the fp32 weights' (bf16 activations change them). It is the default for a GGUF on
+    x86 CPUs (loader.py); it needs torch's fbgemm backend (`fp16_kernel_available`). fbgemm's int8
+    dynamic linear is not used: it quantizes activations per tensor, which outlier activations (as
+    SmolLM2 has) make far too coarse. `python -m benchmarks.models` measures the modes on a real
+    checkpoint.
 
 INVARIANTS
     - `dequantize()` returns exactly the weight the kernel multiplies by (up to the kernel's own
@@ -53,9 +49,8 @@ from torch import nn
 
 QUANT_MODES = ("int8", "int4", "fp16")
 # From this many rows on, QuantLinear dequantizes and runs one dense fp32 matmul instead of the
-# weight-only kernel (kernel choice by measurement; one thread, 1536 x 576, bf16 activations):
-# int8 kernel / dequantize + dense: 16 rows 1.0 / 1.0 ms, 128 rows 11.8 / 3.4, 2048 rows 202 / 108;
-# int4: 16 rows 0.8 / 7.0 (its unpacking costs 4-13 ms), 128 rows 10.0 / 7.6, 2048 rows 207 / 102.
+# weight-only kernel: the kernels' cost grows with the rows, a dequantize is paid once per launch
+# (int4's unpacking costs more, so its crossover is later).
 DENSE_ROWS = {"int8": 32, "int4": 128}
 GROUP_SIZE = 32  # GGUF's block size; the int4 kernel takes 32, 64, 128 or 256
 
@@ -267,8 +262,7 @@ class QuantEmbedding(nn.Module):
 def pack_int4(codes: torch.Tensor) -> torch.Tensor:
     """int4 codes [N, K] (0..15) in the layout of `_convert_weight_to_int4pack_for_cpu`.
 
-    torch's converter took 1.9 of the 3.3 s a SmolLM2 GGUF load took here (210 weights). Its
-    layout, on this CPU, is blocks of 32 rows: for each input feature, 16 bytes whose low nibbles
+    torch's converter is slow enough to dominate a GGUF load. Its layout on x86 CPUs is blocks of 32 rows: for each input feature, 16 bytes whose low nibbles
     are rows 0..15 of the block and high nibbles rows 16..31. The same bytes come from three
     vectorised ops; `_blocked_layout_holds` checks once per process, on a probe, that torch's
     converter produces that layout (it depends on the CPU's vector width), else torch's is used.
