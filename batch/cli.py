@@ -2,12 +2,16 @@
 
     foveal batch INPUT --skill detect|point|caption|query|generate
         [--object X | --question Q | --length L | --prompt P [--schema FILE.json]] [--settings JSON]
-        --out RESULTS.jsonl [--resume] [--model PATH] [--device auto] [--ray [--concurrency N]]
+        --out RESULTS.jsonl [--resume [--allow-changed]] [--model PATH] [--device auto]
+        [--ray [--concurrency N]]
 
 Bad input (a missing INPUT, an empty folder, an unknown skill, a missing argument, bad settings,
-a schema the grammar cannot enforce, an --out that holds results without --resume) exits 2 with
-one line on stderr, before any image is read. Images that fail become error lines; the run exits
-0 and its summary (stderr) counts them. A progress bar with images/s and ETA goes to stderr.
+a schema the grammar cannot enforce, an --out that holds results without --resume, an --out that
+--resume finds written by another job or over an input changed since, without --allow-changed)
+exits 2 with one line on stderr, before any image is read and without touching --out. Images that
+fail, and entries of INPUT that cannot be read, become error lines; the run exits 0 and its
+summary (stderr) counts them. A progress bar with images/s and ETA goes to stderr. `RESUME_HELP`
+(the end of `foveal batch --help`) is what a user reads about --resume; foveal.batch.job is how.
 """
 
 from __future__ import annotations
@@ -21,11 +25,38 @@ from typing import Any
 
 from foveal.batch.skill_call import SKILLS
 
+RESUME_HELP = """\
+resuming:
+  --out gets a job record beside it, RESULTS.jsonl.job.json: the skill and its
+  argument, --schema, --settings, the model (its path, its files' sizes and
+  times) and every INPUT image (its size, time and mode). The JSONL itself stays
+  one image a line. --resume first checks the record: another job's file exits
+  2 and changes nothing (rerun with that job's options, or use another --out).
+  An INPUT changed since the first run (images added, removed, modified or
+  reordered) exits 2 the same way, unless --allow-changed: then the lines of
+  unchanged images are kept, the lines of removed or modified images dropped,
+  added and modified images done, and the file ends as an uninterrupted run
+  over INPUT as it is now would write it, in input order. A run killed at any
+  moment (even kill -9) resumes to exactly that file.
+
+unreadable entries:
+  a dangling symbolic link, a link loop, a file without read permission or a
+  sub-folder that cannot be listed gets an error line in its place (as an
+  image that cannot be decoded does), never skipped. Once fixed, its
+  fingerprint has changed: --resume --allow-changed redoes its line.
+"""
+
 
 def add_command(commands: Any) -> argparse.ArgumentParser:
     """Register `batch` on foveal's sub-command parsers."""
     what = "run one skill over many images into a JSONL results file (resumable; locally or on Ray)"
-    sub = commands.add_parser("batch", help=what, description=what)
+    sub = commands.add_parser(
+        "batch",
+        help=what,
+        description=what,
+        epilog=RESUME_HELP,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     sub.add_argument("input", metavar="INPUT", help="folder, glob, text file of paths, .jsonl or .parquet")
     sub.add_argument("--skill", required=True, choices=SKILLS)
     sub.add_argument("--object", help="detect/point: object phrase, e.g. 'red circle'")
@@ -35,7 +66,17 @@ def add_command(commands: Any) -> argparse.ArgumentParser:
     sub.add_argument("--schema", metavar="FILE.json", help="generate: a JSON schema the output follows")
     sub.add_argument("--settings", metavar="JSON", help='e.g. \'{"max_tokens": 64, "temperature": 0}\'')
     sub.add_argument("--out", required=True, metavar="RESULTS.jsonl", help="results, one JSON line per image")
-    sub.add_argument("--resume", action="store_true", help="skip the images --out already holds")
+    sub.add_argument(
+        "--resume",
+        action="store_true",
+        help="skip the images --out already holds, after checking it is this job's (see resuming)",
+    )
+    sub.add_argument(
+        "--allow-changed",
+        action="store_true",
+        help="with --resume: accept an INPUT changed since the first run; keep the lines of "
+        "unchanged images, redo the rest (see resuming)",
+    )
     sub.add_argument("--model", metavar="PATH", default=None, help="checkpoint (default: the embedded model)")
     sub.add_argument("--device", default="auto", help="auto, cpu or cuda (default: %(default)s)")
     sub.add_argument("--column", help="table INPUT: the image column (path, bytes or image struct)")
@@ -105,6 +146,7 @@ def _options(args: argparse.Namespace) -> dict[str, Any]:
         "settings": _json_settings(args.settings),
         "out": args.out,
         "resume": args.resume,
+        "allow_changed": args.allow_changed,
         "progress": not args.quiet,
         "window": args.window,
         "column": args.column,

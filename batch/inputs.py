@@ -6,9 +6,16 @@ sources (a path, or the encoded bytes of an image) in the same order. Keys are c
 because the whole run depends on them: an empty input or a key listed twice is refused with a
 message saying what to fix, while a key whose image turns out unreadable only becomes an error line.
 
+Nothing is skipped silently: an entry named like an image that cannot be read (a dangling symbolic
+link, a link loop, a file without read permission, a link to a folder) and a sub-folder that cannot
+be listed are keys like any other, and `check_readable` (run on each source before it is decoded)
+makes each an ImageError naming the cause: an error line in its place.
+
 Accepted INPUTs (relative paths inside a list, JSONL or Parquet file are relative to that file's folder):
-- a folder: every file with an image extension under it, recursively, sorted by path;
-- a glob (`photos/**/*.jpg`): the files it matches, sorted;
+- a folder: every entry with an image extension under it that is not a folder, recursively, plus
+  every sub-folder that cannot be listed, sorted by path (links to folders are not followed, as
+  `Path.rglob` does not: a link loop cannot make the walk endless);
+- a glob (`photos/**/*.jpg`): what it matches except folders, sorted;
 - one image file;
 - a text file of paths, one a line (blank lines and `#` comments skipped);
 - a `.jsonl` file: one object a line, the image as a path (column image/path/image_path/file/filename)
@@ -23,11 +30,14 @@ from __future__ import annotations
 
 import base64
 import binascii
+import errno
 import glob
 import json
+import os
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from stat import S_ISDIR
 from typing import Any
 
 IMAGE_EXTENSIONS = frozenset(
@@ -75,7 +85,7 @@ def open_input(spec: str | Path, *, column: str | None = None, key_column: str |
         return _unique(found)
     if not path.exists():
         if GLOB_CHARS & set(text):
-            matches = sorted(p for p in glob.glob(text, recursive=True) if Path(p).is_file())
+            matches = sorted(p for p in glob.glob(text, recursive=True) if not Path(p).is_dir())
             if not matches:
                 raise InputError(f"INPUT glob {text!r} matches no file; check the pattern and the folder")
             return _unique(_input_of_paths(matches, f"glob {text}"))
@@ -108,9 +118,67 @@ def input_of_images(images: Iterable[Any] | dict[str, Any]) -> Input:
 # ---- paths ------------------------------------------------------------------------------------------------
 
 
+def check_readable(source: Source) -> Source:
+    """`source`, or an ImageError saying why the path cannot be read and what to do (the image loader
+    would call a dangling link or a loop "not found", and could not name a folder it cannot list)."""
+    if not isinstance(source, str):
+        return source
+    problem = _unreadable(source)
+    if problem is not None:
+        from foveal import ImageError  # the type of every other image that fails to load
+
+        raise ImageError(f"{problem}, then run again with --resume --allow-changed to redo this line")
+    return source
+
+
+def _unreadable(path: str) -> str | None:
+    try:
+        mode = os.stat(path).st_mode
+    except OSError as error:
+        if os.path.islink(path):
+            if error.errno == errno.ELOOP:
+                return f"{path!r} is a symbolic link loop; point it at an image or remove it"
+            return f"{path!r} is a dangling symbolic link (to {os.readlink(path)!r}); fix or remove it"
+        if error.errno == errno.EACCES:
+            return f"{path!r} cannot be reached (permission denied); make its folders readable"
+        return None  # not there: the image loader says so
+    if S_ISDIR(mode):
+        try:
+            with os.scandir(path):
+                pass
+        except OSError as error:
+            return (
+                f"folder {path!r} cannot be listed ({error.strerror}), so its images are not in this run; "
+                "make it readable"
+            )
+        return f"{path!r} is a folder, not an image file; rename or remove it"
+    if not os.access(path, os.R_OK):
+        return f"cannot read {path!r}: permission denied; make it readable (chmod a+r)"
+    return None
+
+
 def _folder_images(folder: Path) -> list[str]:
-    found = (p for p in folder.rglob("*") if p.suffix.lower() in IMAGE_EXTENSIONS and p.is_file())
-    return sorted(str(p) for p in found)
+    found: list[str] = []
+
+    def visit(directory: str) -> None:
+        try:
+            with os.scandir(directory) as listing:
+                entries = list(listing)
+        except OSError as error:
+            if directory == str(folder):
+                raise InputError(
+                    f"INPUT folder {folder} cannot be listed ({error.strerror}); make it readable"
+                ) from None
+            found.append(directory)  # a key of its own: an error line in its place
+            return
+        for entry in entries:
+            if entry.is_dir(follow_symlinks=False):
+                visit(entry.path)
+            elif Path(entry.name).suffix.lower() in IMAGE_EXTENSIONS:
+                found.append(entry.path)
+
+    visit(str(folder))
+    return sorted(found)
 
 
 def _input_of_paths(paths: list[str], what: str) -> Input:

@@ -1,7 +1,9 @@
 """A batch job on Ray: Ray Data over the images, one `Model` per actor, the same JSONL as a local run.
 
-The driver resolves INPUT, checks the job and --out exactly as a local run does (`runner.run`), and
-skips the images --out already holds. The rest become a Ray dataset of (key, source) rows, where a
+The driver resolves INPUT, checks the job and --out exactly as a local run does (`runner.run`):
+with --resume, --out must belong to this job and this input (`job.plan_output`; --allow-changed
+accepts a changed input, and the kept lines go back in their places as the rows arrive), and the
+images --out already holds are skipped. The rest become a Ray dataset of (key, source) rows, where a
 source is a path (which every node must be able to read: a shared filesystem) or the image's
 bytes (tables with a bytes column: the bytes travel in the dataset). `map_batches` sends batches to
 a pool of `concurrency` actors (`SkillActor`), each holding one model (one GPU each when the cluster
@@ -25,11 +27,13 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from foveal.batch.inputs import check_readable
+from foveal.batch.job import Kept, job_record, merge_kept, open_results, plan_output
 from foveal.batch.readahead import pipeline
 from foveal.batch.records import record_of
-from foveal.batch.runner import READ_WORKERS, Summary, _open
+from foveal.batch.runner import READ_WORKERS, Summary, _open, check_flags
 from foveal.batch.skill_call import SkillCall
-from foveal.batch.writer import ResultsWriter, check_output
+from foveal.batch.writer import check_output
 
 DEFAULT_WINDOW = 64  # per actor: 2 x the SDK's default max_batch_size (32)
 
@@ -56,7 +60,7 @@ class SkillActor:
         ]
         outcomes = pipeline(
             zip(keys, sources, strict=True),
-            self.model.encode_image,
+            lambda source: self.model.encode_image(check_readable(source)),
             lambda image: self.call.call(self.model, image),
             window=self.window,
             read_workers=READ_WORKERS,
@@ -84,6 +88,7 @@ def run_on_ray(
     model: str | Path | None = None,
     device: str = "auto",
     resume: bool = False,
+    allow_changed: bool = False,
     concurrency: int | None = None,
     window: int | None = None,
     batch_size: int | None = None,
@@ -97,6 +102,7 @@ def run_on_ray(
     or None (the embedded model), loaded by every actor."""
     if model is not None and not isinstance(model, str | Path):
         raise ValueError("on Ray, model must be a checkpoint path (or None): every actor loads its own copy")
+    check_flags(resume, allow_changed)
     source = _open(inputs, column, key_column)
     call = SkillCall.of(
         skill,
@@ -108,22 +114,27 @@ def run_on_ray(
         settings=settings,
     )
     check_output(Path(out), resume)
+    plan = plan_output(Path(out), job_record(call, model, source), resume=resume, allow_changed=allow_changed)
+    todo = [{"image": key, "source": _shippable(src)} for key, src in source.items() if plan.needs_work(key)]
     ray = _ray()
     window = window or DEFAULT_WINDOW
-    with ResultsWriter(out, resume=resume) as writer:
-        todo = [
-            {"image": key, "source": _shippable(src)} for key, src in source.items() if key not in writer.done
-        ]
-        skipped = len(source) - len(todo)
+    with open_results(plan) as writer:
         started = time.perf_counter()
         done = errors = 0
-        if todo:
-            for row in _dataset(ray, todo, model, device, call, window, concurrency, batch_size, progress):
-                writer.write(row["image"], row["line"])
-                done += 1
-                errors += not row["ok"]
+        rows = (
+            _dataset(ray, todo, model, device, call, window, concurrency, batch_size, progress)
+            if todo
+            else iter(())
+        )
+        for row in merge_kept(source.keys, plan, rows):
+            if isinstance(row, Kept):  # a line of the resumed file, back in its place
+                writer.write(row.key, row.line)
+                continue
+            writer.write(row["image"], row["line"])
+            done += 1
+            errors += not row["ok"]
         seconds = time.perf_counter() - started
-    return Summary(len(source), skipped, done, errors, seconds, None, None, None)
+    return Summary(len(source), plan.skipped, done, errors, seconds, None, None, None)
 
 
 def _dataset(ray, todo, model, device, call, window, concurrency, batch_size, progress):

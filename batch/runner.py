@@ -1,12 +1,16 @@
 """`foveal.batch.run`: one skill over many images on this machine, as records, optionally into a results file.
 
 The order of work: resolve INPUT (folder, glob, list, table: `inputs.py`), check the skill's
-arguments and settings, check `out` (exists without resume?), load the model, check what needs it
-(the arguments as the model takes them, an output type the grammar cannot enforce), read which images `out` already holds (resume); every
-refusal up to here raises before any image is read. Then the images not yet done go through the
-read-ahead pipeline (`readahead.py`) and each outcome becomes a `Record`, appended to `out` in
-input order and yielded to the caller. A `BatchRun` is iterable once; `summary()` tells images/s
-and the engine's mean batch size (decode rows per step, measured over this run).
+arguments and settings, check `out` (exists without resume?) and, with resume, that `out` belongs
+to this job and this input (`job.plan_output`: another job, or a changed input without
+allow_changed, is refused without touching the file), load the model, check what needs it (the
+arguments as the model takes them, an output type the grammar cannot enforce); every refusal up to
+here raises before any image is read and before any file is written. Then the job record is
+written (or, with allow_changed, the file trimmed to the lines still valid: `job.open_results`),
+the images not yet done go through the read-ahead pipeline (`readahead.py`) and each outcome
+becomes a `Record`, appended to `out` in input order (the kept lines of a changed input written
+again in their places) and yielded to the caller. A `BatchRun` is iterable once; `summary()`
+tells images/s and the engine's mean batch size (decode rows per step, measured over this run).
 """
 
 from __future__ import annotations
@@ -17,7 +21,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from foveal.batch.inputs import Input, input_of_images, open_input
+from foveal.batch.inputs import Input, check_readable, input_of_images, open_input
+from foveal.batch.job import Kept, OutputPlan, job_record, merge_kept, open_results, plan_output
 from foveal.batch.readahead import pipeline
 from foveal.batch.records import Record, record_of
 from foveal.batch.skill_call import SkillCall
@@ -29,7 +34,7 @@ READ_WORKERS = 2  # decode threads: a few keep ahead of the engine on 2 cores wi
 @dataclass(slots=True)
 class Summary:
     images: int  # in the input
-    skipped: int  # already in the results file (resume)
+    skipped: int  # already in the results file (resume; with allow_changed, the lines kept)
     done: int  # records made by this run
     errors: int  # of which error lines
     seconds: float
@@ -65,6 +70,7 @@ class BatchRun:
         model: Any,
         owns_model: bool,
         writer: ResultsWriter | None,
+        plan: OutputPlan | None,
         *,
         progress: bool | None,
         ordered: bool,
@@ -76,8 +82,8 @@ class BatchRun:
         self._progress, self._ordered = progress, ordered
         self._window = window or 2 * model.config.max_batch
         self._read_workers = read_workers
-        self._done = frozenset(writer.done) if writer else frozenset()
-        self.skipped = sum(key in self._done for key in source.keys)
+        self._plan = plan or OutputPlan(Path(), {}, False)  # no results file: nothing done, nothing kept
+        self.skipped = self._plan.skipped
         self._summary: Summary | None = None
         self._iterated = False
 
@@ -109,8 +115,9 @@ class BatchRun:
 
         from foveal.errors import ModelClosedError
 
+        plan = self._plan
         items = (
-            (key, image) for key, image in self.input.items() if key not in self._done
+            (key, image) for key, image in self.input.items() if plan.needs_work(key)
         )  # lazy: tables stream
         before = engine_counts(self.model)
         bar = tqdm(
@@ -126,14 +133,17 @@ class BatchRun:
         try:
             outcomes = pipeline(
                 items,
-                self.model.encode_image,
+                lambda source: self.model.encode_image(check_readable(source)),
                 lambda image: self.call.call(self.model, image),
                 window=self._window,
                 read_workers=self._read_workers,
                 ordered=self._ordered,
                 fatal=(ModelClosedError, KeyboardInterrupt),
             )
-            for outcome in outcomes:
+            for outcome in merge_kept(self.input.keys, plan, outcomes):
+                if isinstance(outcome, Kept):  # a line of the resumed file, back in its place
+                    self.writer.write(outcome.key, outcome.line)
+                    continue
                 record = record_of(outcome.key, outcome.value)
                 if self.writer is not None:
                     self.writer.write(record.image, record.to_json())
@@ -172,6 +182,7 @@ def run(
     device: str = "auto",
     out: str | Path | None = None,
     resume: bool = False,
+    allow_changed: bool = False,
     ordered: bool = True,
     progress: bool | None = None,
     window: int | None = None,
@@ -186,12 +197,16 @@ def run(
     skill and its argument: detect/point `object`, query `question`, caption `length`, generate
     `prompt` (+ `output_type`). model: a loaded `foveal.Model` (kept open), or a checkpoint path /
     None for the embedded model (loaded here on `device`, closed when the run ends). out: a JSONL results file
-    written as the records come (resume=True skips the images it holds). ordered=False yields
+    written as the records come, its job record beside it (`out` + ".job.json"). resume=True skips
+    the images it holds, once it is checked to be this job's over this input (OutputError if not);
+    allow_changed=True (with resume) accepts an input changed since: the lines of unchanged images
+    are kept, the rest redone, the file in input order (foveal.batch.job). ordered=False yields
     records as they complete (only without `out`, which is kept in input order).
     Every bad input raises here, before any image is read (ValueError subclasses, SchemaError).
     """
     if out is not None and not ordered:
         raise ValueError("ordered=False cannot write `out` (a results file is kept in input order); drop one")
+    check_flags(resume, allow_changed)
     source = _open(inputs, column, key_column)
     call = SkillCall.of(
         skill,
@@ -202,12 +217,15 @@ def run(
         output_type=output_type,
         settings=settings,
     )
+    plan = None
     if out is not None:
         check_output(Path(out), resume)
+        record = job_record(call, model, source)
+        plan = plan_output(Path(out), record, resume=resume, allow_changed=allow_changed)
     loaded, owns = _model(model, device)
     try:
         call.check(loaded)
-        writer = ResultsWriter(out, resume=resume) if out is not None else None
+        writer = open_results(plan) if plan is not None else None
     except BaseException:
         if owns:
             loaded.close()
@@ -218,11 +236,17 @@ def run(
         loaded,
         owns,
         writer,
+        plan,
         progress=progress,
         ordered=ordered,
         window=window,
         read_workers=read_workers,
     )
+
+
+def check_flags(resume: bool, allow_changed: bool) -> None:
+    if allow_changed and not resume:
+        raise ValueError("--allow-changed (allow_changed) applies to a resumed run; add --resume, or drop it")
 
 
 def _open(inputs: Any, column: str | None, key_column: str | None) -> Input:

@@ -11,9 +11,13 @@ SOLUTION
     cut by a kill: on resume that torn tail, and only it, is cut off (`os.truncate` to the end of
     the last whole line), then the keys of the whole lines are the images already done. Lines
     are written in input order (the pipeline emits in order), so the done set is always a prefix
-    of the input, and a resumed file stays in input order.
-INVARIANTS (tests/batch/test_writer.py, test_resume.py)
-    1. A whole line is never rewritten or removed; only a torn tail (no "\\n") is cut, on resume.
+    of the input, and a resumed file stays in input order. Whether the file may be resumed at all
+    (the same job, the same input) is job.py's to decide, before a `ResultsWriter` opens it;
+    `read_lines` reads it for that without changing a byte, and `write_atomically` is how job.py
+    replaces a file (the job record; the results, when --allow-changed drops lines).
+INVARIANTS (tests/batch/test_writer.py, test_resume.py, test_job.py)
+    1. A whole line is never rewritten or removed by the writer; only a torn tail (no "\\n") is
+       cut, on resume. (--allow-changed drops the lines of changed images: one atomic replace.)
     2. After a kill at any moment and a resume, the file has exactly one line per input image.
     3. Without resume, an existing non-empty file is refused before any work (never overwritten).
 """
@@ -22,6 +26,7 @@ from __future__ import annotations
 
 import json
 import os
+import tempfile
 import time
 from pathlib import Path
 
@@ -38,7 +43,14 @@ class ResultsWriter:
     def __init__(self, path: str | Path, *, resume: bool) -> None:
         self.path = Path(path)
         check_output(self.path, resume)
-        self.done: set[str] = read_done(self.path) if resume else set()
+        self.done: set[str] = set()
+        if resume and self.path.exists():
+            lines, whole = read_lines(self.path)
+            if whole < self.path.stat().st_size:
+                os.truncate(
+                    self.path, whole
+                )  # a kill cut this line mid-write: it never held a finished record
+            self.done = {key for key, _ in lines}
         self._fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
         self._synced = time.monotonic()
         self.written = 0
@@ -86,20 +98,46 @@ def check_output(path: Path, resume: bool) -> None:
 
 
 def read_done(path: Path) -> set[str]:
-    """Keys of the whole lines in `path` (missing: none); a torn last line is cut off first."""
-    if not path.exists():
-        return set()
+    """Keys of the whole lines in `path` (missing: none); the file is not changed."""
+    return {key for key, _ in read_lines(path)[0]} if path.exists() else set()
+
+
+def read_lines(path: Path) -> tuple[list[tuple[str, str]], int]:
+    """The whole lines of `path` as (key, line text without newline), and the byte length they span
+    (less than the file's size when a kill left a torn tail). Reads only; OutputError on a line
+    that is not a results line."""
     data = path.read_bytes()
     whole = data.rfind(b"\n") + 1  # bytes up to the end of the last whole line
-    if whole < len(data):
-        os.truncate(path, whole)  # a kill cut this line mid-write: it never held a finished record
-    done = set()
+    lines = []
     for number, line in enumerate(data[:whole].splitlines(), 1):
         try:
-            done.add(json.loads(line)["image"])
+            text = line.decode("utf-8")
+            key = json.loads(text)["image"]
         except (ValueError, KeyError, TypeError):
             raise OutputError(
                 f"--out {path} line {number} is not a results line ({line[:60]!r}); this file was not "
                 "written by foveal batch: choose another --out"
             ) from None
-    return done
+        lines.append((key, text))
+    return lines, whole
+
+
+def write_atomically(path: Path, data: bytes) -> None:
+    """Replace `path` by `data` all at once: a reader (or a kill) sees the old file or the new, never a
+    part (a temporary file in the same folder, fsynced, renamed over `path`, the folder fsynced)."""
+    fd, temporary = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as file:
+            file.write(data)
+            file.flush()
+            os.fsync(file.fileno())
+        os.chmod(temporary, 0o644)  # mkstemp's 0600 would hide the results from the user's other tools
+        os.replace(temporary, path)
+    except BaseException:
+        Path(temporary).unlink(missing_ok=True)
+        raise
+    folder = os.open(path.parent, os.O_RDONLY)
+    try:
+        os.fsync(folder)  # the rename itself survives a power loss
+    finally:
+        os.close(folder)

@@ -16,7 +16,8 @@ has x1 < x2 and y1 < y2, so x1 <= width - 1 and y1 <= height - 1 (room for a lar
 never empty). The label is the literal object phrase. `parse_answer` maps the text to foveal's
 normalized result, `{"objects": [{"x_min": x1 / width, ...}]}` / `{"points": [{"x": x / width, ...}]}`:
 the resize maps the whole original image onto the whole input, so fractions of the input are
-fractions of the original.
+fractions of the original. `layout()` states the answer's pieces (what token budgets are sized from:
+grammars/spatial.py `item_token_bounds`); the Lark grammar is built from the same pieces.
 
 PROBLEM: x2 > x1 and y2 > y1 relate two numbers that a context-free grammar cannot compare compactly
 (bounded.py explains it for 3-decimal JSON numbers).
@@ -49,7 +50,7 @@ from .bitmask import row_view
 from .cache import LRUCache
 from .errors import GrammarViolation, SchemaError
 from .matcher import Matcher
-from .spatial import SpatialSpec
+from .spatial import AnswerLayout, Coordinate, SpatialSpec, check_spellable
 from .specs import GrammarSource
 from .tokenizer import TokenizerHandle
 
@@ -129,36 +130,54 @@ class GroundingSpec(SpatialSpec):
     def cache_key(self) -> str:
         return f"grounding:{self.kind}:{self.max_objects}:{self.width}x{self.height}:{json.dumps(self.label)}"
 
-    def lark(self) -> str:
-        key, w, h = KEYS[self.kind], self.width, self.height
-        open_item = json.dumps(f'{{"{key}": [')
-        close_item = json.dumps(f'], "label": {json.dumps(self.label)}}}')
+    def layout(self) -> AnswerLayout:
+        """What every answer of this spec is made of (its grammar is built from the same pieces)."""
+        self._require_scale("size a token budget")
+        item: list[str | Coordinate] = [self._item_open()]
+        for index, (_, _, hi) in enumerate(self._fields()):
+            item += [", "] if index else []
+            item.append(Coordinate(len(str(hi))))
+        item.append(self._item_close())
+        return AnswerLayout(
+            FENCE_OPEN + FENCE_CLOSE, FENCE_OPEN + ITEM_OPEN, tuple(item), ITEM_SEP, ITEMS_CLOSE + FENCE_CLOSE
+        )
+
+    def _item_open(self) -> str:
+        return f'{{"{KEYS[self.kind]}": ['
+
+    def _item_close(self) -> str:
+        return f'], "label": {json.dumps(self.label)}}}'
+
+    def _fields(self) -> list[tuple[str, int, int]]:
+        """(terminal, lowest, highest) of each coordinate, in order: a box's min leaves room for its max."""
+        w, h = self.width, self.height
         if self.kind == "boxes":
-            fields = 'XLO ", " YLO ", " XHI ", " YHI'
-            terminals = [
-                f"XLO: /{int_range(0, w - 1)}/",
-                f"YLO: /{int_range(0, h - 1)}/",
-                f"XHI: /{int_range(1, w)}/",
-                f"YHI: /{int_range(1, h)}/",
-            ]
-        else:
-            fields = 'X ", " Y'
-            terminals = [f"X: /{int_range(0, w)}/", f"Y: /{int_range(0, h)}/"]
+            return [("XLO", 0, w - 1), ("YLO", 0, h - 1), ("XHI", 1, w), ("YHI", 1, h)]
+        return [("X", 0, w), ("Y", 0, h)]
+
+    def _require_scale(self, what: str) -> None:
+        if not self.bound:
+            raise SchemaError(
+                f"this grounding spec has no coordinate scale yet (width/height None), so it cannot {what}: "
+                "bind it to the image first"
+            )
+
+    def lark(self) -> str:
+        fields = self._fields()
+        values = ' ", " '.join(name for name, _, _ in fields)
         more = f" ({json.dumps(ITEM_SEP)} item){{0,{self.max_objects - 1}}}" if self.max_objects > 1 else ""
         return "\n".join(
             [
                 f"start: {json.dumps(FENCE_OPEN)} items? {json.dumps(FENCE_CLOSE)}",
                 f"items: {json.dumps(ITEM_OPEN)} item{more} {json.dumps(ITEMS_CLOSE)}",
-                f"item: {open_item} {fields} {close_item}",
-                *terminals,
+                f"item: {json.dumps(self._item_open())} {values} {json.dumps(self._item_close())}",
+                *(f"{name}: /{int_range(lo, hi)}/" for name, lo, hi in fields),
             ]
         )
 
     def build(self, handle: TokenizerHandle, key: str) -> Automaton:
-        if not self.bound:
-            raise SchemaError(
-                "this grounding spec has no coordinate scale yet (width/height None): bind it to the image first"
-            )
+        self._require_scale("compile")
+        check_spellable(self, handle)
         lark = self.lark()
         source = GrammarSource("lark", key, llguidance.LLMatcher.grammar_from_lark(lark))
         extra = (tables_for(handle), self.width, self.height) if self.kind == "boxes" else None

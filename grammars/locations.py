@@ -92,6 +92,11 @@ class LocationFormat:
     def join(self, items: list[str]) -> str:
         return self.separator.join(items)
 
+    @staticmethod
+    def label_text(label: str) -> str:
+        """The text after an item's location tokens: `" LABEL"`, nothing without a label."""
+        return _tail(label)
+
     # ---- labels ----
 
     def check_label(self, label: str) -> str:

@@ -22,7 +22,7 @@ import json
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from foveal.server.errors import error_body
+from foveal.server.errors import ApiError
 
 PROTECTED = "/v1/"
 
@@ -38,12 +38,15 @@ class Gate:
             await self.app(scope, receive, send)
             return
         if self.api_key and scope["path"].startswith(PROTECTED) and not self._authorized(scope):
-            await _refuse(
+            await refuse(
                 send,
-                401,
-                "missing or wrong API key; send it as 'X-Moondream-Auth: KEY' or 'Authorization: Bearer KEY'",
-                "authentication_error",
-                {"WWW-Authenticate": "Bearer"},
+                ApiError(
+                    401,
+                    "missing or wrong API key; send it as 'X-Moondream-Auth: KEY' or "
+                    "'Authorization: Bearer KEY'",
+                    "invalid_api_key",
+                    headers={"WWW-Authenticate": "Bearer"},
+                ),
             )
             return
         if _content_length(scope) > self.max_body_bytes:
@@ -82,12 +85,14 @@ class Gate:
                 return b"".join(chunks), True, False
 
     async def _too_large(self, send: Send) -> None:
-        await _refuse(
+        await refuse(
             send,
-            413,
-            f"the request body is over this server's limit of {self.max_body_bytes} bytes; send a smaller "
-            "image (or start the server with a larger --max-body-bytes)",
-            "request_too_large",
+            ApiError(
+                413,
+                f"the request body is over this server's limit of {self.max_body_bytes} bytes; send a "
+                "smaller image (or start the server with a larger --max-body-bytes)",
+                "request_too_large",
+            ),
         )
 
 
@@ -114,11 +119,10 @@ def _replay(body: bytes, receive: Receive) -> Receive:
     return replayed
 
 
-async def _refuse(
-    send: Send, status: int, message: str, kind: str, headers: dict[str, str] | None = None
-) -> None:
-    payload = json.dumps(error_body(message, kind)).encode()
+async def refuse(send: Send, error: ApiError) -> None:
+    """Answer `error` straight on the ASGI channel (no route, no response object, before any body)."""
+    payload = json.dumps(error.body()).encode()
     raw = [(b"content-type", b"application/json"), (b"content-length", str(len(payload)).encode())]
-    raw += [(k.lower().encode(), v.encode()) for k, v in (headers or {}).items()]
-    await send({"type": "http.response.start", "status": status, "headers": raw})
+    raw += [(k.lower().encode(), v.encode()) for k, v in error.headers.items()]
+    await send({"type": "http.response.start", "status": error.status, "headers": raw})
     await send({"type": "http.response.body", "body": payload})

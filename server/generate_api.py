@@ -14,24 +14,32 @@ from __future__ import annotations
 from typing import Any
 
 from fastapi import APIRouter, Request
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, Field
 
 import foveal
 from foveal.server.errors import ApiError
 from foveal.server.images import image_bytes
+from foveal.server.moondream_api import EXAMPLE_IMAGE_URL, GenerateSettings, ImageUrl
 from foveal.server.state import call
 
 router = APIRouter(prefix="/v1", tags=["foveal"])
 
+# Whole requests for the schema (one per output type), which a client or a fuzzer can start from.
+EXAMPLES = [
+    {"prompt": "how many shapes?", "image_url": EXAMPLE_IMAGE_URL, "regex": "[0-9]"},
+    {"prompt": "how many?", "image_url": EXAMPLE_IMAGE_URL, "json_schema": {"type": "integer", "maximum": 9}},
+    {"prompt": "sum", "image_url": EXAMPLE_IMAGE_URL, "grammar": 'start: D "+" D\nD: /[0-9]/'},
+]
+
 
 class GenerateBody(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", json_schema_extra={"examples": EXAMPLES})
     prompt: str
-    image_url: str | None = None
-    json_schema: dict[str, Any] | bool | None = None
-    regex: str | None = None
-    grammar: str | None = None
-    settings: dict[str, Any] | None = None
+    image_url: ImageUrl | None = None
+    json_schema: dict[str, Any] | bool | None = Field(None, description="a JSON schema of the output")
+    regex: str | None = Field(None, description="a regex the output matches")
+    grammar: str | None = Field(None, description="a Lark grammar of the output (llguidance's dialect)")
+    settings: GenerateSettings = None
     model: str | None = None
 
 

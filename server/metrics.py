@@ -2,9 +2,11 @@
 
 Counted here (on the event loop thread only, so no locks): requests by route and status, request
 latency as a histogram by route, admitted model calls in flight (the queue depth that --max-queue
-bounds), completion tokens answered. Read from the engine at scrape time (`engine.stats()`, since
-the engine started or its stats were last reset): decode steps, tokens, mean forward and host time
-per step, the device's idle fraction while the engine had work, and the KV pages free.
+bounds), client disconnects (observe.py counts a response its client left, dropped streams
+included; admission.py a model call its client left before the answer started), completion
+tokens answered. Read from the engine at scrape time (`engine.stats()`, since the engine started
+or its stats were last reset): decode steps, tokens, mean forward and host time per step, the
+device's idle fraction while the engine had work, and the KV pages free.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ class Metrics:
         self.latency_count: dict[str, int] = defaultdict(int)
         self.in_flight = 0  # admitted model calls (admission.py)
         self.rejected_queue_full = 0
-        self.disconnects = 0  # requests whose client left before the answer
+        self.disconnects = 0  # requests whose client left before the answer ended (streams too)
         self.completion_tokens = 0
 
     def observe(self, route: str, status: int, seconds: float) -> None:
@@ -64,7 +66,7 @@ class Metrics:
             (
                 "foveal_client_disconnects_total",
                 "counter",
-                "requests cancelled by a disconnect",
+                "requests whose client left before the answer ended, dropped streams included",
                 self.disconnects,
             ),
             (

@@ -7,49 +7,116 @@
 
 `image_url` is a base64 data URL (images.py). With `stream: true`, caption and query answer
 Server-Sent Events: `data: {"chunk": "..."}` per text chunk, then `data: {"completed": true}` (the
-client stops reading there); an error after the stream started is one `data: {"error": {...}}`.
-Results are the SDK's result dicts, unchanged. `model` is accepted and ignored (one model is
-served); `reasoning` and `spatial_refs` are refused: foveal has neither.
+client stops reading there). Results are the SDK's result dicts, unchanged. `model` is accepted and
+ignored (one model is served); `reasoning` and `spatial_refs` are refused: foveal has neither.
+
+Errors: a 4xx or 5xx status with errors.py's body, `{"error": {"message", "type", "param", "code"}}`,
+on these routes as on every other (the `moondream` client reads only the status and raises
+urllib's HTTPError, whose body is that JSON). An error after a stream's 200 went out is one event,
+`data: {"error": {...}}`, the same object, and no `completed` event after it.
+
+The bodies' OpenAPI schema says what the server accepts (a data URL in `image_url`, the settings
+keys and their ranges) so that a client, or a fuzzer, can build requests from it; the values
+themselves are checked by the SDK, whose refusals are 400s naming the key.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Annotated, Any
 
 from fastapi import APIRouter, Request
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, Field, WithJsonSchema
 
 from foveal.server.errors import ApiError, error_event
 from foveal.server.images import image_bytes
 from foveal.server.state import call, stream_call
 from foveal.server.streaming import events
+from foveal.settings import MAX_OBJECTS_CEILING, MAX_TOKENS_CEILING, OBJECT_SKILLS, SEED_LIMIT
+from foveal.skills import CAPTION_LENGTHS
 
 router = APIRouter(prefix="/v1", tags=["moondream"])
+
+# An 8 x 8 red PNG: the example image of the schema.
+EXAMPLE_IMAGE_URL = (
+    "data:image/png;base64,iVBORw0KGgoAAAANSUhEUgAAAAgAAAAICAIAAABLbSncAAAAFElEQVR4nGM8ISfHgA0wYRUdtBIA"
+    "0MoBFD5jqJkAAAAASUVORK5CYII="
+)
+ImageUrl = Annotated[
+    str,
+    Field(
+        description="the image as a base64 data URL (remote URLs are not fetched)",
+        examples=[EXAMPLE_IMAGE_URL],
+        json_schema_extra={"pattern": "^data:[^,]*;base64,"},
+    ),
+]
+
+
+def settings_schema(skill: str) -> dict[str, Any]:
+    """The JSON schema of a skill's `settings` (the SDK's keys and ranges, foveal.settings)."""
+    properties: dict[str, Any] = {
+        "temperature": {"type": "number", "minimum": 0, "description": "0 is greedy decoding"},
+        "top_p": {"type": "number", "exclusiveMinimum": 0, "maximum": 1},
+        "max_tokens": {"type": "integer", "minimum": 1, "maximum": MAX_TOKENS_CEILING},
+        "seed": {"anyOf": [{"type": "integer", "minimum": 0, "maximum": SEED_LIMIT - 1}, {"type": "null"}]},
+    }
+    if skill in OBJECT_SKILLS:
+        properties["max_objects"] = {"type": "integer", "minimum": 1, "maximum": MAX_OBJECTS_CEILING}
+    accepted = {"type": "object", "properties": properties, "additionalProperties": False}
+    return {"anyOf": [accepted, {"type": "null"}], "description": "sampling settings; unknown keys are a 400"}
+
+
+def _settings(skill: str) -> Any:
+    """The type of a skill's `settings`: any dict (the SDK checks it), documented by its schema."""
+    return Annotated[dict[str, Any] | None, WithJsonSchema(settings_schema(skill))]
+
+
+CaptionSettings = _settings("caption")
+QuerySettings = _settings("query")
+DetectSettings = _settings("detect")
+PointSettings = _settings("point")
+GenerateSettings = _settings("generate")
+
+
+def _examples(*bodies: dict[str, Any]) -> ConfigDict:
+    """A body's config with whole example requests for its schema (merged with _Body's)."""
+    return ConfigDict(json_schema_extra={"examples": list(bodies)})
 
 
 class _Body(BaseModel):
     model_config = ConfigDict(extra="forbid")
     model: str | None = None
-    settings: dict[str, Any] | None = None
 
 
 class CaptionBody(_Body):
-    image_url: str
-    length: str = "normal"
+    model_config = _examples({"image_url": EXAMPLE_IMAGE_URL, "length": "short"})
+    image_url: ImageUrl
+    length: Annotated[str, Field(json_schema_extra={"enum": list(CAPTION_LENGTHS)})] = "normal"
     stream: bool = False
+    settings: CaptionSettings = None
 
 
 class QueryBody(_Body):
+    model_config = _examples({"image_url": EXAMPLE_IMAGE_URL, "question": "how many shapes are there?"})
     question: str
-    image_url: str | None = None
+    image_url: ImageUrl | None = None
     stream: bool = False
-    reasoning: bool = False
-    spatial_refs: list[Any] | None = None
+    reasoning: Annotated[bool, Field(description="foveal's models do not reason: false only")] = False
+    spatial_refs: Annotated[list[Any] | None, Field(description="not supported: leave it out")] = None
+    settings: QuerySettings = None
 
 
-class ObjectBody(_Body):
-    image_url: str
+class DetectBody(_Body):
+    model_config = _examples({"image_url": EXAMPLE_IMAGE_URL, "object": "red square"})
+    image_url: ImageUrl
     object: str
+    settings: DetectSettings = None
+
+
+class PointBody(_Body):
+    model_config = _examples({"image_url": EXAMPLE_IMAGE_URL, "object": "red square"})
+    image_url: ImageUrl
+    object: str
+    settings: PointSettings = None
 
 
 @router.post("/caption")
@@ -83,13 +150,13 @@ async def query(body: QueryBody, request: Request) -> Any:
 
 
 @router.post("/detect")
-async def detect(body: ObjectBody, request: Request) -> Any:
+async def detect(body: DetectBody, request: Request) -> Any:
     image = image_bytes(body.image_url)
     return await call(request, lambda m: m.adetect(image, body.object, body.settings))
 
 
 @router.post("/point")
-async def point(body: ObjectBody, request: Request) -> Any:
+async def point(body: PointBody, request: Request) -> Any:
     image = image_bytes(body.image_url)
     return await call(request, lambda m: m.apoint(image, body.object, body.settings))
 

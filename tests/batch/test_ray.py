@@ -45,3 +45,28 @@ def test_ray_refuses_bad_jobs_before_starting_work(local_ray, scene_folder, tmp_
     with pytest.raises(ValueError, match="max_tokens"):
         run_on_ray(scene_folder, "detect", object="x", settings={"max_tokens": -1}, out=tmp_path / "r.jsonl")
     assert not (tmp_path / "r.jsonl").exists()
+
+
+def test_ray_resume_gets_the_local_checks(local_ray, model, scene_writer, tmp_path):
+    folder = tmp_path / "images"
+    paths = scene_writer(folder, 3)
+    out = tmp_path / "r.jsonl"  # a local run's file: the same as a Ray run's (the test above), and faster
+    batch.run(folder, "detect", object="circle", model=model, out=out, progress=False).run()
+    before = out.read_bytes()
+    with pytest.raises(batch.OutputError, match="--skill detect --object 'circle' -> --skill caption"):
+        run_on_ray(folder, "caption", out=out, resume=True)
+    paths[1].unlink()
+    scene_writer(tmp_path / "more", 5)[4].rename(folder / "scene0000b.png")
+    (folder / "dangling.png").symlink_to(folder / "gone.png")  # an actor's error line, as a local run's
+    with pytest.raises(batch.OutputError, match="2 added.*1 removed.*--allow-changed"):
+        run_on_ray(folder, "detect", object="circle", out=out, resume=True)
+    assert out.read_bytes() == before
+
+    summary = run_on_ray(
+        folder, "detect", object="circle", out=out, resume=True, allow_changed=True, progress=False
+    )
+    expected = [
+        r.to_json() for r in batch.run(folder, "detect", object="circle", model=model, progress=False)
+    ]
+    assert out.read_text().splitlines() == expected
+    assert (summary.skipped, summary.done, summary.errors) == (2, 2, 1)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import io
 import random
 import struct
@@ -329,6 +330,17 @@ def test_image_key_changes_with_one_pixel_size_or_mode(rgb):
         image_key(Image.new("HSV", (3, 3))),  # same size, same bytes, other mode
     ]
     assert len(set(keys)) == len(keys)
+
+
+@pytest.mark.parametrize("mode", ["RGB", "L", "1", "RGBA"])
+def test_image_key_is_the_digest_of_the_whole_pixel_bytes(mode):
+    """Hashed strip by strip, the key stays the digest of size, mode and all of `tobytes()`."""
+    array = np.random.default_rng(2).integers(0, 256, (1500, 1203, 3), dtype=np.uint8)
+    image = Image.fromarray(array).convert(mode)  # 1203 wide: several strips, odd row lengths
+    whole = hashlib.blake2b(digest_size=16)
+    whole.update(f"{mode}:1203x1500:".encode())
+    whole.update(image.tobytes())
+    assert image_key(image) == whole.hexdigest()
 
 
 def test_image_key_refuses_non_images():
