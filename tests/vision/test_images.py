@@ -6,6 +6,7 @@ import hashlib
 import io
 import random
 import struct
+import tracemalloc
 import zlib
 from pathlib import Path
 
@@ -341,6 +342,18 @@ def test_image_key_is_the_digest_of_the_whole_pixel_bytes(mode):
     whole.update(f"{mode}:1203x1500:".encode())
     whole.update(image.tobytes())
     assert image_key(image) == whole.hexdigest()
+
+
+def test_image_key_does_not_copy_every_pixel():
+    """The pixel bytes are hashed a strip at a time: never a full `tobytes()` copy (27 MB here)."""
+    image = Image.new("RGB", (3000, 3000), (1, 2, 3))
+    tracemalloc.start()
+    try:
+        image_key(image)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert peak < 8 * 2**20, f"image_key held {peak / 2**20:.0f} MB of bytes at once"
 
 
 def test_image_key_refuses_non_images():
