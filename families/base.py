@@ -73,6 +73,15 @@ class Family:
         self.capabilities = capabilities
         self._special = _special_pattern(special_texts(loaded.tokenizer))
 
+    @property
+    def image_min_size(self) -> tuple[int, int] | None:
+        """(width, height) the model's image processor shrinks every image to at least, so an image may
+        be decoded reduced down to it (`foveal.vision.load_image(min_size=)`); None where the
+        processing depends on the image's own size (then images are decoded in full). Default: read
+        from a fixed-size transformers image processor."""
+        image_processor = getattr(getattr(self.processor, "hf_processor", None), "image_processor", None)
+        return fixed_size(image_processor) if self.capabilities.vision else None
+
     def __repr__(self) -> str:
         return f"{type(self).__name__}(source={self.source!r})"
 
@@ -142,6 +151,16 @@ class Family:
                 "user text must be plain text: remove it or spell it differently"
             )
         return text
+
+
+def fixed_size(image_processor: Any) -> tuple[int, int] | None:
+    """The size a transformers image processor resizes every image to (at least), if it has one."""
+    size = getattr(image_processor, "size", None)
+    get = (lambda key: size.get(key)) if isinstance(size, dict) else (lambda key: getattr(size, key, None))
+    if get("height") and get("width"):
+        return int(get("width")), int(get("height"))
+    edge = get("shortest_edge") or get("longest_edge")
+    return (int(edge), int(edge)) if isinstance(edge, int) and edge > 0 else None
 
 
 def special_texts(tokenizer: Any) -> list[str]:

@@ -39,6 +39,7 @@ INVARIANTS (tests/sdk/test_model.py, test_concurrency.py)
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 from collections import deque
 from collections.abc import AsyncIterator, Callable, Generator, Iterable, Mapping
@@ -72,7 +73,8 @@ from foveal.results import (
 )
 from foveal.settings import Settings, validate_settings
 from foveal.skills import RESULTS, check_length, check_object, check_text, conversation, parser
-from foveal.vision import image_key, load_image
+from foveal.vision import PixelBudget, image_key, load_image
+from foveal.vision.budget import DEFAULT_PIXEL_BUDGET
 
 EMBEDDED = Path(__file__).parent / "embedded"
 SKILLS = ("caption", "query", "detect", "point", "generate")  # the skills `map` runs over images
@@ -127,6 +129,7 @@ def load(
     jump_forward: bool = True,
     image_options: dict | None = None,
     quantize: str | None = None,
+    pixel_budget: int = DEFAULT_PIXEL_BUDGET,
 ) -> Model:
     """Load a model and start its engine.
 
@@ -159,6 +162,10 @@ def load(
     A llama `.gguf` file on CPU is always read straight from the file: None means "fp16" where
     fbgemm exists, else its own blocks (Q4_0/Q4_1 as int4, Q8_0 as int8); "int4" keeps its Q4
     blocks as int4 and makes its other layers int4; "int8" makes every layer per-row int8.
+    `pixel_budget`: decoded image pixels the model's calls hold at once, all threads together
+    (`foveal.vision.PixelBudget`; about 4-8 bytes a pixel): a call beyond it waits, and raises
+    `PixelBudgetTimeout` after 10 s. Where the family's processor shrinks every image to a fixed
+    size, images are decoded reduced (JPEG DCT scaling, `Image.reduce`) down to a few times that size.
     """
     _check_load_args(pipelined, max_batch_size, max_model_len, kv_cache_bytes, max_step_tokens)
     for name, flag in (("prefix_cache", prefix_cache), ("jump_forward", jump_forward)):
@@ -172,10 +179,11 @@ def load(
         image_options=image_options,
         quantize=quantize,
     )
+    pixels = PixelBudget(pixel_budget)  # checks the value before the engine starts
     config = engine_config(
         family, pipelined, max_batch_size, max_model_len, kv_cache_bytes, prefix_cache, max_step_tokens, jump_forward
     )
-    return Model(family, config)
+    return Model(family, config, pixels)
 
 
 def _check_load_args(
@@ -243,8 +251,9 @@ class Model:
     images runs the skill on each (see `map`). Results are dicts (foveal.results).
     """
 
-    def __init__(self, family: Family, config: EngineConfig) -> None:
+    def __init__(self, family: Family, config: EngineConfig, pixels: PixelBudget | None = None) -> None:
         self.family = family
+        self.pixels = pixels or PixelBudget()  # decoded image pixels held at once, all callers
         self.engine = Engine(family.runner, family.tokenizer, config)
         # A model dropped without close() (a notebook cell run again) stops its engine when collected;
         # streams hold the model, so a stream outlives its `foveal.load()` expression.
@@ -346,7 +355,8 @@ class Model:
         """Decode and key an image once, for several calls on it (Moondream's `encode_image`)."""
         if isinstance(image, EncodedImage):
             return image
-        return EncodedImage(image)
+        with self.pixels.load(image, min_size=self.family.image_min_size) as decoded:
+            return EncodedImage(decoded)
 
     # ---- async skills ----------------------------------------------------------------------------------------
 
@@ -434,8 +444,9 @@ class Model:
         spatial_answer = isinstance(task.spec, spatial.SpatialSpec)
         # other specs compile first: a bad output type fails before the image is read
         automaton = None if spatial_answer else self.family.compile(task.spec)
-        decoded, key = self._images(images, task.skill)
-        prompt, task = self.family.encode(task, decoded, key)
+        with contextlib.ExitStack() as held:  # the decoded pixels count against the budget until encoded
+            decoded, key = self._images(images, task.skill, held)
+            prompt, task = self.family.encode(task, decoded, key)
         max_tokens = self._budget(len(prompt.token_ids), settings.max_tokens, explicit)
         if spatial_answer:  # its item count is sized to the budget, then compiled
             task = self._fit_items(task, len(prompt.token_ids), max_tokens)
@@ -491,8 +502,11 @@ class Model:
             self._item_tokens_cache.put(key, cached)
         return cached
 
-    def _images(self, images: list, skill: str) -> tuple[list[Image.Image], str | None]:
-        """The call's images decoded, and their content key (one image's key, or a key of all of them)."""
+    def _images(
+        self, images: list, skill: str, held: contextlib.ExitStack
+    ) -> tuple[list[Image.Image], str | None]:
+        """The call's images decoded within the pixel budget (their grants held by `held`), and their
+        content key (one image's key, or a key of all of them)."""
         caps, name = self.family.capabilities, self.family.name
         if not images:
             if skill in IMAGE_SKILLS:
@@ -508,10 +522,13 @@ class Model:
             )
         decoded, keys = [], []
         for image in images:
-            encoded = image if isinstance(image, EncodedImage) else None
-            picture = encoded.image if encoded else load_image(image)
+            if isinstance(image, EncodedImage):
+                decoded.append(image.image)
+                keys.append(image.key)
+                continue
+            picture = held.enter_context(self.pixels.load(image, min_size=self.family.image_min_size))
             decoded.append(picture)
-            keys.append(encoded.key if encoded else image_key(picture))
+            keys.append(image_key(picture))
         if len(keys) == 1:
             return decoded, keys[0]
         return decoded, hashlib.sha256("|".join(keys).encode()).hexdigest()

@@ -19,7 +19,7 @@ SHAPE
         413     invalid_request_error  request_too_large
         422     invalid_request_error  invalid_body (fails the body's schema), unsupported_schema,
                                        incomplete_output (a constrained answer cut by max_tokens)
-        429     rate_limit_error       queue_full
+        429     rate_limit_error       queue_full, image_budget_full
         500     server_error           generation_error (the engine failed), internal_error
         503     server_error           model_not_ready, model_closed
 
@@ -27,6 +27,7 @@ SDK EXCEPTIONS (`api_error`; their messages already say what to fix)
     foveal.grammars.SchemaError  422 unsupported_schema     IncompleteOutputError  422 incomplete_output
     foveal.vision.ImageError     400 invalid_image          ModelClosedError       503 model_closed
     other ValueError, TypeError  400 invalid_value          GenerationError        500 generation_error
+    foveal.vision.PixelBudgetTimeout 429 image_budget_full (Retry-After: the model's decoded-pixel budget stayed full)
     anything else: 500 internal_error, with a neutral message; the exception and its traceback are
     logged once (observe.py, or `error_event` mid-stream), never put in a body.
 
@@ -51,7 +52,7 @@ from starlette.exceptions import HTTPException
 
 from foveal.errors import GenerationError, IncompleteOutputError, ModelClosedError
 from foveal.grammars import SchemaError
-from foveal.vision import ImageError
+from foveal.vision import ImageError, PixelBudgetTimeout
 
 log = logging.getLogger("foveal.server")
 
@@ -153,6 +154,8 @@ def api_error(exc: BaseException) -> ApiError:
         return ApiError(422, str(exc), "unsupported_schema")
     if isinstance(exc, ImageError):
         return ApiError(400, str(exc), "invalid_image", "image_url")
+    if isinstance(exc, PixelBudgetTimeout):  # the images are fine; the model holds its pixel budget
+        return ApiError(429, str(exc), "image_budget_full", headers={"Retry-After": "1"})
     if isinstance(exc, ValueError | TypeError):
         return ApiError(400, str(exc))
     if isinstance(exc, IncompleteOutputError):

@@ -32,8 +32,8 @@ class PromptInputs:
 
 def to_pil(image: Any) -> Image.Image:
     """A PIL RGB image from a PIL image, a path, encoded bytes or an HxWx3 uint8 array."""
-    if isinstance(image, Image.Image):
-        return image.convert("RGB")
+    if isinstance(image, Image.Image):  # decoded by foveal.vision: already RGB, not copied again
+        return image if image.mode == "RGB" else image.convert("RGB")
     if isinstance(image, (str, Path)):
         return Image.open(image).convert("RGB")
     if isinstance(image, bytes):

@@ -61,6 +61,11 @@ class QwenVLFamily(ChatFamily):
     }
 
     @property
+    def image_min_size(self) -> None:
+        """None: the processor's grid depends on the image's own size, so images are decoded in full."""
+        return None
+
+    @property
     def absolute(self) -> bool:
         """Qwen2.5-VL answers in pixels of the resized input; Qwen3-VL in thousandths."""
         return self.arch.name == "qwen2_5_vl"
