@@ -227,7 +227,7 @@ def loc_lark(
     kind: str, max_objects: int, label: str, ids: list[int], separator: str = DEFAULT_SEPARATOR
 ) -> str:
     text = LocationFormat.label_text(label)
-    tail = f" {json.dumps(text, ensure_ascii=False)}" if text else ""
+    tail = f" {json.dumps(text)}" if text else ""  # \u escapes: Lark refuses some raw characters (DEL)
     if kind == "points":
         rules = [f"item: loc loc{tail}", f"loc: {_token_set(ids)}"]
     else:
