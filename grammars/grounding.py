@@ -93,7 +93,7 @@ class GroundingSpec(SpatialSpec):
         return f'{{"{KEYS[self.kind]}": [{", ".join(map(str, coords))}], "label": {json.dumps(self.label)}}}'
 
     def example_answer(self, items: int) -> str:
-        """An answer of `items` items with the longest coordinates (what a token budget must hold)."""
+        """An answer of `items` items with the longest coordinates (token budgets: `item_token_bounds`)."""
         w, h = self.width or 1000, self.height or 1000
         coords = [w - 1, h - 1, w, h] if self.kind == "boxes" else [w, h]
         body = ITEM_SEP.join([self.item(coords)] * items)
