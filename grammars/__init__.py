@@ -4,6 +4,7 @@
     m = a.matcher()                         # one sequence: commit / fill_mask / is_terminated / rollback
     grammars.fill_masks(matchers, bitmask)  # a whole decoding step in one native call
     grammars.set_mask_threads(n)            # its thread pool (or $FOVEAL_MASK_THREADS)
+    grammars.set_compile_budget(grammars.CompileBudget(max_grammar_bytes=...))  # what a compile may cost
 
 Specs: pydantic models, JSON-schema dicts, Regex, CFG (Lark), typing.Literal, Enum, lists of
 choices, outlines output types, and the spatial shapes of `grammars.spatial` (their location-token format:
@@ -20,12 +21,14 @@ from .batch import fill_masks  # noqa: E402
 from .bitmask import allocate_bitmask, mask_threads, set_mask_threads  # noqa: E402
 from .compiler import compile, parser_of  # noqa: E402
 from .errors import GrammarLimitError, GrammarViolation, SchemaError  # noqa: E402
+from .limits import CompileBudget, compile_budget, set_compile_budget  # noqa: E402
 from .matcher import Matcher  # noqa: E402
 from .specs import CFG, Regex  # noqa: E402
 
 __all__ = [
     "CFG",
     "Automaton",
+    "CompileBudget",
     "GrammarLimitError",
     "GrammarViolation",
     "Matcher",
@@ -33,10 +36,12 @@ __all__ = [
     "SchemaError",
     "allocate_bitmask",
     "compile",
+    "compile_budget",
     "fill_masks",
     "locations",
     "mask_threads",
     "parser_of",
+    "set_compile_budget",
     "set_mask_threads",
     "spatial",
 ]

@@ -5,16 +5,32 @@ it (~5 µs), so compiling happens once per (spec, tokenizer) and starting a sequ
 template is the one field ever replaced: by `renew_template`, when its shared lexer is exhausted.
 It carries the parser of its output text (`parse`), so a caller reads the value the spec promises
 without dispatching on the spec's type again.
+
+`compile_template` is the one place a spec's grammar reaches llguidance's compiler: it checks the
+compile budget first (grammars/limits.py), compiles under the budget's fuel, and turns refusals and
+panics into SchemaError (grammars/errors.py).
+Stack depth: llguidance compiles rule references and `$ref`s recursively on the calling thread's
+stack. A chain of a few thousand Lark rules (`r0: r1`, `r1: r2`, ...) or of about a thousand
+nested `$ref`s, tens of KB of text, overflows an 8 MiB thread stack, and a stack overflow kills
+the process (SIGSEGV: no exception, no error). So a grammar longer than INLINE_BYTES, the most a
+thread's default stack holds with room to spare, is compiled on a short-lived thread with a stack of
+STACK_PER_BYTE bytes per byte the budget admits (256 MiB of address space by default, touched only as
+deep as the compile goes); the caller waits for it. Decoding does not recurse this way.
+INVARIANTS (tests/grammars/test_budget.py): no grammar within the budget crashes the process; the
+template is compiled once and only read afterwards, so automata are shared between threads.
 """
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import llguidance
 
+from .errors import budget_refusal, native_failure, pattern_refusal, schema_refusal
+from .limits import WHAT, CompileBudget, check_budget, compile_budget
 from .matcher import Matcher
 from .tokenizer import TokenizerHandle
 
@@ -50,28 +66,71 @@ class Automaton:
         matchers renew once). The grammar text is unchanged, so the automaton's meaning is too.
         """
         if self.template is exhausted:
-            fresh = llguidance.LLMatcher(self.tokenizer.ll, self.grammar, log_level=0, limits=parser_limits())
+            # The grammar compiled once already: renewing it needs no budget, only the same decode limits.
+            fresh = _compile(self.tokenizer.ll, self.grammar, llguidance.LLParserLimits(**DECODE_LIMITS))
             object.__setattr__(self, "template", fresh)  # a cache refresh, not a change of meaning
 
 
-def parser_limits() -> llguidance.LLParserLimits:
-    """llguidance's limits with a wider Earley row: a choice among 5,000 literals in a CFG decodes
-    (the default row of 2,000 items failed at the second step). The cost of a step stays bounded by
-    llguidance's per-step item cap (50,000 items, ~2.5 ms), which is unchanged."""
-    return llguidance.LLParserLimits(max_items_in_row=MAX_ITEMS_IN_ROW)
+def parser_limits(budget: CompileBudget | None = None) -> llguidance.LLParserLimits:
+    """llguidance's limits: the compile budget's fuel (grammars/limits.py) and a wider Earley row: a
+    choice among 5,000 literals in a CFG decodes (the default row of 2,000 items failed at the second
+    step). The cost of a step stays bounded by llguidance's per-step item cap (50,000 items), which
+    is unchanged."""
+    return (budget or compile_budget()).parser_limits(**DECODE_LIMITS)
 
 
 MAX_ITEMS_IN_ROW = 20_000
+DECODE_LIMITS = {"max_items_in_row": MAX_ITEMS_IN_ROW}
+INLINE_BYTES = 4 * 1024  # compiled on the caller's stack up to this size (module docstring)
+STACK_PER_BYTE = 1024  # stack bytes per grammar byte the budget admits: a few times the deepest need seen
 
 
-def compile_template(handle: TokenizerHandle, source: Any) -> llguidance.LLMatcher:
-    """Compile a GrammarSource for a tokenizer; refusals become SchemaError (before any decoding)."""
-    from .errors import pattern_refusal, schema_refusal
-
-    template = llguidance.LLMatcher(handle.ll, source.grammar, log_level=0, limits=parser_limits())
+def compile_template(
+    handle: TokenizerHandle, source: Any, budget: CompileBudget | None = None
+) -> llguidance.LLMatcher:
+    """Compile a GrammarSource for a tokenizer under a compile budget (None: the process default);
+    refusals become SchemaError, before any decoding."""
+    budget = budget or compile_budget()
+    what = WHAT.get(source.kind, "grammar")
+    check_budget(source.grammar, what, budget)
+    stack = STACK_PER_BYTE * budget.max_grammar_bytes if len(source.grammar) > INLINE_BYTES else 0
+    template = _compile(handle.ll, source.grammar, parser_limits(budget), stack)
     if template.is_error():
         message = template.get_error()
+        refusal = budget_refusal(message, what) or native_failure(message, what)
+        if refusal is not None:
+            raise refusal
         if source.kind == "json_schema":
             raise schema_refusal(message, source.schema)
         raise pattern_refusal("regex" if source.kind == "regex" else "grammar", source.key, message)
     return template
+
+
+def _compile(
+    ll: llguidance.LLTokenizer, grammar: str, limits: llguidance.LLParserLimits, stack: int = 0
+) -> llguidance.LLMatcher:
+    """llguidance's compile, on a thread with a `stack`-byte stack when `stack` is set (module docstring)."""
+    if not stack:
+        return llguidance.LLMatcher(ll, grammar, log_level=0, limits=limits)
+    done: list[llguidance.LLMatcher | BaseException] = []
+
+    def run() -> None:
+        try:
+            done.append(llguidance.LLMatcher(ll, grammar, log_level=0, limits=limits))
+        except BaseException as error:  # llguidance raises only on API misuse; hand it to the caller
+            done.append(error)
+
+    with _STACK_SIZE_LOCK:  # threading.stack_size is process-wide: set it for this one thread's start
+        previous = threading.stack_size(stack)
+        try:
+            thread = threading.Thread(target=run, name="foveal-grammar-compile", daemon=True)
+            thread.start()
+        finally:
+            threading.stack_size(previous)
+    thread.join()
+    if isinstance(done[0], BaseException):
+        raise done[0]
+    return done[0]
+
+
+_STACK_SIZE_LOCK = threading.Lock()

@@ -1,4 +1,4 @@
-"""String constraints of a JSON schema made exact before llguidance compiles the schema.
+"""String constraints of a JSON schema made exact, and its numbers bounded, before llguidance compiles it.
 
 PROBLEM: llguidance enforces some string keywords more loosely than the JSON-Schema spec, so an
 automaton could emit a string the schema forbids (a false accept):
@@ -38,7 +38,32 @@ Other formats are left to llguidance (`email`, `ipv4`, `ipv6`, `uuid`, `uri`, `d
 accept on the JSON-Schema-Test-Suite; names it does not know it refuses). In 2020-12 and in
 schemas that name no draft, `contentEncoding` / `contentMediaType` are annotations, as the spec says.
 
-INVARIANTS (tests/grammars/test_formats.py has a test for each):
+NUMBERS. PROBLEM: an integer or number with no bound (a pydantic `int` field, `{"type": "integer"}`)
+lets a model write digits until the context is full (a 400-digit integer was seen).
+SOLUTION: `bounded_numbers(schema)` returns a copy in which every `integer` / `number` node (not an
+`enum` / `const`) gets the bound it lacks on each side; the bounds a node has are kept as they are:
+- `integer`: [-(2**63 - 1024), 2**63 - 1], the int64 range except its lowest 1024 values. llguidance
+  reads bounds as doubles and casts them to i64: `maximum: 2**63 - 1` becomes the double 2**63, which
+  the saturating cast makes exactly 2**63 - 1; but below -(2**63 - 1024) the only double is -2**63,
+  and any integer range, `const` or `enum` reaching it fails to compile or crashes the process, so
+  -(2**63 - 1024) is the lowest bound it builds exactly (refusing -2**63..-2**63 + 1023: narrower,
+  never wider).
+- `number`: |x| < 10**15 (`exclusiveMinimum` / `exclusiveMaximum`), at most 15 integer digits: every
+  integer part is then exact in a double (< 2**53), and a value of at most 15 significant digits
+  survives text -> double -> text (DBL_DIG); and `multipleOf: 1e-10`, at most 10 fraction digits
+  (trailing zeros included): llguidance builds multipleOf from a double's decimal digits, and 1e-10 is
+  the smallest power of ten it reads exactly (1e-11 is refused as "too many digits"). A bounded
+  number has no exponent in llguidance (1e5 is written 100000), so magnitudes below 1e-10 are 0.
+  The multipleOf is left out of a schema that has one anywhere: llguidance intersects two (allOf,
+  `$ref` siblings) through a common denominator that overflows for 1e-10 and accepts nothing.
+- A node whose own bound lies outside these ranges (e.g. `minimum: 1e20`) gets no bound on the other
+  side (it would be unsatisfiable); mixed types (`["integer", "null"]`) are bounded for their numbers,
+  and `number` with `integer` counts as `number`. Nodes without a numeric type (`{}`) are not changed.
+Valid values parse as before: only texts of values outside the ranges are refused. And what makes
+llguidance crash the process is refused with SchemaError: an integer in `const` / `enum` whose nearest
+double is -2**63, an integer range whose both bounds read as -2**63 or less.
+
+INVARIANTS (tests/grammars/test_formats.py has a test for each; numbers: tests/grammars/test_numbers.py):
 1. The rewrite never widens: every string our regexes accept is valid for the spec's rule.
 2. `date`, `time` and `date-time` accept exactly the spec's strings, minus the leap seconds of
    point 2 above (checked for every offset, on 20,000 random time/offset pairs, and over all
@@ -46,10 +71,14 @@ INVARIANTS (tests/grammars/test_formats.py has a test for each):
 3. Keywords at data positions (`enum`, `const`, `default`, `examples`, property names) are never
    rewritten, and the input schema is never mutated.
 4. A refused keyword raises SchemaError naming the keyword and its JSON path, before compiling.
+5. Integers: -(2**63 - 1024) and 2**63 - 1 are accepted, one past either is refused, exactly; numbers:
+   15 integer and 10 fraction digits are accepted, one more of either is refused.
+6. A bound the schema gives is kept: the grammar accepts exactly what it accepted before, within the ranges.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -220,6 +249,122 @@ def exact_string_constraints(schema: Any) -> Any:
         defs = {SHARED_PREFIX + fmt: _format_schema(fmt) for fmt in sorted(walk.shared)}
         out["$defs"] = {**out.get("$defs", {}), **defs}
     return out
+
+
+# --- numbers (module docstring) --------------------------------------------------------------
+
+INT64_MAX = 2**63 - 1
+INTEGER_RANGE = (-(2**63 - 1024), INT64_MAX)
+NUMBER_INTEGER_DIGITS, NUMBER_FRACTION_DIGITS = 15, 10
+NUMBER_LIMIT = 10**NUMBER_INTEGER_DIGITS  # exclusive, both signs
+NUMBER_STEP = 10.0**-NUMBER_FRACTION_DIGITS  # multipleOf
+_NUMERIC_TYPES = frozenset({"integer", "number"})
+
+
+def bounded_numbers(schema: Any) -> Any:
+    """A copy of the schema with every unbounded side of an integer or number bounded (module docstring).
+
+    Raises SchemaError for integers llguidance cannot compile (it would crash the process), see
+    `_check_integers`."""
+    if not isinstance(schema, dict):
+        return schema
+    step = None if _has_keyword(schema, "multipleOf") else NUMBER_STEP
+    return _map_subschemas(schema, lambda node, path: _bound_numbers(_check_integers(node, path), step))
+
+
+def _bound_numbers(node: dict, step: float | None) -> dict:
+    types = _types(node)
+    if not types & _NUMERIC_TYPES or "enum" in node or "const" in node:
+        return node
+    number = "number" in types
+    low, high = (-NUMBER_LIMIT, NUMBER_LIMIT) if number else INTEGER_RANGE
+    lower, upper = _bound(node, "minimum", "exclusiveMinimum"), _bound(node, "maximum", "exclusiveMaximum")
+    out = dict(node)
+    if lower is None and (upper is None or (_is_number(upper) and upper > low)):
+        out["exclusiveMinimum" if number else "minimum"] = low
+    if upper is None and (lower is None or (_is_number(lower) and lower < high)):
+        out["exclusiveMaximum" if number else "maximum"] = high
+    if number and step is not None and "multipleOf" not in node:
+        out["multipleOf"] = step
+    return out
+
+
+def _check_integers(node: dict, path: str) -> dict:
+    """Refuse what makes llguidance crash: an integer in a `const` / `enum` whose nearest double is
+    -2**63 (-2**63 .. -2**63 + 512), and an integer range both of whose bounds read as -2**63 or less."""
+    for keyword in ("const", "enum"):
+        if keyword in node and (value := _lowest_int64(node[keyword])) is not None:
+            raise _unbuildable(keyword, value, path)
+    if "integer" in _types(node):
+        lower, upper = _bound(node, "minimum", "exclusiveMinimum"), _bound(node, "maximum", "exclusiveMaximum")
+        if all(_is_number(v) and float(v) <= -(2.0**63) for v in (lower, upper)):
+            raise _unbuildable("maximum", upper, path)
+    return node
+
+
+def _lowest_int64(value: Any) -> int | None:
+    if isinstance(value, list | dict):
+        for item in value.values() if isinstance(value, dict) else value:
+            if (found := _lowest_int64(item)) is not None:
+                return found
+        return None
+    is_int = isinstance(value, int) and not isinstance(value, bool)
+    return value if is_int and value >= -(2**63) and float(value) == -(2.0**63) else None
+
+
+def _unbuildable(keyword: str, value: Any, path: str) -> SchemaError:
+    return SchemaError(
+        f"{keyword!r}: {value} (at {path}) is read by llguidance as the double -2**63 (or below), at which it cannot "
+        f"build an integer grammar; use a value of at least {INTEGER_RANGE[0]}",
+        keyword=keyword,
+        path=path,
+    )
+
+
+def _types(node: dict) -> set:
+    declared = node.get("type")
+    return {declared} if isinstance(declared, str) else set(declared) if isinstance(declared, list) else set()
+
+
+def _bound(node: dict, inclusive: str, exclusive: str) -> Any:
+    """The node's bound on one side (its inclusive or exclusive keyword, whatever its value), None if it has none."""
+    return node.get(inclusive, node.get(exclusive))
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool)
+
+
+def _has_keyword(node: Any, keyword: str) -> bool:
+    """`keyword` appears at some schema position (not inside enum, const, default, examples)."""
+    found = False
+
+    def look(sub: dict, path: str) -> dict:
+        nonlocal found
+        found = found or keyword in sub
+        return sub
+
+    _map_subschemas(node, look)
+    return found
+
+
+def _map_subschemas(node: Any, rewrite: Callable[[dict, str], dict], path: str = "#") -> Any:
+    """`rewrite(subschema, its JSON path)` applied to every subschema, children first; values at data
+    positions (enum, const, default, examples, required) are left alone."""
+    if isinstance(node, list):
+        return [_map_subschemas(v, rewrite, f"{path}/{i}") for i, v in enumerate(node)]
+    if not isinstance(node, dict):
+        return node
+    out: dict[str, Any] = {}
+    for key, value in node.items():
+        child = f"{path}/{_escape(key)}"
+        if key in _VALUE_KEYS:
+            out[key] = value
+        elif key in _SCHEMA_MAPS and isinstance(value, dict):
+            out[key] = {name: _map_subschemas(sub, rewrite, f"{child}/{_escape(name)}") for name, sub in value.items()}
+        else:
+            out[key] = _map_subschemas(value, rewrite, child)
+    return rewrite(out, path)
 
 
 def _walk(node: Any, path: str, walk: _Walk, shareable: bool = False) -> Any:

@@ -33,7 +33,7 @@ INVARIANTS (tests/grammars/test_grounding.py):
 1. Every answer a random walk under the mask reaches parses, with every box x1 < x2 <= width,
    y1 < y2 <= height, and at most max_objects items; the mask is never empty before termination.
 2. commit() of a token that breaks a bound raises GrammarViolation and changes nothing.
-3. `int_range(lo, hi)` matches exactly the decimal integers in [lo, hi].
+3. `int_range(lo, hi)` (grammars/scalars.py) matches exactly the decimal integers in [lo, hi].
 """
 
 from __future__ import annotations
@@ -50,6 +50,7 @@ from .bitmask import row_view
 from .cache import LRUCache
 from .errors import GrammarViolation, SchemaError
 from .matcher import Matcher
+from .scalars import int_range
 from .spatial import AnswerLayout, Coordinate, SpatialSpec, check_spellable
 from .specs import GrammarSource
 from .tokenizer import TokenizerHandle
@@ -58,35 +59,6 @@ FENCE_OPEN, FENCE_CLOSE = "```json\n[", "]\n```"
 ITEM_OPEN, ITEM_SEP, ITEMS_CLOSE = "\n\t", ",\n\t", "\n"
 KEYS = {"boxes": "bbox_2d", "points": "point_2d"}
 _DIGITS = frozenset(b"0123456789")
-
-
-def int_range(lo: int, hi: int) -> str:
-    """Regex of the decimal integers in [lo, hi] (0 <= lo <= hi), without leading zeros."""
-    if not 0 <= lo <= hi:
-        raise ValueError(f"empty or negative range [{lo}, {hi}]")
-    alternatives = []
-    for width in range(len(str(lo)), len(str(hi)) + 1):
-        first = max(lo, 10 ** (width - 1) if width > 1 else 0)
-        last = min(hi, 10**width - 1)
-        if first <= last:
-            alternatives.append(_same_width(str(first), str(last)))
-    return "(" + "|".join(alternatives) + ")"
-
-
-def _same_width(a: str, b: str) -> str:
-    """Regex of the digit strings of len(a) == len(b) between a and b inclusive."""
-    if not a:
-        return ""
-    if set(a) == {"0"} and set(b) == {"9"}:
-        return f"[0-9]{{{len(a)}}}"
-    if a[0] == b[0]:
-        return a[0] + _same_width(a[1:], b[1:])
-    rest = len(a) - 1
-    parts = [a[0] + _same_width(a[1:], "9" * rest)]
-    if int(b[0]) - int(a[0]) > 1:
-        parts.append(f"[{int(a[0]) + 1}-{int(b[0]) - 1}]" + (f"[0-9]{{{rest}}}" if rest else ""))
-    parts.append(b[0] + _same_width("0" * rest, b[1:]))
-    return "(" + "|".join(parts) + ")"
 
 
 @dataclass(frozen=True, slots=True)
@@ -121,7 +93,7 @@ class GroundingSpec(SpatialSpec):
         return f'{{"{KEYS[self.kind]}": [{", ".join(map(str, coords))}], "label": {json.dumps(self.label)}}}'
 
     def example_answer(self, items: int) -> str:
-        """An answer of `items` items with the longest coordinates (what a token budget must hold)."""
+        """An answer of `items` items with the longest coordinates (token budgets: `item_token_bounds`)."""
         w, h = self.width or 1000, self.height or 1000
         coords = [w - 1, h - 1, w, h] if self.kind == "boxes" else [w, h]
         body = ITEM_SEP.join([self.item(coords)] * items)

@@ -29,15 +29,41 @@ INVARIANTS (tests/grammars/test_valid_by_construction.py):
 1. A refused spec raises SchemaError from `compile`, before any matcher exists.
 2. A spec that passes starts decoding: its first mask allows at least one token.
 3. The first mask of an accepted spec costs at most about MAX_FORCED_BYTES of forced text.
+
+The compile budget (`CompileBudget`): what compiling one spec may cost.
+PROBLEM: llguidance's compile time grows faster than a grammar's size: a Lark grammar of 60,000
+literal alternatives takes seconds to build and is then refused anyway (its Earley row is too wide),
+a grammar of about 65,000 symbols makes llguidance panic, and llguidance's own size checks run only
+after most of that work. A compile cannot be interrupted (llguidance offers no cancellation of it,
+and a thread that runs it cannot be stopped), so its cost must be bounded before and while it runs.
+SOLUTION: two kinds of limit, each a field of `CompileBudget`:
+- before compiling, `check_budget(grammar, what, budget)` measures the text llguidance would compile
+  (a JSON schema's compact JSON, a Lark grammar, a regex) in one pass of str methods: its UTF-8
+  size (`max_grammar_bytes`) and its items, `|` alternatives plus quoted strings (`max_items`), the
+  two things a grammar's symbol count grows with; over either, SchemaError in microseconds;
+- while compiling, llguidance's own fuel: `max_symbols` becomes its `max_grammar_size` (symbols of
+  the compiled grammar) and `max_lexer_fuel` its `initial_lexer_fuel` (work building the lexer's
+  regexes), so what passes the text checks still stops at a bounded amount of work. Both are
+  counts of work, never of seconds, so the verdict does not depend on the machine's load.
+The defaults are several times the largest real grammars of the conformance corpora (JSON schemas,
+Lark and GBNF grammars), and the heaviest grammars they admit compile in a fraction of a second;
+benchmarks/compile_budget.py measures both. `set_compile_budget` changes the process default and
+`compile(..., budget=...)` one compile. A refusal names the field it hit (`SchemaError.limit`) and says
+how to need less of it or raise it.
+INVARIANTS (tests/grammars/test_budget.py):
+4. A grammar over a text limit is refused before llguidance sees it; one over a fuel limit by
+   llguidance, both as SchemaError naming the limit.
+5. No real grammar of the corpora is refused by the default budget (a conformance test).
 """
 
 from __future__ import annotations
 
 import re
+from dataclasses import dataclass
 
 import llguidance
 
-from .errors import SchemaError
+from .errors import SchemaError, over_budget
 
 # Forced text per step: 2,000 bytes measured 0.5 ms a mask step on the 2-core machine.
 MAX_FORCED_BYTES = 2048
@@ -48,6 +74,9 @@ MAX_COUNT = 1_000_000
 MAX_MIN_LENGTH = 10_000
 _LOWER_BOUNDS = ("minLength", "minItems", "minProperties")
 _UPPER_BOUNDS = ("maxLength", "maxItems", "maxProperties")
+
+# How a refusal names the spec, by GrammarSource kind.
+WHAT = {"json_schema": "JSON schema", "regex": "regex", "lark": "grammar", "choice": "list of choices"}
 
 _COUNT = re.compile(r"\{(\d*)(,?)(\d*)\}")
 _QUANTIFIERS = "*+?{"
@@ -189,3 +218,67 @@ def _cause(error: str) -> str:
             "expansion); give the recursion a base case"
         )
     return f"{first[:200]}; simplify it"
+
+
+@dataclass(frozen=True, slots=True)
+class CompileBudget:
+    """What compiling one spec may cost (module docstring); every field is a count, not a time."""
+
+    max_grammar_bytes: int = 256 * 1024  # UTF-8 bytes of the text llguidance compiles
+    max_items: int = 20_000  # `|` alternatives plus quoted strings in that text
+    max_symbols: int = 10_000  # llguidance's max_grammar_size: symbols of the compiled grammar
+    max_lexer_fuel: int = 200_000  # llguidance's initial_lexer_fuel: work building the lexer
+
+    def __post_init__(self) -> None:
+        for name in self.__slots__:
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"CompileBudget.{name} must be a positive int, got {value!r}")
+
+    def parser_limits(self, **decode_limits: int) -> llguidance.LLParserLimits:
+        """llguidance's limits for a compile under this budget, with the given decode-time limits."""
+        return llguidance.LLParserLimits(
+            max_grammar_size=self.max_symbols, initial_lexer_fuel=self.max_lexer_fuel, **decode_limits
+        )
+
+
+_default_budget = CompileBudget()
+
+
+def compile_budget() -> CompileBudget:
+    """The budget of a compile that names none."""
+    return _default_budget
+
+
+def set_compile_budget(budget: CompileBudget | None) -> None:
+    """Set the process's default compile budget (None: the documented defaults).
+
+    Automata already compiled stay cached: the budget decides whether a compile may run, and a cached
+    automaton's compile has already been paid for.
+    """
+    global _default_budget
+    if budget is not None and not isinstance(budget, CompileBudget):
+        raise TypeError(f"set_compile_budget takes a CompileBudget or None, got {type(budget).__name__}")
+    _default_budget = budget or CompileBudget()
+
+
+def check_budget(grammar: str, what: str, budget: CompileBudget) -> None:
+    """Refuse a grammar text over the budget's text limits, before any compile work (module docstring)."""
+    size = len(grammar)  # a character takes at least one byte: too many characters need no encoding
+    if size <= budget.max_grammar_bytes and not grammar.isascii():
+        size = len(grammar.encode())
+    if size > budget.max_grammar_bytes:
+        raise over_budget(
+            what,
+            f"is at least {size:,} bytes, more than {budget.max_grammar_bytes:,}",
+            "max_grammar_bytes",
+            "make it shorter (fewer rules and alternatives; long fixed text belongs in the prompt)",
+        )
+    items = grammar.count("|") + grammar.count('"') // 2
+    if items > budget.max_items:
+        raise over_budget(
+            what,
+            f"has {items:,} alternatives and quoted strings, more than {budget.max_items:,}",
+            "max_items",
+            "use fewer alternatives or literals (a pattern such as /a[0-9]+/ instead of every value listed)",
+        )

@@ -96,8 +96,9 @@ class SpatialSpec:
             raise SchemaError(str(error)) from None
 
     def example_answer(self, items: int) -> str:
-        """An answer of `items` items in this spec's canonical spelling, with the longest coordinates
-        (3 decimals in JSON): what a caller tokenizes to learn how many items a token budget holds."""
+        """An answer of `items` items with the longest coordinates (3 decimals in JSON). Its canonical
+        tokenization undercounts what the grammar lets a model write: size token budgets with
+        `item_token_bounds`, not with this text."""
         if self.encoding == "loc":
             fmt = self.locations
             item = fmt.box_item((0, 0, 1, 1), self.label) if self.kind == "boxes" else fmt.point_item(0.5, 0.5, self.label)
@@ -227,7 +228,7 @@ def loc_lark(
     kind: str, max_objects: int, label: str, ids: list[int], separator: str = DEFAULT_SEPARATOR
 ) -> str:
     text = LocationFormat.label_text(label)
-    tail = f" {json.dumps(text, ensure_ascii=False)}" if text else ""
+    tail = f" {json.dumps(text)}" if text else ""  # \u escapes: Lark refuses some raw characters (DEL)
     if kind == "points":
         rules = [f"item: loc loc{tail}", f"loc: {_token_set(ids)}"]
     else:

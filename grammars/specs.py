@@ -26,6 +26,12 @@ IDNA A-labels), `pattern` classes `\\s`, `\\S`, `.` are read as ECMA-262 defines
 `contentEncoding: base64` is enforced; `idn-hostname`, `idn-email`, `iri`, `iri-reference` and
 draft-07 `contentMediaType` are refused with SchemaError. grammars/formats.py documents each rule.
 
+Number policy (JSON): `formats.bounded_numbers` then bounds every side of an `integer` / `number`
+that the schema leaves open: integers to [-(2**63 - 1024), 2**63 - 1] (int64 as exactly as llguidance
+can build it), numbers to |x| < 10**15 with at most 10 fraction digits; a bound the schema gives is
+kept. This holds for every path here (pydantic classes and types, JSON-schema dicts and text,
+outlines JsonSchema), so no number can grow until the context is full.
+
 Parsers: every GrammarSource carries the parser of its text (`parse`), decided by the same dispatch
 that chose its grammar, so a caller never dispatches on the spec's type a second time:
 
@@ -56,7 +62,7 @@ from typing import Any
 import llguidance
 
 from .errors import SchemaError
-from .formats import exact_string_constraints
+from .formats import bounded_numbers, exact_string_constraints
 from .scalars import SCALARS
 
 JSON_OPTIONS: dict[str, Any] = {
@@ -107,7 +113,7 @@ def json_schema_source(schema: dict | bool | str, parse: Callable[[str], Any] = 
         raise SchemaError("the schema `false` allows no output at all; give a schema some value satisfies")
     if schema is True:
         schema = {}  # same meaning, and llguidance applies options to object schemas only
-    schema = exact_string_constraints(apply_draft_ref_rule(schema))
+    schema = bounded_numbers(exact_string_constraints(apply_draft_ref_rule(schema)))
     # Key order is meaningful (property order is the output order), so the key keeps it.
     text = json.dumps(schema, ensure_ascii=False, separators=(",", ":"))
     try:

@@ -6,7 +6,7 @@
     foveal query IMAGE QUESTION [--json]
     foveal demo [IMAGE] [--object PHRASE] [--seed N] [--out foveal-demo.png]
     foveal batch INPUT --skill SKILL [--object X ...] --out RESULTS.jsonl [--resume] [--ray]   (foveal.batch)
-    foveal serve [--model PATH] [--host 127.0.0.1] [--port 2020] [--api-key KEY]   (foveal.server)
+    foveal serve [--model PATH] [--host 127.0.0.1] [--port 2020] [--api-key KEY] [--quiet]   (foveal.server)
 
 Every command takes `--model PATH` (default: the embedded model) and `--device`. Without `--json`
 the answer is printed for people (captions and answers stream as they are generated); with it, the
@@ -100,6 +100,24 @@ def _serve_command(commands: Any) -> None:
     )
     sub.add_argument(
         "--max-batch-size", type=int, default=32, help="sequences decoded together (default: %(default)s)"
+    )
+    sub.add_argument(
+        "--shutdown-grace",
+        type=float,
+        default=10.0,
+        metavar="SECONDS",
+        help="on SIGTERM/SIGINT, calls in flight get this long to finish, then are answered 503 "
+        "(default: %(default)s)",
+    )
+    sub.add_argument(
+        "--read-timeout",
+        type=float,
+        default=30.0,
+        metavar="SECONDS",
+        help="a client has this long to send a whole request, then it is disconnected (default: %(default)s)",
+    )
+    sub.add_argument(
+        "--quiet", action="store_true", help="no request log, no progress bar or transformers warning on load"
     )
 
 
@@ -248,7 +266,8 @@ def run_demo(model: foveal.Model, args: argparse.Namespace) -> int:
 
 
 def run_serve(args: argparse.Namespace) -> int:
-    """The server loads the model itself, after it listens (/health says when it is ready)."""
+    """Check every argument (exit 2, one line), then hand over to foveal.server.run, whose docstring
+    gives the order of what follows: bind, listen while loading, serve, stop."""
     try:  # heavy imports (fastapi, uvicorn) only for this command
         from foveal.server import ServerConfig
         from foveal.server.run import serve
@@ -256,18 +275,41 @@ def run_serve(args: argparse.Namespace) -> int:
         return _fail(f"{error}; install the server's dependencies: pip install 'foveal[serve]'", 2)
     try:
         config = ServerConfig(
-            api_key=args.api_key or None, max_queue=args.max_queue, max_body_bytes=args.max_body_bytes
+            api_key=args.api_key or None,
+            max_queue=args.max_queue,
+            max_body_bytes=args.max_body_bytes,
+            shutdown_grace_s=args.shutdown_grace,
+            read_timeout_s=args.read_timeout,
         )
-    except ValueError as error:
+        check_serve_args(args)
+    except ValueError as error:  # ModelLoadError is a ValueError
         return _fail(error, 2)
-    if not 0 <= args.port <= 65535:
-        return _fail(f"--port {args.port} is not a port; use 0 to 65535", 2)
-    _quiet_loading()
 
     def loader() -> foveal.Model:
         return foveal.load(args.model, device=args.device, max_batch_size=args.max_batch_size)
 
-    return serve(loader, args.host, args.port, config)
+    return serve(loader, args.host, args.port, config, quiet=args.quiet)
+
+
+def check_serve_args(args: argparse.Namespace) -> None:
+    """What `foveal serve` refuses before it binds its port or loads: a port out of range, a batch
+    size below 1, a device torch does not have, a --model that names nothing."""
+    from foveal.engine.models.hub import looks_like_hub_id
+    from foveal.engine.models.loader import resolve_device
+
+    if not 0 <= args.port <= 65535:
+        raise ValueError(f"--port {args.port} is not a port; use 0 to 65535 (0: any free port)")
+    if args.max_batch_size < 1:
+        raise ValueError(f"--max-batch-size {args.max_batch_size} is not accepted; use 1 or more")
+    try:
+        resolve_device(args.device)
+    except ValueError as error:
+        raise ValueError(f"--device {args.device}: {error}") from None
+    if args.model is not None and not Path(args.model).exists() and not looks_like_hub_id(args.model):
+        raise ValueError(
+            f"--model {args.model}: no such folder or file, and not a hub id 'org/name'; pass a "
+            "checkpoint folder, a .gguf file or the id of a model in the Hugging Face cache"
+        )
 
 
 COMMANDS = {

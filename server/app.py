@@ -4,8 +4,12 @@
     app = create_app(loader=lambda: foveal.load(path), config=ServerConfig(api_key="..."))
 
 With a loader, the model loads in a worker thread when the app starts (uvicorn is already
-listening: /health says 503 "loading" until it is ready, and model routes answer 503). The app
-never closes a model it was given; it closes one its loader made, when it stops.
+listening: /health says 503 "loading" until it is ready, and model routes answer 503). When the
+load ends, either way, `state.loaded` is set; a failure is kept in `state.load_error` (reported by
+/health and every model route, and by `foveal serve` as its one line before it exits, run.py), not
+logged here. The app never closes a model it was given; it closes one its loader made, when it
+stops. An app stopped during its load waits for the load to end (a load is not interruptible
+midway) and closes the model it made.
 
 Middleware order (outermost first): Observe (metrics and logs of every request, refused ones
 included), Gate (API key, body limit), then FastAPI's routing.
@@ -47,13 +51,14 @@ def create_app(
         loading = None
         if model is not None:
             state.set_model(model)
+            state.loaded.set()
         else:
             loading = asyncio.create_task(_load(state, loader))
         try:
             yield
         finally:
             if loading is not None:
-                loading.cancel()
+                await loading
                 if state.model is not None:
                     await asyncio.to_thread(state.model.close)
 
@@ -77,9 +82,10 @@ def create_app(
 async def _load(state: ServerState, loader: Callable[[], Any]) -> None:
     try:
         loaded = await asyncio.to_thread(loader)
-    except Exception as error:  # reported by /health and every model route
-        state.load_error = f"{type(error).__name__}: {error}"
-        log.error("model failed to load: %s", state.load_error)
-        return
-    state.set_model(loaded)
-    log.info("model loaded: %r", loaded)
+        state.set_model(loaded)
+    except Exception as error:  # reported by /health, every model route and `foveal serve`
+        state.load_error = " ".join(f"{type(error).__name__}: {error}".split())  # one line
+    else:
+        log.info("model loaded: %r", loaded)
+    finally:
+        state.loaded.set()

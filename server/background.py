@@ -3,16 +3,21 @@ for tests, benchmarks and notebooks.
 
     with BackgroundServer(create_app(model)) as url:      # "http://127.0.0.1:PORT"
         moondream.vl(endpoint=f"{url}/v1").detect(image, "circle")
+
+The socket is bound before the thread starts (run.bind: a port in use raises OSError here, saying
+what to do). Leaving the block stops the server as SIGTERM stops `foveal serve` (run.py's shutdown:
+calls in flight get the config's grace, then are answered 503); `stop()` does the same earlier.
 """
 
 from __future__ import annotations
 
+import signal
 import threading
 import time
 from typing import Any
 
 from foveal.server.config import ServerConfig
-from foveal.server.run import bound_port, make_server
+from foveal.server.run import bind, make_server
 
 
 class BackgroundServer:
@@ -23,20 +28,30 @@ class BackgroundServer:
         config = state.config if state is not None else ServerConfig()
         self.server = make_server(app, host, port, config, log_level="warning")
         self.host = host
+        self.port = port
         self.start_timeout_s = start_timeout_s
-        self.thread = threading.Thread(target=self.server.run, name="foveal-server", daemon=True)
+        self.thread: threading.Thread | None = None
         self.url = ""
 
     def __enter__(self) -> str:
+        listener = bind(self.host, self.port)
+        self.thread = threading.Thread(
+            target=self.server.run, kwargs={"sockets": [listener]}, name="foveal-server", daemon=True
+        )
         self.thread.start()
         deadline = time.monotonic() + self.start_timeout_s
         while not self.server.started:
             if not self.thread.is_alive() or time.monotonic() > deadline:
                 raise RuntimeError(f"the server did not start on {self.host} within {self.start_timeout_s} s")
             time.sleep(0.02)
-        self.url = f"http://{self.host}:{bound_port(self.server)}"
+        self.url = f"http://{self.host}:{listener.getsockname()[1]}"
         return self.url
 
+    def stop(self, timeout: float = 60.0) -> None:
+        """Shut down (run.py's SHUTDOWN) and wait until the server thread ended."""
+        self.server.handle_exit(signal.SIGTERM, None)
+        if self.thread is not None:
+            self.thread.join(timeout=timeout)
+
     def __exit__(self, *exc: object) -> None:
-        self.server.should_exit = True
-        self.thread.join(timeout=60)
+        self.stop()

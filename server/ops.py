@@ -1,5 +1,10 @@
-"""Operations routes: `/health` (200 once the model is loaded, 503 before), `/metrics` (Prometheus
-text, metrics.py) and the playground page at `/` (static/playground.html, shipped in the package)."""
+"""Operations routes: `/health`, `/metrics` (Prometheus text, metrics.py) and the playground page at
+`/` (static/playground.html, shipped in the package).
+
+`/health` answers 200 `{"status": "ok"}` once the model is loaded and 503 otherwise, with the
+status "loading", "failed" (and the error) or "stopping" (the server is shutting down: a load
+balancer takes it out of rotation while the calls in flight finish).
+"""
 
 from __future__ import annotations
 
@@ -17,6 +22,8 @@ PROMETHEUS_TEXT = "text/plain; version=0.0.4; charset=utf-8"
 @router.get("/health")
 async def health(request: Request) -> JSONResponse:
     state = state_of(request)
+    if state.draining:
+        return JSONResponse({"status": "stopping", "error": None}, 503, {"Retry-After": "5"})
     if state.model is None:
         status = "failed" if state.load_error else "loading"
         return JSONResponse({"status": status, "error": state.load_error}, 503, {"Retry-After": "5"})

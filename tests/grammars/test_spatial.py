@@ -269,3 +269,12 @@ def test_labels_that_would_make_parsing_ambiguous_are_refused(label, message):
 def test_unusable_separators_are_refused(separator):
     with pytest.raises(grammars.SchemaError, match="separator"):
         spatial.points("loc", label="dog", separator=separator)
+
+
+def test_a_label_with_characters_lark_refuses_raw_is_written_verbatim(loc_tok):
+    """A DEL in the object phrase made the Lark literal a lexer error ("invalid grammar"); it is escaped now."""
+    spec = spatial.points("loc", max_objects=1, label="a\x7fb ß")
+    automaton = grammars.compile(spec, loc_tok, eos_token_id=EOS, vocab_size=V_LOC)
+    walk = random_walk(automaton, np.random.default_rng(0), max_tokens=100, pull=0.0)
+    text = loc_tok.decode(walk.tokens, skip_special_tokens=False)
+    assert walk.terminated and text.endswith(" a\x7fb ß") and len(spatial.parse(spec, text)["points"]) == 1
