@@ -42,13 +42,13 @@ def cuda_parity(tmp: Path) -> list[dict]:
         for seq, prompt in enumerate(prompts):
             ids = torch.tensor([prompt.token_ids], device="cuda")
             kwargs = (
-                {k: prompt.prefill.image_tensors[k] for k in loaded.runner.family.image_keys}
+                {k: prompt.prefill.image_tensors[k] for k in loaded.runner.arch.image_keys}
                 if prompt.prefill
                 else {}
             )
             if prompt.prefill and "mm_token_type_ids" in prompt.prefill.image_tensors:  # Qwen-VL's M-RoPE
                 kwargs["mm_token_type_ids"] = prompt.prefill.image_tensors["mm_token_type_ids"]
-            if prompt.prefill and loaded.runner.family.prefix_attention:
+            if prompt.prefill and loaded.runner.arch.prefix_attention:
                 n = len(prompt.token_ids)
                 kwargs["token_type_ids"] = torch.tensor([[0] * prompt.prefill.prefix_len], device="cuda")[
                     :, :n

@@ -137,10 +137,10 @@ def measure(
     """One input's row; `cache_bytes`: the cache bound for the cached runs (default: the runner's own)."""
     pil = load_image(data)
     if settings.get("skill", "detect") == "query":
-        prompt = model.skills.query(QUESTION).prompt
+        task = model.family.query(QUESTION)
     else:
-        prompt = model.skills.detect("red circle", settings["max_objects"]).prompt
-    pixels = model.family.processor(prompt, pil).prefill.image_tensors["pixel_values"]
+        task = model.family.detect("red circle", settings["max_objects"])
+    pixels = model.family.encode(task, [pil], None)[0].prefill.image_tensors["pixel_values"]
     hf = model.family.runner.model
     cache = model.family.runner.image_cache
     bound = cache.max_bytes if cache_bytes is None else cache_bytes

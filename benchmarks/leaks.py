@@ -56,7 +56,7 @@ def cycle(source: str | None, image) -> tuple[int, int]:
     """One load -> call -> close; returns (weight storages, of which still alive after close + gc)."""
     model = foveal.load(source, device="cpu")
     weights = [StorageWeakRef(p.untyped_storage()) for p in model.family.runner.model.parameters()]
-    vision = model.family.runner.family.has_vision
+    vision = model.family.capabilities.vision
     model.generate(image if vision else None, "hi", settings={"max_tokens": 10})
     model.close()
     del model

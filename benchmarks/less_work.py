@@ -109,7 +109,7 @@ def shared_prefix(model: foveal.Model, hf: Any, n: int, doc_tokens: int) -> list
     settings = {"temperature": 0.0, "max_tokens": 48}
     calls = [lambda a=a: model.generate(None, a, FACTS_SCHEMA, settings)["text"] for a in asks]
     ours = warm_and_time(lambda: foveal_threads(calls, valid_facts))
-    prompts = [model.family.processor(model.skills.turn(a), None).token_ids for a in asks]
+    prompts = [model.family.encode(model.family.query(a), [], None)[0].token_ids for a in asks]
     theirs = warm_and_time(lambda: peer(hf, model.family.tokenizer, prompts, 48, FACTS_SCHEMA, valid_facts))
     return [row("shared prefix", "foveal", ours), row("shared prefix", "transformers + outlines", theirs)]
 
@@ -175,8 +175,8 @@ def image_objects(folder: Path, n_images: int, per_image: int, device: str = "cp
 
 def vlm_prompts(model: foveal.Model, images: list, phrases: list[str]) -> tuple[list[list[int]], torch.Tensor]:
     """The prompt ids and pixels foveal's detect skill builds, for the peer (same text, same image inputs)."""
-    task = lambda p: model.skills.detect(p, peers.MAX_OBJECTS).prompt_for(True)  # noqa: E731
-    inputs = [model.family.processor(task(p), im) for im in images for p in phrases]
+    task = lambda p: model.family.detect(p, peers.MAX_OBJECTS)  # noqa: E731
+    inputs = [model.family.encode(task(p), [im], None)[0] for im in images for p in phrases]
     pixels = torch.cat([i.prefill.image_tensors["pixel_values"] for i in inputs])
     return [i.token_ids for i in inputs], pixels
 
@@ -199,7 +199,7 @@ def json_latency(source: Path, hf: Any, calls: int, device: str = "cpu") -> list
             calls,
         )
         model = models[True]
-        prompt = [model.family.processor(model.skills.turn(ask), None).token_ids]
+        prompt = [model.family.encode(model.family.query(ask), [], None)[0].token_ids]
         tokenizer = model.family.tokenizer
     finally:
         for model in models.values():

@@ -74,7 +74,7 @@ def load_llama(path: Any, threads: int) -> tuple[Any, float]:
 
 
 def prompt_ids(model: foveal.Model, asks: list[str]) -> list[list[int]]:
-    return [model.family.processor(model.skills.turn(a), None).token_ids for a in asks]
+    return [model.family.encode(model.family.query(a), [], None)[0].token_ids for a in asks]
 
 
 # ---- foveal ---------------------------------------------------------------------------------------------------

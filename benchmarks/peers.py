@@ -222,7 +222,7 @@ def foveal_calls(model: foveal.Model, workload: Workload, constrained: bool) -> 
 
 
 def prompt_ids(model: foveal.Model, workload: Workload) -> list[list[int]]:
-    return [model.family.processor(model.skills.turn(a), None).token_ids for a in workload.asks]
+    return [model.family.encode(model.family.query(a), [], None)[0].token_ids for a in workload.asks]
 
 
 def hf_generate(

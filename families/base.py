@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -37,6 +37,8 @@ from foveal.engine.matcher import FillMasks
 from foveal.engine.models.loader import LoadedModel, LoadOptions
 from foveal.engine.models.processor import PromptInputs
 from foveal.families.conversation import Conversation
+from foveal.grammars import spatial
+from foveal.grammars.cache import LRUCache
 
 ALL_SKILLS = ("caption", "query", "detect", "point", "generate", "chat")
 IMAGE_SKILLS = ("caption", "detect", "point")  # meaningless without an image
@@ -72,6 +74,7 @@ class Family:
         self.source = loaded.source
         self.capabilities = capabilities
         self._special = _special_pattern(special_texts(loaded.tokenizer))
+        self._bounds: LRUCache[spatial.ItemTokenBounds] = LRUCache(maxsize=256)
 
     @property
     def image_min_size(self) -> tuple[int, int] | None:
@@ -134,6 +137,30 @@ class Family:
         if spec is None:
             return None
         return grammars.compile(spec, self.tokenizer, vocab_size=self.runner.vocab_size)
+
+    def fit_items(self, task: Any, max_tokens: int) -> tuple[Any, int]:
+        """(the task with its spatial answer's max_objects lowered to the items whose every complete
+        answer fits in `max_tokens`, or None when not even one does; the most tokens one item's answer
+        takes). Sized by the grammar's worst case (`grammars.spatial.item_token_bounds`): the model
+        may spell the phrase and separators with more tokens than their canonical tokenization."""
+        spec = task.spec
+        bounds = self.item_bounds(spec)
+        fits = bounds.items_within(max_tokens)
+        if fits < 1:
+            return None, bounds.first
+        if fits >= spec.max_objects:
+            return task, bounds.first
+        return replace(task, spec=replace(spec, max_objects=fits)), bounds.first
+
+    def item_bounds(self, spec: spatial.SpatialSpec) -> spatial.ItemTokenBounds:
+        """`item_token_bounds` of a spatial spec, cached: the same skill and phrase are asked again and
+        again, and the bounds do not depend on max_objects."""
+        key = replace(spec, max_objects=1).cache_key()
+        bounds = self._bounds.get(key)
+        if bounds is None:
+            bounds = spatial.item_token_bounds(spec, self.tokenizer, vocab_size=self.runner.vocab_size)
+            self._bounds.put(key, bounds)
+        return bounds
 
     @property
     def fill_masks(self) -> FillMasks:

@@ -43,7 +43,7 @@ import contextlib
 import hashlib
 from collections import deque
 from collections.abc import AsyncIterator, Callable, Generator, Iterable, Mapping
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -58,7 +58,6 @@ from foveal.errors import GenerationError, IncompleteOutputError, ModelClosedErr
 from foveal.families import Family
 from foveal.families.task import Task
 from foveal.grammars import spatial
-from foveal.grammars.cache import LRUCache
 from foveal.results import (
     AsyncTextStream,
     CaptionResult,
@@ -259,7 +258,6 @@ class Model:
         # streams hold the model, so a stream outlives its `foveal.load()` expression.
         shutdown.close_with(self, self.engine)
         self.config = self.engine.config  # sizes resolved from the runner
-        self._item_tokens_cache: LRUCache[tuple[int, int]] = LRUCache(maxsize=256)
         self._closed = False
 
     def __repr__(self) -> str:
@@ -470,37 +468,21 @@ class Model:
         return Job(task, request, parser(task, automaton), decoded[0] if decoded else None)
 
     def _fit_items(self, task: Task, prompt_len: int, max_tokens: int) -> Task:
-        """A spatial answer's max_objects lowered to the items `max_tokens` holds (canonical spelling,
-        longest coordinates, EOS), so a complete answer always fits; ValueError when not one item does."""
-        spec = task.spec
-        one, per_item = self._item_tokens(spec)
-        fits = (max_tokens - 1 - (one - per_item)) // per_item
-        if fits >= 1:
-            return task if fits >= spec.max_objects else replace(task, spec=replace(spec, max_objects=fits))
+        """A spatial answer's max_objects lowered to the items `max_tokens` holds whatever spelling the
+        grammar lets the model pick, so a complete answer always fits; ValueError when not one item does."""
+        fitted, one = self.family.fit_items(task, max_tokens)
+        if fitted is not None:
+            return fitted
         room = self.config.max_model_len - prompt_len
-        if one + 1 <= room:
+        if one <= room:
             raise ValueError(
-                f"settings['max_tokens']={max_tokens} cannot hold one {task.skill} item ({one + 1} tokens with "
-                f"this object phrase); use max_tokens >= {one + 1} or a shorter object phrase"
+                f"settings['max_tokens']={max_tokens} cannot hold one {task.skill} item (up to {one} tokens with "
+                f"this object phrase); use max_tokens >= {one} or a shorter object phrase"
             )
         raise ValueError(
-            f"one {task.skill} item takes {one + 1} tokens with this object phrase, but this model's context of "
+            f"one {task.skill} item takes up to {one} tokens with this object phrase, but this model's context of "
             f"{self.config.max_model_len} leaves {room} after the prompt ({prompt_len} tokens); shorten the phrase"
         )
-
-    def _item_tokens(self, spec: spatial.SpatialSpec) -> tuple[int, int]:
-        """Tokens of a one-item answer of `spec`, and what each further item adds (memoized: the same
-        skill and phrase are asked again and again; the answer's text does not depend on max_objects)."""
-        key = replace(spec, max_objects=1).cache_key()
-        cached = self._item_tokens_cache.get(key)
-        if cached is None:
-            one, two = (
-                len(self.family.tokenizer(spec.example_answer(n), add_special_tokens=False)["input_ids"])
-                for n in (1, 2)
-            )
-            cached = (one, max(two - one, 1))
-            self._item_tokens_cache.put(key, cached)
-        return cached
 
     def _images(
         self, images: list, skill: str, held: contextlib.ExitStack

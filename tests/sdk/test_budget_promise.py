@@ -71,8 +71,8 @@ def test_a_small_max_tokens_holds_fewer_items_or_is_refused(embedded, image, ski
     if isinstance(outcome, ValueError):
         assert "max_tokens" in str(outcome)
     else:
-        spec = getattr(embedded.skills, skill)("xyzzy", 50).spec
-        bounds = spatial.item_token_bounds(spec, embedded.loaded.tokenizer)
+        spec = getattr(embedded.family, skill)("xyzzy", 50).spec
+        bounds = spatial.item_token_bounds(spec, embedded.family.tokenizer)
         assert len(outcome) <= bounds.items_within(60) < 50  # max_objects lowered to what 60 tokens hold
 
 
