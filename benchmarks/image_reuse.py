@@ -175,7 +175,7 @@ def measure(
         "bytes": len(data),
         "decode_ms": median_ms(lambda: load_image(data), repeat),
         "key_ms": median_ms(lambda: image_key(pil), repeat),
-        "preprocess_ms": median_ms(lambda: model.family.processor(prompt, pil), repeat),
+        "preprocess_ms": median_ms(lambda: model.family.encode(task, [pil], None), repeat),
         "vision_ms": median_ms(vision, repeat),
         "uncached_per_call_ms": per_call(uncached),
         "raw_per_call_ms": per_call(raw),

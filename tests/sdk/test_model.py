@@ -18,11 +18,11 @@ from PIL import Image, ImageOps
 from pydantic import BaseModel, ConfigDict, Field
 
 import foveal
+from foveal.families import PaliGemmaFamily, ShapesFamily
+from foveal.families.chat import ChatFamily
 from foveal.grammars import spatial
 from foveal.model import EncodedImage
 from foveal.results import CaptionResult, DetectResult, GenerateResult, PointResult, QueryResult
-from foveal.families import PaliGemmaFamily, ShapesFamily
-from foveal.families.chat import ChatFamily
 from foveal.vision import ImageError, image_key, load_image
 
 BOX = ("x_min", "y_min", "x_max", "y_max")

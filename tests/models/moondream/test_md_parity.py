@@ -14,10 +14,10 @@ import pytest
 import torch
 from PIL import Image
 
-from foveal.families.moondream.load import MOONDREAM
 from foveal.engine.runner import ForwardBatch
 from foveal.families.moondream.answers import COORD, GATE, SIZE
 from foveal.families.moondream.config import MoondreamConfig
+from foveal.families.moondream.load import MOONDREAM
 from foveal.families.moondream.processor import MoondreamProcessor, MoondreamPrompt
 from foveal.families.moondream.runner import MoondreamRunner
 from foveal.families.moondream.weights import load_weights
