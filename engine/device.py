@@ -1,24 +1,27 @@
-"""Where launched work runs: an in-order device queue with host-copy events.
+"""Where launched work runs: the `Device` protocol, an in-order device queue with host-copy events.
 
 PROBLEM
     The scheduler must queue step t+1's forward and keep doing Python bookkeeping for step t while
     the accelerator computes; it waits only when it needs a step's sampled ids on the host.
 SOLUTION
-    One interface, two implementations. `CudaDevice`: work is issued at once under a compute stream;
-    device-to-host copies go on a copy stream that waits for the compute stream and records an event.
+    `Device` declares what the pipeline, its slots and the Engine call on a device; `Pipeline`
+    checks it once, when it is built (matcher.require). Two implementations (and the tests'
+    synchronous `foveal.testing.ManualDevice`):
+    `CudaDevice`: work is issued at once under a compute stream; device-to-host copies go on a copy
+    stream that waits for the compute stream and records an event.
     `CpuDevice`: a worker thread executes launched closures in order (forward and sampler are native
     torch calls or sleeps that release the GIL), and a copy's event is a lock, taken when the copy is
-    queued and released by the worker after it ran (a `threading.Event` costs ~3 us of Python per
-    step, on both threads, where a lock costs 0.2). `run(name, fn)` queues compute work; `copy_to_host(name, fn)` queues a copy and returns
-    the event that `wait` blocks on.
+    queued and released by the worker after it ran (a lock is the cheapest such event in Python, on
+    both threads; a `threading.Event` costs several times more per step). `run(name, fn)` queues
+    compute work; `copy_to_host(name, fn)` queues a copy and returns the event that `wait` blocks on.
     On CPU the worker also picks each forward's intra-op thread count (`threads_for`): launches of
     fewer than `SMALL_LAUNCH_TOKENS` query tokens run on one thread, larger ones on the count torch
-    had when the device was made. Measured (SmolLM2 GGUF, 2 cores, `torch.set_num_threads(2)`): a
-    batch-1 decode step took 41.6-44.7 ms on two threads and 26.4 ms on one, free text 23.6 vs
-    36.3 tok/s, because the scheduler thread's bookkeeping preempts one of the two OpenMP threads
-    and every parallel op then waits for it; 32 concurrent JSON requests ran 2.94 req/s on one
-    thread and 3.29-3.72 on two. torch's thread count is process-wide, so a forward that changes it
-    puts it back when it ends (device_jobs.forward).
+    had when the device was made. A small launch has too little work per op to share: the scheduler
+    thread's bookkeeping preempts one of the OpenMP threads and every parallel op then waits for
+    it, so a batch-1 decode step is faster on one thread, while large launches still gain from all
+    of them (benchmarks/llamacpp.py's free-text and 32-request JSON workloads show both). torch's
+    thread count is process-wide, so a forward that changes it puts it back when it ends
+    (device_jobs.forward).
 INVARIANTS
     - Work runs in the order it was queued (one compute stream / one worker).
     - A worker error is re-raised by the next `wait`; events are still released, so nothing hangs.
@@ -33,7 +36,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 
@@ -41,6 +44,46 @@ from .trace import Trace
 
 Job = Callable[[], None]
 SMALL_LAUNCH_TOKENS = 8  # CPU forwards of fewer query tokens than this run on one intra-op thread
+
+
+@runtime_checkable
+class Device(Protocol):
+    """What the engine calls on the device its launched work runs on (the module docstring).
+
+    Only the scheduler thread calls these; an event is opaque, good for one `wait` or several."""
+
+    device: torch.device  # where the runner's tensors live
+    busy_s: float  # device busy time so far (the Engine's stats read and reset it)
+    job_s: dict[str, float]  # busy time per job name
+    job_n: dict[str, int]  # jobs run per job name
+
+    def run(self, name: str, fn: Job) -> None:
+        """Queue compute work `fn`; it runs after everything queued before it."""
+        ...
+
+    def copy_to_host(self, name: str, fn: Job) -> Any:
+        """Queue a device-to-host copy `fn` after the compute queued so far; returns its event."""
+        ...
+
+    def wait(self, event: Any) -> None:
+        """Block until the copy of `event` has run; raise RuntimeError if any queued work failed."""
+        ...
+
+    def synchronize(self) -> None:
+        """Block until everything queued has run; raise RuntimeError if any of it failed."""
+        ...
+
+    def threads_for(self, tokens: int) -> int | None:
+        """Intra-op threads for a forward of `tokens` query tokens; None: leave torch's count alone."""
+        ...
+
+    def pin(self, t: torch.Tensor) -> torch.Tensor:
+        """`t`, or a page-locked copy of it where host-to-device copies need one (CUDA)."""
+        ...
+
+    def close(self) -> None:
+        """Run what is queued and stop; the device takes no more work."""
+        ...
 
 
 class CpuDevice:
@@ -89,9 +132,9 @@ class CpuDevice:
     def wait(self, event: Any) -> None:
         with event:  # blocks until the worker released it; released again, so waiting twice is fine
             pass
-        self.raise_error()
+        self._raise_error()
 
-    def raise_error(self) -> None:
+    def _raise_error(self) -> None:
         if self._error is not None:
             raise RuntimeError(f"device work failed: {self._error!r}") from self._error
 
@@ -151,9 +194,6 @@ class CudaDevice:
             self.job_s[name] = self.job_s.get(name, 0.0) + seconds
             self.job_n[name] = self.job_n.get(name, 0) + 1
 
-    def raise_error(self) -> None:
-        pass
-
     def synchronize(self) -> None:
         torch.cuda.synchronize(self.device)
         self._account()
@@ -165,7 +205,7 @@ class CudaDevice:
         return t.pin_memory()
 
 
-def make_device(device: torch.device, trace: Trace) -> CpuDevice | CudaDevice:
+def make_device(device: torch.device, trace: Trace) -> Device:
     if device.type == "cuda":
         return CudaDevice(device, trace)
     if device.type == "cpu":

@@ -4,11 +4,16 @@ Each function is the body of one job queued on the device (device.py): it runs o
 worker thread (CPU) or is issued on the compute / copy stream (CUDA), never on the scheduler's
 critical path. Inputs come from the step's DecodeSlot, already staged by step.stage.
 
-    forward(runner, step, previous_slot, threads)
+    forward(runner, step, previous_slot, threads, heads)
                                            upload inputs, gather decode ids from the previous
-                                           step's samples, run the model; logits stay in the slot
-    sample(slot, shape)                    grammar masks, greedy / seeded sampling into slot.sampled
+                                           step's samples, run the model; logits (and the region
+                                           heads' hidden states) stay in the slot
+    sample(slot, shape, heads)             grammar masks, greedy / seeded sampling into slot.sampled,
+                                           then region values for region rows (regions.py)
     copy_to_host(slot, num_rows, debug)    slot.sampled -> slot.sampled_host (what commit reads)
+
+`heads` is the runner as `regions.RegionHeads` when it has region heads (resolved once, by the
+pipeline), else None.
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ from dataclasses import dataclass
 import torch
 
 from . import sampler
+from .regions import RegionHeads
 from .runner import ForwardBatch, ModelRunner
 from .sampler import SamplingBatch
 from .slot import DecodeSlot
@@ -51,9 +57,15 @@ class SampleShape:
 
 
 @torch.inference_mode()
-def forward(runner: ModelRunner, step: Step, previous_slot: DecodeSlot, threads: int | None = None) -> None:
+def forward(
+    runner: ModelRunner,
+    step: Step,
+    previous_slot: DecodeSlot,
+    threads: int | None = None,
+    heads: RegionHeads | None = None,
+) -> None:
     with _intra_op_threads(threads):
-        _forward(runner, step, previous_slot)
+        _forward(runner, step, previous_slot, heads)
 
 
 @contextlib.contextmanager
@@ -71,7 +83,7 @@ def _intra_op_threads(threads: int | None) -> Iterator[None]:
         torch.set_num_threads(before)
 
 
-def _forward(runner: ModelRunner, step: Step, previous_slot: DecodeSlot) -> None:
+def _forward(runner: ModelRunner, step: Step, previous_slot: DecodeSlot, heads: RegionHeads | None) -> None:
     slot, rows, tokens, decode = step.slot, step.num_rows, step.num_tokens, step.num_decode
     slot.upload(FORWARD_INPUTS, (tokens, tokens, tokens, rows + 1, rows, rows, decode, decode))
     dev = slot.dev
@@ -90,11 +102,12 @@ def _forward(runner: ModelRunner, step: Step, previous_slot: DecodeSlot) -> None
         prefill=step.prefill_inputs,
     )
     slot.logits = runner.forward(batch)
-    slot.hidden = getattr(runner, "last_hidden", None)  # region runners only (regions.py)
+    if heads is not None:  # its last-token hidden states, for the sample job's region rows
+        slot.hidden = heads.last_hidden
 
 
 @torch.inference_mode()  # runners return inference tensors; the sampler masks them in place
-def sample(slot: DecodeSlot, shape: SampleShape, runner: ModelRunner | None = None) -> None:
+def sample(slot: DecodeSlot, shape: SampleShape, heads: RegionHeads | None = None) -> None:
     rows, random, masked = shape.num_rows, shape.num_random, shape.num_masked
     slot.upload(SAMPLE_INPUTS, (rows, rows, rows, rows, rows, random, masked, masked))
     dev = slot.dev
@@ -112,7 +125,7 @@ def sample(slot: DecodeSlot, shape: SampleShape, runner: ModelRunner | None = No
     sampler.sample(slot.logits, batch, slot.sampled)
     if shape.num_region:  # region rows: their ids become value ids, on the device (regions.py)
         slot.upload(REGION_INPUTS, (rows, shape.num_region))
-        runner.sample_regions(slot.hidden, dev.kinds[:rows], dev.region_rows[: shape.num_region], slot.sampled)
+        heads.sample_regions(slot.hidden, dev.kinds[:rows], dev.region_rows[: shape.num_region], slot.sampled)
     slot.logits = slot.hidden = None
 
 

@@ -10,10 +10,16 @@ SOLUTION
     (pipeline.py: launch t+1, commit t, finalize t+1, text), and sleeps on the condition otherwise.
     `close()` stops the loop; whatever is left is finished CANCELLED (ERROR after a runner or device
     failure) and the steps in flight are drained, so every handle ends and every page comes back.
+    What the engine calls on its runner and on a request's matcher is declared as protocols
+    (runner.py, matcher.py, regions.py) and checked once: the runner when the Engine is built, a
+    matcher by `submit`; an object that lacks a required method is refused there with a TypeError
+    naming it, and the optional capabilities found are kept, never looked for again.
 INVARIANTS
     - Only the scheduler thread touches the pipeline; other threads touch only the inbox.
     - Every handle ends: finished, cancelled, failed, or cancelled by close().
-    - A request the engine can never run is refused by `submit` before it is queued (limits.py).
+    - A request the engine can never run is refused by `submit` before it is queued (limits.py,
+      and `Matcher` for its matcher); a runner that does not implement `ModelRunner` is refused
+      by the constructor, before anything is sized or allocated.
 """
 
 from __future__ import annotations
@@ -29,10 +35,10 @@ from .detokenizer import Detokenizer
 from .device import make_device
 from .kv_cache import PagePool, prefix_chain, prefix_seed
 from .lanes import Lanes
-from .matcher import FillMasks, fill_masks_each
+from .matcher import FillMasks, Matcher, conforms, fill_masks_each, require
 from .pipeline import Pipeline
 from .request import FinishReason, Request, RequestHandle, RequestOutput, seed_as_int64
-from .runner import ModelRunner
+from .runner import ModelRunner, Quiesce
 from .scheduler import Sequence
 from .slot import DecodeSlot
 from .trace import Trace
@@ -70,8 +76,10 @@ class Engine:
     def __init__(
         self, runner: ModelRunner, tokenizer: object = None, config: EngineConfig | None = None
     ) -> None:
+        require(runner, ModelRunner, "runner", "foveal.engine.runner.ModelRunner")
         self.config = config = limits.resolve(config or EngineConfig(), runner)
         self.runner = runner
+        self._quiesce = runner.quiesce if conforms(runner, Quiesce) else None
         self.tokenizer = tokenizer
         self.trace = Trace(config.trace)
         self.device = make_device(runner.device, self.trace)
@@ -122,7 +130,10 @@ class Engine:
 
     # ---- public API ---------------------------------------------------------------------------
     def submit(self, request: Request) -> RequestHandle:
-        """Queue a request (thread-safe); raises ValueError for a request the engine can never run."""
+        """Queue a request (thread-safe); raises ValueError for a request the engine can never run,
+        TypeError for a matcher that does not implement `Matcher`."""
+        if request.matcher is not None:
+            require(request.matcher, Matcher, "matcher", "foveal.engine.matcher.Matcher")
         limits.check_request(request, self.config, self.runner.vocab_size, self.tokenizer)
         seed = prefix_seed(request.prompt_ids, request.prefill) if self.config.prefix_cache else None
         chain = [] if seed is None else prefix_chain(request.prompt_ids, self.config.page_size, seed)
@@ -179,9 +190,8 @@ class Engine:
             self._cond.notify_all()
         self._thread.join()
         self.device.close()
-        quiesce = getattr(self.runner, "quiesce", None)  # runners with work of their own (CPU traces)
-        if quiesce is not None:
-            quiesce()
+        if self._quiesce is not None:  # a runner with work of its own (background traces)
+            self._quiesce()
         if self._switch_held:  # close() may be called twice
             self._switch_held = False
             switch.release(self.config.switch_interval)

@@ -37,9 +37,9 @@ if TYPE_CHECKING:
 DEFAULT_MAX_MODEL_LEN = 4096  # tokens per sequence unless the model allows fewer or the caller asks
 DEFAULT_KV_FRACTION = 0.25  # of free device memory (CUDA) or available RAM (CPU)
 # Query tokens a step may carry by default: with prompts of a few hundred tokens (an image's tokens
-# and a question), a budget of one context (512 for the embedded model) admitted ~3 prompts a step, so
-# a stream of new requests kept the batch at 20-26 rows of 32; 2048 admits a batch's worth in a step
-# or two (vLLM's default budget is of the same order).
+# and a question), a budget of one short context admits only a few prompts a step, so a stream of
+# new requests never fills the batch; 2048 admits a batch's worth in a step or two (vLLM's default
+# budget is of the same order).
 DEFAULT_MAX_STEP_TOKENS = 2048
 # A text prompt's tokens per launch (chunked prefill, scheduler.py): a long prompt then costs the
 # decoding rows of the same steps a few short forwards instead of one long one.
@@ -56,7 +56,7 @@ def resolve(config: EngineConfig, runner: ModelRunner) -> EngineConfig:
         value = getattr(config, name)
         if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
             raise ValueError(f"{name} must be a positive int, got {value!r}")
-    limit = getattr(runner, "max_positions", None)
+    limit = runner.max_positions
     if config.max_model_len is not None and limit is not None and config.max_model_len > limit:
         raise ValueError(f"max_model_len={config.max_model_len} exceeds this model's {limit} positions; lower it")
     model_len = config.max_model_len or min(limit or DEFAULT_MAX_MODEL_LEN, DEFAULT_MAX_MODEL_LEN)
@@ -76,13 +76,13 @@ def resolve(config: EngineConfig, runner: ModelRunner) -> EngineConfig:
 
 
 def _admission_window(window: float | None, device: torch.device) -> float:
-    """The idle engine's quiet window (Engine._gather_arrivals). 32 SDK calls made from 32 threads
-    reach a CPU engine 1.3-9 ms apart (each is ~1.3 ms of Python under the GIL, and the threads
-    contend): with 2 ms, the first prefill took 2-6 of the 32 (six rounds, SmolLM2, 2 cores), the
-    answers ran out of step and took 20-22 steps; with 10 ms, 29-32 in five rounds of six, 18-21
-    steps, 15% less wall time (benchmarks.llamacpp's workload). A lone call's first launch waits
-    the window once: 10 ms is ~1% of a JSON call on that CPU, while on an accelerator a launch
-    is an order of magnitude shorter, so it keeps 2 ms."""
+    """The idle engine's quiet window (Engine._gather_arrivals). SDK calls made from many threads at
+    once reach a CPU engine milliseconds apart (each is about a millisecond of Python under the
+    GIL, and the threads contend): a 2 ms window let the first prefill take only a few of them, the
+    answers ran out of step and took more steps and more wall time than with 10 ms, which gathers
+    nearly all (benchmarks/llamacpp.py's 32-request workload). A lone call's first launch waits the
+    window once: 10 ms is a small share of a JSON call on a CPU, while on an accelerator a launch is
+    an order of magnitude shorter, so it keeps 2 ms."""
     if window is None:
         return CPU_ADMISSION_WINDOW_S if device.type == "cpu" else ADMISSION_WINDOW_S
     if isinstance(window, bool) or not isinstance(window, (int, float)) or not window >= 0:

@@ -1,40 +1,87 @@
-"""The engine's view of a grammar: the `Matcher` protocol and how a step's masks are filled.
+"""The engine's view of a grammar: what it calls on a matcher, declared as protocols, and how a step's masks are filled.
 
-The engine depends on `foveal.grammars` only through this protocol (DESIGN.md, "Layout"). A matcher
-is one sequence's state in a token-mask automaton; the engine advances it at commit and asks it
-for the next token's mask at finalize. A matcher may also offer `forced_tokens() -> list[int]`,
-the tokens its grammar forces next (empty when there is a choice); jump-forward decoding
-(pipeline.py) uses it where present, and every token it returns must be committable in order.
-Such a matcher may also offer `ends_after(tokens) -> bool`: whether committing those tokens
-completes the output, without changing the matcher; a forced run that does gets no launch after it.
+PROBLEM
+    The engine depends on `foveal.grammars` only through what it calls on a matcher (DESIGN.md,
+    "Layout"), and some matchers can do more than others: a grammar may know the tokens it forces
+    next, a family's own automaton may fill its mask in Python rather than through the batched
+    native call. Probing for such extras on the step loop costs host time every step, and a
+    matcher that lacks a required method would fail deep inside a step instead of at submit.
+SOLUTION
+    Each capability is a `Protocol` here (and `regions.RegionSteps` for non-token steps):
+      - `Matcher` (required): `commit`, `fill_mask`, `is_terminated`. The engine never rolls a
+        matcher back, so it requires no `rollback` (foveal.grammars' matchers have one for their
+        own callers).
+      - `ForcedTokens` (jump-forward, pipeline.py): `forced_tokens()` and `ends_after(tokens)`.
+      - `OwnMask`: `fills_own_mask = True`, a matcher whose `fill_mask` is its own code rather
+        than a native matcher the step's `FillMasks` understands; the pipeline fills its row by
+        calling `fill_mask` and hands only the other rows to `FillMasks`.
+    A request's matcher is checked against `Matcher` at submit (`require`: a TypeError naming
+    what is missing) and its optional capabilities are resolved once, into the sequence's record
+    (scheduler.Sequence); the step loop reads that record, never the matcher's attributes.
+    `missing` / `conforms` / `require` are how every engine protocol is checked (matchers here,
+    runners in runner.py and regions.py, devices in device.py): a method must be callable, a data
+    member present.
 
 Masks are int32 bitmasks of shape (rows, ceil(V / 32)); bit j of word i set means token 32 * i + j
 is allowed. A whole step's masks are filled by one `FillMasks` call: `foveal.grammars.fill_masks`
-is one native call for all rows (a call per row would hand the GIL back and forth, see
-measurements.md); `fill_masks_each` is the row-by-row version for matchers without a batched path.
+is one native call for all rows (a call per row would hand the GIL back and forth); `fill_masks_each`
+is the row-by-row version for matchers without a batched path.
+INVARIANTS
+    - Every token `forced_tokens()` returns is committable in order; it is empty when there is a
+      choice. `ends_after(tokens)` changes nothing and says whether committing `tokens` completes
+      the output; a matcher that cannot tell says False (the run is then carried as a jump).
+    - A `FillMasks` call writes row i of `bitmask` from `matchers[i]` and touches no other row.
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
-from typing import Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 import torch
+from typing_extensions import get_protocol_members
 
 
 @runtime_checkable
 class Matcher(Protocol):
+    """One sequence's state in a token-mask automaton: advanced at commit, asked for masks at finalize."""
+
     def commit(self, token_id: int) -> None:
-        """Advance by one committed token; raise if the token is not allowed."""
+        """Advance by one committed token; raise if the token is not allowed (the request then fails)."""
         ...
 
     def fill_mask(self, bitmask: torch.Tensor, row: int) -> None:
-        """Write the allowed next tokens into `bitmask[row]` (bit set = allowed)."""
+        """Write the allowed next tokens into `bitmask[row]` (bit set = allowed); touch no other row."""
         ...
 
-    def is_terminated(self) -> bool: ...
+    def is_terminated(self) -> bool:
+        """True once the output is complete: the engine finishes the request (STOP) after this commit."""
+        ...
 
-    def rollback(self, n: int) -> None: ...
+
+@runtime_checkable
+class ForcedTokens(Protocol):
+    """A matcher that knows what its grammar forces next (jump-forward, pipeline.py)."""
+
+    def forced_tokens(self) -> list[int]:
+        """The tokens the grammar forces from the current state, in order; [] when there is a choice."""
+        ...
+
+    def ends_after(self, tokens: list[int]) -> bool:
+        """Whether committing `tokens` (a prefix of `forced_tokens()`) completes the output; changes
+        nothing. False when the matcher cannot tell."""
+        ...
+
+
+@runtime_checkable
+class OwnMask(Protocol):
+    """A matcher whose `fill_mask` is its own code: `fills_own_mask = True` (a class attribute).
+
+    The step's `FillMasks` (foveal.grammars.fill_masks, say) is then never handed this matcher;
+    the pipeline calls its `fill_mask` for its row."""
+
+    fills_own_mask: bool
 
 
 FillMasks = Callable[[Sequence[Matcher], torch.Tensor], None]
@@ -48,3 +95,44 @@ def fill_masks_each(matchers: Sequence[Matcher], bitmask: torch.Tensor) -> None:
 
 def bitmask_words(vocab_size: int) -> int:
     return (vocab_size + 31) // 32
+
+
+# ---- checking an object against a protocol (once, where it enters the engine) ------------------------------
+
+
+@functools.cache
+def _members(protocol: type) -> tuple[tuple[str, bool], ...]:
+    """(name, is_method) for each member of `protocol`, sorted by name."""
+    return tuple(
+        (name, callable(getattr(protocol, name, None))) for name in sorted(get_protocol_members(protocol))
+    )
+
+
+def missing(obj: Any, protocol: type) -> list[str]:
+    """The members of `protocol` that `obj` lacks: an absent attribute, or a method that is not callable."""
+    absent = object()
+    lacking = []
+    for name, is_method in _members(protocol):
+        value = getattr(obj, name, absent)  # a declared member, looked up once where obj enters the engine
+        if value is absent or (is_method and not callable(value)):
+            lacking.append(name)
+    return lacking
+
+
+def conforms(obj: Any, protocol: type) -> bool:
+    return not missing(obj, protocol)
+
+
+def require(obj: Any, protocol: type, role: str, where: str) -> None:
+    """Raise TypeError naming what `obj` lacks of `protocol`; `where` names the module stating the contract."""
+    lacking = missing(obj, protocol)
+    if lacking:
+        raise TypeError(
+            f"the {role} {type(obj).__name__} does not implement {protocol.__name__}: it lacks "
+            f"{', '.join(lacking)}; implement {'it' if len(lacking) == 1 else 'them'} as {where} states"
+        )
+
+
+def own_mask(matcher: Matcher) -> bool:
+    """Whether the pipeline fills `matcher`'s rows itself (`OwnMask` with a true `fills_own_mask`)."""
+    return conforms(matcher, OwnMask) and bool(matcher.fills_own_mask)

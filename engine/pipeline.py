@@ -22,10 +22,20 @@ SOLUTION
     may ride in step t+1 as a zombie: its token there is dropped, its pages wait for inflight_refs 0.
     The pipeline owns no thread: `Engine` calls `tick()` from its scheduler thread, and tests call
     it directly over a device that runs queued jobs only when waited on (foveal.testing).
+    What it calls on its device (`device.Device`) is checked when it is built, and so is what it
+    may call on its runner beyond `ModelRunner` (`regions.RegionHeads`); what it may call on a
+    matcher beyond `Matcher` was resolved at submit (scheduler.Sequence). A step uses those
+    resolved flags and bound methods: it never probes a matcher or runner for a capability.
+MASKS
+    Finalize fills the masks of the step's live constrained rows in one `FillMasks` call; rows
+    whose matcher fills its own mask (`matcher.OwnMask`) come after the others in the step's mask
+    buffers and are filled by their own `fill_mask`, so the batched call only ever sees matchers
+    it understands.
 JUMP-FORWARD (DESIGN.md "Less work per answer")
     Where the grammar forces the next tokens F = f0..f(k-1) (JSON keys and punctuation, say),
     decoding them one step each wastes k - 1 forwards. Finalize t+1 asks each live constrained
-    row's matcher, now exactly in the state step t+1's logits continue, for F (`forced_tokens`).
+    row's matcher that offers it (`matcher.ForcedTokens`), now exactly in the state step t+1's
+    logits continue, for F (`forced_tokens`).
     If k >= 2 and f0 is in the row's filled mask, the mask is narrowed to f0 alone (so the sample
     of t+1 *is* f0, whatever the temperature: llguidance's canonical tokenization of the forced
     text), F is pinned on the step (`Step.pinned`) and on the sequence (`Sequence.jump`). The next
@@ -44,8 +54,8 @@ JUMP-FORWARD (DESIGN.md "Less work per answer")
 FINAL RUNS
     A JSON answer ends in forced text (`"]}`, say): the grammar completes inside F. Carrying F in
     the launch after the pin would compute K/V and logits nobody reads, a whole zombie row; when
-    32 answers of one shape end together, a whole step of them. So finalize also asks a matcher
-    that offers `ends_after(F)` whether committing F completes the output; if so, F (any k >= 1)
+    32 answers of one shape end together, a whole step of them. So finalize also asks the matcher
+    (`ends_after(F)`) whether committing F completes the output; if so, F (any k >= 1)
     is pinned on the step alone, the sequence is marked `final_run` and `schedule()` gives it no
     further launch: commit t+1 appends the sampled f0 and f1..f(k-1), and the grammar's end
     finishes it there. A final run is capped only by max_tokens (F's last token stays below it).
@@ -71,15 +81,15 @@ import contextlib
 import time
 from collections import deque
 from collections.abc import Callable
-from typing import Any
 
 import numpy as np
 
 from . import device_jobs, regions
+from .device import Device
 from .device_jobs import SampleShape
 from .kv_cache import PagePool, pages_needed
 from .lanes import Lanes
-from .matcher import FillMasks, bitmask_words
+from .matcher import FillMasks, bitmask_words, conforms, require
 from .request import FinishReason
 from .runner import ModelRunner
 from .scheduler import Scheduler, Sequence
@@ -97,7 +107,7 @@ class Pipeline:
     def __init__(
         self,
         runner: ModelRunner,
-        device: Any,
+        device: Device,
         *,
         pipelined: bool,
         max_batch: int,
@@ -112,6 +122,7 @@ class Pipeline:
         debug_hook: Callable[[str], None] | None = None,
         trace: Trace | None = None,
     ) -> None:
+        require(device, Device, "device", "foveal.engine.device.Device")
         self.runner = runner
         self.device = device
         self.pipelined = pipelined
@@ -134,7 +145,8 @@ class Pipeline:
         self.inflight: deque[Step] = deque()
         self.step_number = 0
         self._row_numbers = np.arange(max_batch + 1)
-        self.regions = regions.has_regions(runner)  # some steps may sample region values (regions.py)
+        # some steps may sample region values (regions.py): the runner's heads, or None
+        self.heads: regions.RegionHeads | None = runner if conforms(runner, regions.RegionHeads) else None
         runner.allocate_kv(num_pages, page_size)
 
     def has_work(self) -> bool:
@@ -167,7 +179,8 @@ class Pipeline:
             seq.inflight_refs += 1
         previous_slot = self.slots[(self.step_number - 1) % 2]
         threads = self.device.threads_for(step.num_tokens)
-        self.device.run("forward", lambda: device_jobs.forward(self.runner, step, previous_slot, threads))
+        runner, heads = self.runner, self.heads
+        self.device.run("forward", lambda: device_jobs.forward(runner, step, previous_slot, threads, heads))
         slot.state, slot.step = SlotState.LAUNCHED, step
         self.inflight.append(step)
         self.step_number += 1
@@ -256,9 +269,10 @@ class Pipeline:
         random_rows = np.flatnonzero(host.temperature[:num_rows] > 0)
         host.random_rows[: len(random_rows)] = random_rows
         filter_rows = bool(((host.top_k[random_rows] > 0) | (host.top_p[random_rows] < 1)).any())
-        num_region = regions.stage_kinds(step.rows, host.kinds, host.region_rows) if self.regions else 0
+        heads = self.heads
+        num_region = regions.stage_kinds(step.rows, host.kinds, host.region_rows) if heads is not None else 0
         shape = SampleShape(num_rows, len(random_rows), num_masked, filter_rows, num_region)
-        self.device.run("sample", lambda: device_jobs.sample(slot, shape, self.runner))
+        self.device.run("sample", lambda: device_jobs.sample(slot, shape, heads))
         debug = self.debug and self.device.device.type == "cpu"
         slot.event = self.device.copy_to_host("copy", lambda: device_jobs.copy_to_host(slot, num_rows, debug))
         slot.state = SlotState.FINALIZED
@@ -267,9 +281,11 @@ class Pipeline:
     def _fill_masks(self, step: Step) -> int:
         """Fill the masks of the step's live constrained rows; returns how many rows were filled.
 
-        One batched call normally. If it raises, each matcher is asked alone: the ones that fail end
-        their request with ERROR (their row allows every token; as zombies their token is dropped),
-        and the others keep their masks: one broken grammar never fails its neighbours.
+        One batched call normally, over the rows whose matcher does not fill its own mask; those
+        come last in the mask buffers and fill their own rows (MASKS). If that raises, each matcher
+        is asked alone: the ones that fail end their request with ERROR (their row allows every
+        token; as zombies their token is dropped), and the others keep their masks: one broken
+        grammar never fails its neighbours.
         """
         masked = [
             (row, seq)
@@ -278,16 +294,26 @@ class Pipeline:
         ]
         if not masked:
             return 0
+        own = [pair for pair in masked if pair[1].own_mask]
+        if own:
+            masked = [pair for pair in masked if not pair[1].own_mask] + own
         rows, seqs = zip(*masked, strict=True)
+        batched = len(seqs) - len(own)
         host, bitmask = step.slot.np, step.slot.host.bitmask
         host.bitmask[: len(rows)] = 0
         host.mask_rows[: len(rows)] = rows
         try:
-            self.fill_masks([seq.matcher for seq in seqs], bitmask[: len(rows)])
+            if batched:
+                self.fill_masks([seq.matcher for seq in seqs[:batched]], bitmask[:batched])
+            for index in range(batched, len(seqs)):
+                seqs[index].matcher.fill_mask(bitmask, index)
         except Exception:
             for index, seq in enumerate(seqs):
                 try:
-                    self.fill_masks([seq.matcher], bitmask[index : index + 1])
+                    if seq.own_mask:
+                        seq.matcher.fill_mask(bitmask, index)
+                    else:
+                        self.fill_masks([seq.matcher], bitmask[index : index + 1])
                 except Exception as error:
                     host.bitmask[index] = -1
                     self.sequences.finish(seq, FinishReason.ERROR, f"the grammar failed to give a mask: {error}")
@@ -302,13 +328,11 @@ class Pipeline:
         for index in range(num_masked):
             row = int(host.mask_rows[index])
             seq = step.rows[row]
-            forced_tokens = getattr(seq.matcher, "forced_tokens", None)
-            if seq.finalized or forced_tokens is None:
+            if seq.finalized or seq.forced_tokens is None:  # resolved at submit (ForcedTokens)
                 continue
             # F starts at this step's output index, num_scheduled - 1, and must end below max_tokens
-            forced = forced_tokens()[: min(seq.max_tokens - seq.num_scheduled + 1, MAX_JUMP)]
-            ends_after = getattr(seq.matcher, "ends_after", None)
-            final = bool(forced) and ends_after is not None and ends_after(forced)
+            forced = seq.forced_tokens()[: min(seq.max_tokens - seq.num_scheduled + 1, MAX_JUMP)]
+            final = bool(forced) and seq.ends_after(forced)
             if not final:  # the sample after F must stay below max_tokens, and F fit the next step
                 forced = forced[: min(seq.max_tokens - seq.num_scheduled, budget + 1)]
                 if len(forced) < 2:

@@ -8,14 +8,16 @@ PROBLEM
     the device, and which head a row samples is only known once its answer's automaton has
     committed step t.
 SOLUTION
-    - A matcher may have `step_kind()`: 0 for a token step, k > 0 for the runner's region kind k.
-      At finalize (after commit t, so the automaton has seen step t) `stage_kinds` writes each
-      row's kind into the slot and lists the region rows.
-    - A runner with region heads (`has_regions`) keeps its last-token hidden states as
-      `last_hidden` after each forward; the forward job stores them with the slot.
-    - The sample job samples tokens as usual, then `runner.sample_regions(hidden, kinds, rows,
-      sampled)` overwrites the region rows' ids, on the device, with value ids: ids past the
-      vocabulary that name a coordinate or size (the runner's encoding).
+    Two protocols, each resolved once: a matcher's at submit (scheduler.Sequence), a runner's when
+    the pipeline is built.
+    - `RegionSteps` (a matcher): `step_kind()`, 0 for a token step, k > 0 for the runner's region
+      kind k. At finalize (after commit t, so the automaton has seen step t) `stage_kinds` writes
+      each row's kind into the slot and lists the region rows.
+    - `RegionHeads` (a runner): keeps its last-token hidden states as `last_hidden` after each
+      forward (the forward job stores them with the slot), and `sample_regions(hidden, kinds,
+      rows, sampled)`, which the sample job calls after sampling tokens as usual: it overwrites the
+      region rows' ids, on the device, with value ids: ids past the vocabulary that name a
+      coordinate or size (the runner's encoding).
     - The next launch gathers those ids into its input ids on the device exactly as it does for
       tokens (no host round trip); the runner embeds a value id as the value's encoding.
     - At commit the host reads the ids like tokens; the matcher advances over them (eos or the
@@ -25,12 +27,13 @@ SOLUTION
 INVARIANTS
     - A row's kind comes from its matcher after the previous step's commit (like its mask).
     - Rows of kind 0 are never touched by `sample_regions`; finalized rows are kind 0.
+    - Kinds are staged only for a runner with region heads; on any other runner every row is a token row.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any, Protocol
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 
@@ -39,29 +42,38 @@ from .matcher import FillMasks, Matcher
 TOKEN = 0
 
 
-class RegionRunner(Protocol):
-    last_hidden: torch.Tensor | None
+@runtime_checkable
+class RegionSteps(Protocol):
+    """A matcher some of whose steps sample a region value rather than a token."""
+
+    def step_kind(self) -> int:
+        """What the next step samples: 0 a token, k > 0 the runner's region kind k (from the current state)."""
+        ...
+
+
+@runtime_checkable
+class RegionHeads(Protocol):
+    """A runner that samples region values on the device after the token sampler."""
+
+    last_hidden: torch.Tensor | None  # [num_seqs, dim] of the latest forward's last query tokens
 
     def sample_regions(
         self, hidden: torch.Tensor, kinds: torch.Tensor, rows: torch.Tensor, sampled: torch.Tensor
     ) -> None:
-        """Overwrite `sampled[rows]` (device ids) with region-value ids for those rows' kinds."""
+        """Overwrite `sampled[rows]` (device ids) with region-value ids for those rows' `kinds`,
+        read from `hidden` (the step's `last_hidden`); no host synchronisation, no other row touched."""
         ...
 
 
-def has_regions(runner: Any) -> bool:
-    return callable(getattr(runner, "sample_regions", None))
-
-
 def stage_kinds(rows: Sequence[Any], kinds: Any, region_rows: Any) -> int:
-    """Write each row's step kind (host buffers); returns the number of region rows listed."""
+    """Write each row's step kind (host buffers); returns the number of region rows listed.
+
+    `rows` are scheduler.Sequence records: `step_kind` is their matcher's, resolved at submit (None:
+    every step is a token step)."""
     count = 0
     for row, seq in enumerate(rows):
-        matcher = seq.matcher
-        kind = TOKEN
-        if matcher is not None and not seq.finalized:
-            step_kind = getattr(matcher, "step_kind", None)
-            kind = step_kind() if step_kind is not None else TOKEN
+        step_kind = seq.step_kind
+        kind = step_kind() if step_kind is not None and not seq.finalized else TOKEN
         kinds[row] = kind
         if kind != TOKEN:
             region_rows[count] = row
@@ -70,13 +82,15 @@ def stage_kinds(rows: Sequence[Any], kinds: Any, region_rows: Any) -> int:
 
 
 def own_masks(native: FillMasks) -> FillMasks:
-    """A FillMasks where matchers marked `fills_own_mask` fill their own rows and the others go to
-    `native` in one call (as a row -> matcher mapping, which foveal.grammars.fill_masks takes)."""
+    """A FillMasks where `OwnMask` matchers fill their own rows and the others go to `native` in one
+    call (as a row -> matcher mapping, which foveal.grammars.fill_masks takes), for callers that fill
+    masks outside the pipeline. The pipeline needs none of this: it routes `OwnMask` rows itself
+    (resolved at submit) and hands `FillMasks` only the others."""
 
     def fill(matchers: Sequence[Matcher], bitmask: torch.Tensor) -> None:
         others: dict[int, Matcher] = {}
         for row, matcher in enumerate(matchers):
-            if getattr(matcher, "fills_own_mask", False):
+            if getattr(matcher, "fills_own_mask", False):  # as own_mask(), at the cost of one lookup
                 matcher.fill_mask(bitmask, row)
             else:
                 others[row] = matcher

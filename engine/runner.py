@@ -1,4 +1,4 @@
-"""The contract between the engine and a model: `ModelRunner` and the `ForwardBatch` it consumes.
+"""The contract between the engine and a model: the runner protocols and the `ForwardBatch` a runner consumes.
 
 PROBLEM
     The engine owns scheduling, the paged KV pool's *bookkeeping* (which page belongs to whom) and
@@ -13,6 +13,14 @@ SOLUTION
     the previous step's sampled ids, so it never visits the host. The runner writes the new tokens'
     K/V into its own KV tensors at `kv_index`, attends over `block_tables`/`context_lens`, and
     returns the logits of each sequence's last query token.
+
+    What the engine calls on a runner is declared here, and checked once, when the Engine is built
+    (matcher.require: a TypeError naming what is missing), never probed per step:
+      - `ModelRunner` (required): `vocab_size`, `device`, `max_positions`, `kv_bytes_per_token`,
+        `allocate_kv`, `forward`;
+      - `Quiesce` (optional): `quiesce()`, called by `Engine.close()` for a runner with work of its
+        own (background traces, say);
+      - `regions.RegionHeads` (optional): region values sampled on the device (regions.py).
 
 INVARIANTS
     - `forward` never synchronizes with the host (no `.item()`, no `.tolist()`, no `.cpu()` on
@@ -69,7 +77,8 @@ class ForwardBatch:
 
 @runtime_checkable
 class ModelRunner(Protocol):
-    """What the engine drives. One instance per loaded model; `forward` is called from one thread only."""
+    """What the engine drives. One instance per loaded model; `forward` is called from one thread only
+    (the device's: CpuDevice's worker thread, or the scheduler thread issuing CUDA work)."""
 
     vocab_size: int  # logits width; may exceed the tokenizer's size (padded embedding rows)
     device: torch.device
@@ -85,4 +94,13 @@ class ModelRunner(Protocol):
 
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
         """Run one launch; return [num_seqs, vocab_size] float logits at each sequence's last query token."""
+        ...
+
+
+@runtime_checkable
+class Quiesce(Protocol):
+    """A runner with work of its own besides `forward` (background traces): `Engine.close()` waits for it."""
+
+    def quiesce(self) -> None:
+        """Block until the runner's own background work has ended; the runner stays usable."""
         ...

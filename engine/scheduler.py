@@ -8,12 +8,13 @@ PROBLEM
 SOLUTION
     `Sequence` carries the bookkeeping: `num_scheduled` (output tokens that launched steps will
     produce), `inflight_refs` (steps in flight that include it) and `finalized` (finished; its
-    further tokens are dropped). `schedule()` takes, within the step's token budget
-    (`max_step_tokens`): running sequences that decode (num_scheduled < max_tokens and no final
-    run pinned; one token, or a jump-forward's k), then the next chunk of running sequences still
-    prefilling, then waiting ones in FIFO order; a request that does not fit the free pages waits
-    (head of line, so a big one is not starved). Admission also gives the sequence a lane (lanes.py): its fixed per-step
-    inputs, written once into host arrays.
+    further tokens are dropped), and its matcher's optional capabilities, resolved when it is made
+    (at submit), so that no step looks for them on the matcher. `schedule()` takes, within the
+    step's token budget (`max_step_tokens`): running sequences that decode (num_scheduled <
+    max_tokens and no final run pinned; one token, or a jump-forward's k), then the next chunk of
+    running sequences still prefilling, then waiting ones in FIFO order; a request that does not
+    fit the free pages waits (head of line, so a big one is not starved). Admission also gives the
+    sequence a lane (lanes.py): its fixed per-step inputs, written once into host arrays.
     Chunked prefill: a text prompt is prefilled `prefill_chunk` tokens at a time at most (and no
     more than the budget the step has left), so a long prompt never stalls the decoding rows for
     a whole prompt's forward. `chunk` is the query length of its next launch; `num_prefilled`
@@ -31,12 +32,14 @@ INVARIANTS
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from .detokenizer import Detokenizer
 from .kv_cache import PagePool, pages_needed
 from .lanes import Lanes
-from .matcher import Matcher
+from .matcher import ForcedTokens, Matcher, conforms, own_mask
+from .regions import RegionSteps
 from .request import FinishReason, Request, RequestHandle
 
 
@@ -52,6 +55,12 @@ class Sequence:
     prompt_len: int = field(init=False, default=0)
     max_tokens: int = field(init=False, default=0)
     matcher: Matcher | None = field(init=False, default=None)
+    # the matcher's optional capabilities, resolved once here (matcher.py, regions.py): the step loop
+    # calls these bound methods or reads the flag, and never looks for them on the matcher
+    forced_tokens: Callable[[], list[int]] | None = field(init=False, default=None)  # ForcedTokens
+    ends_after: Callable[[list[int]], bool] | None = field(init=False, default=None)  # ForcedTokens
+    step_kind: Callable[[], int] | None = field(init=False, default=None)  # RegionSteps
+    own_mask: bool = field(init=False, default=False)  # OwnMask: the pipeline fills its rows itself
     pages: list[int] | None = None
     lane: int = -1  # its row in the Lanes arrays, from admission to release
     token_ids: list[int] = field(default_factory=list)
@@ -72,7 +81,14 @@ class Sequence:
     def __post_init__(self) -> None:
         self.prompt_len = len(self.request.prompt_ids)
         self.max_tokens = self.request.sampling.max_tokens
-        self.matcher = self.request.matcher
+        matcher = self.matcher = self.request.matcher
+        if matcher is None:
+            return
+        if conforms(matcher, ForcedTokens):
+            self.forced_tokens, self.ends_after = matcher.forced_tokens, matcher.ends_after
+        if conforms(matcher, RegionSteps):
+            self.step_kind = matcher.step_kind
+        self.own_mask = own_mask(matcher)
 
     def pages_to_reserve(self, page_size: int) -> int:
         # the last output token is never fed back, so it needs no KV position

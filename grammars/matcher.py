@@ -6,7 +6,10 @@ put the sequence into a state it cannot leave.
 SOLUTION: a thin wrapper over one llguidance `LLMatcher` (compiled once per automaton, deep-copied
 per sequence in ~5 µs). `commit` uses `try_consume_tokens`, which refuses a bad token without
 entering llguidance's sticky error state, so `GrammarViolation` leaves the matcher unchanged. Masks
-are written by pointer with the GIL released.
+are written by pointer with the GIL released. It implements, structurally (this package imports no
+other foveal package), the engine's `Matcher` and `ForcedTokens` protocols (foveal.engine.matcher;
+tests/engine/test_protocols.py checks it): `commit`, `fill_mask`, `is_terminated`, and
+`forced_tokens` / `ends_after` for jump-forward decoding.
 
 Lexer fuel (why commit may compute a mask): llguidance builds its lexer DFA lazily, and that lexer is
 shared by every deep copy of a template, i.e. by all matchers of one automaton. Building states costs

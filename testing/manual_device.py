@@ -6,7 +6,7 @@ PROBLEM
     Tested through threads they need sleeps and luck; a test must be able to stop between any two
     phases and look.
 SOLUTION
-    The device interface of engine/device.py with no thread: `run` and `copy_to_host` queue jobs,
+    The `Device` protocol of engine/device.py with no thread: `run` and `copy_to_host` queue jobs,
     and queued jobs run, in order, on the caller's thread only when something needs them: `wait`
     on a copy's event runs the queue up to that copy, `synchronize` runs all of it. A test builds a
     `Pipeline` over it and calls `tick()` (or the phases) itself; `pending()` names the jobs not
@@ -81,9 +81,6 @@ class ManualDevice:
     def _raise(self) -> None:
         if self._error is not None:
             raise RuntimeError(f"device work failed: {self._error!r}") from self._error
-
-    def raise_error(self) -> None:
-        self._raise()
 
     def close(self) -> None:
         self.synchronize()

@@ -10,9 +10,12 @@ SOLUTION
     `AnswerMatcher`: all tokens allowed at the first step, all but the answer id afterwards.
     `RegionMatcher`: an automaton over the step kinds GATE (token: eos ends the answer, anything
     else means "one more object", whose x the same step samples), COORD (y) and SIZE (w, h).
-    Its `step_kind()` tells the engine what the next step samples (engine/regions.py); `commit`
-    reads the value id the sampler wrote (region.py) and moves on; eos or the `max_objects`-th object
-    terminates it. Both fill their own masks (`fills_own_mask`): they are not llguidance matchers.
+    Its `step_kind()` tells the engine what the next step samples (`foveal.engine.regions.RegionSteps`);
+    `commit` reads the value id the sampler wrote (region.py) and moves on; eos or the
+    `max_objects`-th object terminates it. Both fill their own masks (`fills_own_mask`,
+    `foveal.engine.matcher.OwnMask`): they are not llguidance matchers, so the engine's pipeline
+    calls their `fill_mask` itself and never hands them to the batched mask call. Both implement
+    the engine's `Matcher` (commit, fill_mask, is_terminated), resolved once at submit.
 INVARIANTS
     - A RegionMatcher refuses a value of the wrong kind (the engine then fails the request, not the batch).
     - After termination it refuses everything; `rollback(n)` undoes the last n commits exactly.

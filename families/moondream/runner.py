@@ -10,14 +10,18 @@ SOLUTION
     region encoders (branch-free, region.py); in prefill launches the image placeholder rows
     (positions 1..729 of a sequence with an image) are replaced by the image's embeddings, taken
     from the runner's `ImageFeatureCache` by `image_key` or encoded in that launch (one vision call
-    for all misses); a prefill whose first pages came from the prefix cache (kv_cache.prefix_seed) takes only
-    the rows its query holds. The decoder runs on the paged KV (text.py); logits of each sequence's last
-    token are returned, and their hidden states (before post_ln) kept as `last_hidden`, which the
-    engine keeps with the step for its sample job. `sample_regions` (called by that job, on the
-    device, after the token sampler) overwrites region rows' sampled ids with value ids: a GATE row
-    becomes eos if the token sampler chose eos, else x's coordinate id from the same hidden state;
-    a COORD row its y coordinate id; a SIZE row its size id. All greedy, as the reference decodes.
-    On CPU, decode launches replay traced graphs (traced.py), which return [logits | hidden].
+    for all misses); a prefill whose first pages came from the prefix cache (kv_cache.prefix_seed)
+    takes only the rows its query holds. The decoder runs on the paged KV (text.py); logits of each
+    sequence's last token are returned, and their hidden states (before post_ln) kept as
+    `last_hidden`, which the engine keeps with the step for its sample job. `sample_regions`
+    (called by that job, on the device, after the token sampler) overwrites region rows' sampled
+    ids with value ids: a GATE row becomes eos if the token sampler chose eos, else x's coordinate
+    id from the same hidden state; a COORD row its y coordinate id; a SIZE row its size id. All
+    greedy, as the reference decodes. On CPU, decode launches replay traced graphs (traced.py),
+    which return [logits | hidden].
+    Besides `ModelRunner`, the runner implements the engine's `regions.RegionHeads` (`last_hidden`,
+    `sample_regions`) and `runner.Quiesce` (`quiesce`), which the engine resolves once, when it is
+    built.
 INVARIANTS
     - No host synchronisation in forward or sample_regions (tilings are host ints from the processor).
     - The vision encoder runs only for images missing from the cache (`images_encoded` counts them).

@@ -120,8 +120,9 @@ def test_a_jump_never_takes_a_sequence_past_max_tokens(Forcing):
 
 
 def test_a_grammar_completing_inside_the_jump_leaves_a_zombie_row(h, Forcing):
-    class NoEnd(Forcing):  # a matcher that cannot tell whether a forced run completes the output
-        ends_after = None
+    class NoEnd(Forcing):
+        def ends_after(self, tokens):
+            return False  # cannot tell whether a forced run completes the output: says no (matcher.py)
 
     pipe = jf_pipeline()
     seq = add(pipe, [1], max_tokens=20, matcher=NoEnd([[40, 41, 42]]), stop=(EOS,))
@@ -197,6 +198,9 @@ def test_no_jump_where_the_rows_mask_refuses_the_first_forced_token(h):
     class Lying(h.TrieMatcher):
         def forced_tokens(self):
             return [99, 98, 97]  # not what the mask allows
+
+        def ends_after(self, tokens):
+            return False
 
     pipe = jf_pipeline()
     seq = add(pipe, [1], max_tokens=10, matcher=Lying([[7, 8, 9]]), stop=(EOS,))
