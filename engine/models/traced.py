@@ -23,9 +23,9 @@ INVARIANTS
       scratch page, which no real row reads unmasked.
     - A runner's graphs die with it (`own_compilation_unit`): nothing traced here stays in torch's
       process-wide TorchScript unit, which is never emptied. A trace holds the model's weights as
-      constants (sharing the parameters' storage) and its executor's plans (~10 MB for the embedded
-      model), so a trace kept there leaked the weights of every model loaded, called and closed
-      (issue 13: +20 MB a cycle with the embedded model, +650 MB with SmolLM2; tests/engine/test_leaks.py).
+      constants (sharing the parameters' storage) and its executor's plans, so a trace kept there
+      would keep the weights of every model loaded, called and closed (tests/engine/test_leaks.py
+      checks it; benchmarks/leaks.py measures the memory of load / call / close cycles).
 """
 
 from __future__ import annotations
@@ -109,9 +109,10 @@ class DecodeGraphs:
 
     `background=True`: a bucket seen for the first time runs eager, and its graph is traced on a
     thread of its own from an all-padding batch (every row in the scratch page), to be replayed
-    once ready. Tracing SmolLM2's 30 layers took 1.3-2.0 s here, and a batch that met a new
-    (rows, width) bucket stalled every request in it for that long; now it runs one eager step
-    (117-176 ms traced, 156-194 eager at 32 rows). `background=False` traces in the launch itself.
+    once ready. Tracing a deep model takes seconds, many decode steps' worth, and a batch that met
+    a new (rows, width) bucket would stall every request in it for that long; in the background it
+    costs one eager step instead, not much slower than a replay. `background=False` traces in the
+    launch itself.
     """
 
     def __init__(
