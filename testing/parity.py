@@ -137,7 +137,7 @@ def reference_greedy(
 def reference_engine_tokens(loaded: Any, folder: Path, prompts: list[PromptInputs], max_new_tokens: int) -> list[list[int]]:
     """transformers' greedy tokens for each prompt as the engine returns them: without the EOS."""
     reference = reference_model(folder)
-    family = loaded.runner.family
+    family = loaded.runner.arch
     return [
         [t for t in reference_greedy(reference, p, family, max_new_tokens)[0] if t not in loaded.eos_token_ids]
         for p in prompts
@@ -148,7 +148,7 @@ def compare(
     loaded: Any, reference_model: Any, prompts: list[PromptInputs], max_new_tokens: int = 8
 ) -> tuple[float, bool]:
     """(max |logit difference| over all steps and prompts, all greedy tokens equal) of foveal vs transformers."""
-    family = loaded.runner.family
+    family = loaded.runner.arch
     ours = greedy(loaded.runner, prompts, max_new_tokens, loaded.eos_token_ids)
     worst, equal = 0.0, True
     for seq, prompt in enumerate(prompts):
