@@ -11,8 +11,10 @@ from foveal._guard import require_foveal_name
 require_foveal_name(__name__, "foveal.engine")
 
 from .async_engine import AsyncEngine  # noqa: E402
+from .device import Device  # noqa: E402
 from .engine import Engine, EngineConfig  # noqa: E402
-from .matcher import Matcher, fill_masks_each  # noqa: E402
+from .matcher import ForcedTokens, Matcher, OwnMask, fill_masks_each  # noqa: E402
+from .regions import RegionHeads, RegionSteps  # noqa: E402
 from .request import (  # noqa: E402
     FinishReason,
     PrefillInputs,
@@ -21,17 +23,23 @@ from .request import (  # noqa: E402
     RequestOutput,
     SamplingParams,
 )
-from .runner import ForwardBatch, ModelRunner  # noqa: E402
+from .runner import ForwardBatch, ModelRunner, Quiesce  # noqa: E402
 
 __all__ = [
     "AsyncEngine",
+    "Device",
     "Engine",
     "EngineConfig",
     "FinishReason",
+    "ForcedTokens",
     "ForwardBatch",
     "Matcher",
     "ModelRunner",
+    "OwnMask",
     "PrefillInputs",
+    "Quiesce",
+    "RegionHeads",
+    "RegionSteps",
     "Request",
     "RequestHandle",
     "RequestOutput",

@@ -37,8 +37,6 @@ from typing import Any, Protocol, runtime_checkable
 
 import torch
 
-from .matcher import FillMasks, Matcher
-
 TOKEN = 0
 
 
@@ -79,22 +77,3 @@ def stage_kinds(rows: Sequence[Any], kinds: Any, region_rows: Any) -> int:
             region_rows[count] = row
             count += 1
     return count
-
-
-def own_masks(native: FillMasks) -> FillMasks:
-    """A FillMasks where `OwnMask` matchers fill their own rows and the others go to `native` in one
-    call (as a row -> matcher mapping, which foveal.grammars.fill_masks takes), for callers that fill
-    masks outside the pipeline. The pipeline needs none of this: it routes `OwnMask` rows itself
-    (resolved at submit) and hands `FillMasks` only the others."""
-
-    def fill(matchers: Sequence[Matcher], bitmask: torch.Tensor) -> None:
-        others: dict[int, Matcher] = {}
-        for row, matcher in enumerate(matchers):
-            if getattr(matcher, "fills_own_mask", False):  # as own_mask(), at the cost of one lookup
-                matcher.fill_mask(bitmask, row)
-            else:
-                others[row] = matcher
-        if others:
-            native(others if len(others) < len(matchers) else list(matchers), bitmask)
-
-    return fill

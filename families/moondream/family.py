@@ -30,10 +30,8 @@ from typing import Any
 import torch
 
 from foveal import grammars
-from foveal.engine.matcher import FillMasks
 from foveal.engine.models.arch import ModelLoadError
 from foveal.engine.models.loader import LoadedModel, LoadOptions
-from foveal.engine.regions import own_masks
 from foveal.families.base import Capabilities, Family
 from foveal.families.conversation import Conversation
 from foveal.families.moondream.answers import AnswerMatcher, RegionMatcher
@@ -112,10 +110,9 @@ class MoondreamFamily(Family):
             return spec
         return super().compile(spec)
 
-    @property
-    def fill_masks(self) -> FillMasks:
-        """Moondream's own matchers (its decode rules, its region automata) fill their rows themselves."""
-        return own_masks(grammars.fill_masks)
+    def encode(self, task: Any, images: list, image_key: str | None) -> tuple[Any, Any]:
+        """Moondream's processor takes one image (or none): capabilities.max_images is 1."""
+        return self.processor(task.prompt, images[0] if images else None, image_key=image_key), task
 
 
     def _template(self, skill: str) -> dict:

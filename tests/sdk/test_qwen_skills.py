@@ -41,7 +41,7 @@ def test_grounding_task_is_native_and_on_the_family_scale(models, family, scale,
     Qwen3-VL: 0..1000. The prompt is the family's own grounding request, the answer its fenced JSON."""
     model = models[family]
     task, settings, explicit = getattr(model, f"_{skill}_task")("red circle", {"max_objects": 2})
-    job = model._prepare(task, _image(), settings, explicit)
+    job = model._prepare(task, [_image()], settings, explicit)
     spec = job.task.spec
     assert isinstance(spec, GroundingSpec) and (spec.width, spec.height) == scale
     assert spec.label == "red circle" and spec.max_objects == 2
@@ -110,7 +110,7 @@ def test_max_pixels_from_foveal_load_sets_the_answer_scale(tmp_path):
     folder = tiny.build("qwen2_5_vl", tmp_path / "q")
     with foveal.load(folder, device="cpu", image_options={"max_pixels": 56 * 56}) as model:
         task, settings, explicit = model._detect_task("red circle", {"max_objects": 1})
-        job = model._prepare(task, _image(), settings, explicit)
+        job = model._prepare(task, [_image()], settings, explicit)
         spec = job.task.spec
         assert spec.width * spec.height <= 56 * 56 and (spec.width, spec.height) != (140, 84)
         assert spec.width % 28 == 0 and spec.height % 28 == 0

@@ -53,7 +53,7 @@ def test_raw_boxes_are_the_reference_floats(model, md_dir, md_figures):
     for name in IMAGES:
         image = md_dir / md_figures["images"][name]["image"]["file"]
         task, settings, explicit = model._detect_task(OBJECT, {"max_objects": 3})
-        job = model._prepare(task, image, settings, explicit)
+        job = model._prepare(task, [image], settings, explicit)
         text = model.engine.submit(job.request).result().text
         assert (
             parse_regions(text, with_size=True, clip=False) == md_figures["images"][name]["detect"]["result"]

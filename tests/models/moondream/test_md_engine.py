@@ -151,7 +151,7 @@ def test_cancel_mid_answer_frees_everything(models):
     """A detect answer cancelled while its region steps are in flight ends CANCELLED; pages and lanes come back."""
     for model in models:
         task, settings, explicit = model._detect_task("car", {"max_objects": 300})
-        handle = model.engine.submit(model._prepare(task, images()[0], settings, explicit).request)
+        handle = model.engine.submit(model._prepare(task, [images()[0]], settings, explicit).request)
         first = next(iter(handle))  # a region value has been committed and spelled
         assert first.startswith("<coord ")
         handle.cancel()

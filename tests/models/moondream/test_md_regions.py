@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from foveal.engine.regions import own_masks, stage_kinds
+from foveal.engine.regions import stage_kinds
 from foveal.families.moondream.answers import COORD, GATE, SIZE, AnswerMatcher, RegionMatcher
 from foveal.families.moondream.family import parse_regions
 from foveal.families.moondream.region import coord_id, size_id, value_of
@@ -79,25 +79,11 @@ def test_answer_matcher_masks_answer_id_after_first_step():
     assert int(bitmask[0, 0]) == 0x7FFFFFFF and int(bitmask[0, 1]) == -1
 
 
-def test_own_masks_routes_rows():
-    seen = {}
-
-    class Native:
-        def __call__(self, matchers, bitmask):
-            seen.update(dict(matchers))
-
-    fill = own_masks(Native())
-    bitmask = torch.zeros(3, V // 32, dtype=torch.int32)
-    grammar = object()
-    fill([AnswerMatcher(3), grammar, RegionMatcher(True, 1, V, EOS)], bitmask)
-    assert seen == {1: grammar}
-    assert (bitmask[0] == -1).all() and (bitmask[2] == -1).all() and (bitmask[1] == 0).all()
-
-
 def test_stage_kinds_lists_region_rows():
     class Seq:
         def __init__(self, matcher, finalized=False):
             self.matcher, self.finalized = matcher, finalized
+            self.step_kind = getattr(matcher, "step_kind", None)  # what submit resolves on a Sequence
 
     region = RegionMatcher(True, 3, V, EOS)
     region.commit(coord_id(V, 5))
