@@ -1,4 +1,4 @@
-"""Qwen2.5-VL and Qwen3-VL on foveal's runner and engine (engine/models/qwen_vl.py), against transformers.
+"""Qwen2.5-VL and Qwen3-VL on foveal's runner and engine (families/qwen_vl/model.py), against transformers.
 
 Prompts (testing/tiny_qwen.prompts): chat prompts with images of four sizes, one of them holding two
 images, and one text-only prompt, run together; greedy tokens must equal transformers' `generate`

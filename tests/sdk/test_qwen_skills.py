@@ -1,4 +1,4 @@
-"""Qwen-VL skills through `foveal.load` (sdk/qwen_skills.py): native grounding prompts, grammars and conversions.
+"""Qwen-VL skills through `foveal.load` (families/qwen_vl): native grounding prompts, grammars and conversions.
 
 The tiny checkpoints have random weights: these tests check the plumbing (the prompt, the answer's
 scale bound to the resized image, constrained answers that parse into normalized results), not the

@@ -30,10 +30,10 @@ from safetensors.torch import load_file, save_file
 
 import foveal
 from foveal import cli
+from foveal.families.shapes.format import ShapesFormat
 from foveal.server import ServerConfig, create_app
 from foveal.server import run as server_run
 from foveal.server.background import BackgroundServer
-from foveal.shapes_format import ShapesFormat
 from foveal.testing import tiny
 from tests.server.conftest import all_pages_free, data_url, scene
 
@@ -63,12 +63,26 @@ class Held:
 
     def __init__(self, model: foveal.Model) -> None:
         self.model = model
-        self.loaded = model.loaded
+        self.family = model.family
         self.engine = model.engine
         self.release = threading.Event()
 
     async def agenerate(self, *args):
         work = asyncio.ensure_future(self.model.agenerate(*args))
+        try:
+            await self.released()
+            return await work
+        finally:
+            if not work.done():
+                work.cancel()
+                with contextlib.suppress(BaseException):
+                    await work
+
+    async def achat(self, *args, stream=False):
+        if stream:
+            result = await self.model.achat(*args, stream=True)
+            return {"text": HeldStream(result["text"], self), "output": None}
+        work = asyncio.ensure_future(self.model.achat(*args))
         try:
             await self.released()
             return await work
