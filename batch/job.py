@@ -126,7 +126,7 @@ def _model_source(model: Any) -> str:
         return str(Path(foveal.__file__).parent / "embedded")  # foveal.model.EMBEDDED, without torch
     if isinstance(model, str | os.PathLike):
         return os.fspath(model)
-    source = getattr(getattr(model, "loaded", None), "source", None)
+    source = getattr(getattr(model, "family", None), "source", None)
     return str(source) if source is not None else f"a {type(model).__qualname__} object"
 
 

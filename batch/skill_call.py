@@ -70,10 +70,7 @@ class SkillCall:
         its grammar cannot enforce (SchemaError). The model's exceptions pass through unchanged."""
         model.map(self.skill, [], *self._args(), progress=False, **self._kwargs())
         if self.output_type is not None:
-            from foveal import grammars
-
-            loaded = model.loaded
-            grammars.compile(self.output_type, loaded.tokenizer, vocab_size=loaded.runner.vocab_size)
+            model.family.compile(self.output_type)
 
     def call(self, model: Any, image: Any) -> Any:
         """The skill's result for one image (the SDK's exceptions pass through)."""

@@ -60,6 +60,9 @@ class HFRunner:
         lean: bool = True,
     ) -> None:
         self.model = model.eval().requires_grad_(False)
+        # Inference only: no loss is ever computed. Reading the default loss (torch.jit.trace reads
+        # every attribute of the model) would log transformers' "loss_type=None" warning once.
+        model.loss_function = None
         self.arch = arch
         # Touched only from the thread that calls forward (the engine's device thread): no lock.
         self.image_cache = ImageFeatureCache(image_cache_bytes)

@@ -183,7 +183,7 @@ def test_sdk_calls_on_one_image_encode_it_once(checkpoints):
     """End to end: the SDK's image_key reaches the runner; a second image gets its own entry."""
     a, b = tiny.images(2)
     with foveal.load(checkpoints["paligemma"], device="cpu", max_batch_size=4, max_model_len=128) as model:
-        calls = count_encoder_calls(model.loaded, "paligemma")
+        calls = count_encoder_calls(model.family, "paligemma")
         first = model.query(a, "red circle", settings={"max_tokens": 4})
         again = model.query(a, "red circle", settings={"max_tokens": 4})
         assert len(calls) == 1 and again == first
@@ -197,7 +197,7 @@ def test_sdk_load_can_turn_the_cache_off(checkpoints):
         checkpoints["paligemma"], device="cpu", max_batch_size=4, max_model_len=128, image_cache_bytes=0,
         prefix_cache=False,  # the same prompt twice would else be served from the prefix cache's pages
     ) as model:
-        calls = count_encoder_calls(model.loaded, "paligemma")
+        calls = count_encoder_calls(model.family, "paligemma")
         first = model.query(a, "red circle", settings={"max_tokens": 4})
         again = model.query(a, "red circle", settings={"max_tokens": 4})
         assert len(calls) == 2 and again == first  # encoded each time, same answer

@@ -519,10 +519,9 @@ def test_a_phrase_too_long_for_any_answer_is_refused_before_work(shapes_model, i
 def test_max_objects_is_lowered_to_what_max_tokens_holds(shapes_model, image, monkeypatch):
     """A complete answer always fits: the grammar allows only as many items as the budget holds."""
     spy = Spy(shapes_model, monkeypatch)
-    tokens = len(shapes_model.family.tokenizer(
-        shapes_model.family.detect("shape", 1).spec.example_answer(2), add_special_tokens=False
-    )["input_ids"])
-    result = shapes_model.detect(image, "shape", {"max_tokens": tokens + 1, "max_objects": 50})
+    spec = shapes_model.family.detect("shape", 1).spec
+    tokens = spatial.item_token_bounds(spec, shapes_model.family.tokenizer).answer(2)  # the worst case
+    result = shapes_model.detect(image, "shape", {"max_tokens": tokens, "max_objects": 50})
     assert 0 <= len(result["objects"]) <= 2
     assert spy.requests[0].matcher.automaton.key.startswith("spatial:boxes:loc:2:")
 
