@@ -37,6 +37,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+from transformers import PreTrainedModel
 from transformers.modeling_outputs import BaseModelOutputWithPooling
 
 from foveal.engine.models.arch import Architecture
@@ -61,8 +62,10 @@ class HFRunner:
     ) -> None:
         self.model = model.eval().requires_grad_(False)
         # Inference only: no loss is ever computed. Reading the default loss (torch.jit.trace reads
-        # every attribute of the model) would log transformers' "loss_type=None" warning once.
-        model.loss_function = None
+        # every attribute of every submodule) would log transformers' "loss_type=None" warning once.
+        for module in model.modules():
+            if isinstance(module, PreTrainedModel):
+                module.loss_function = None
         self.arch = arch
         # Touched only from the thread that calls forward (the engine's device thread): no lock.
         self.image_cache = ImageFeatureCache(image_cache_bytes)
