@@ -5,13 +5,14 @@ Rows, each the median (and max) of --rounds compiles with the SmolLM2 tokenizer:
 - refuse 60,000 alternatives: `start: "a0" | ... | "a59999"` (649 KB); before the budget llguidance
   spent seconds building it, then refused it (its Earley row is too wide);
 - refuse 100,000 literals: the same with 100,000 (1.1 MB; llguidance panicked on it);
-- heaviest admitted: 9,900 literal alternatives, and a JSON schema of 1,200 optional properties, each
-  just inside the default budget (the most expensive Lark and JSON shapes found per symbol),
-  compiled fresh each round;
+- heaviest admitted: 9,900 literal alternatives, a JSON schema of 1,200 optional properties and one
+  of 1,600 bounded integers, each just inside the default budget (the most expensive Lark and JSON
+  shapes found per symbol and per unit of lexer fuel), compiled fresh each round;
 - normal JSON schema / detect grammar: a detect-like JSON schema and the detect skill's spatial
   grammar (`spatial.boxes`), each compiled fresh each round (a description or max_objects varies);
 - detect beside ...: the detect compile while two other threads compile back to back (a) the
-  heaviest admitted grammar, (b) the 60,000-alternative grammar, refused each time, and (c) the same
+  heaviest admitted grammar or schema (the longest compiles the budget lets run, llguidance holding
+  no GIL), (b) the 60,000-alternative grammar, refused each time, and (c) the same
   with 10 ms between a thread's attempts, and (d) for reference, two threads running a busy loop of
   plain Python. The ratio is the detect compile's median beside the load over its median alone
   (blocks alternate, as the machine is shared). (b) is a loop of pure Python (a refusal takes well
@@ -54,6 +55,7 @@ from foveal.grammars.tokenizer import tokenizer_handle
 
 HEAVIEST_ADMITTED = 9_900  # literal alternatives: ~9,900 symbols and 19,800 items, inside the default budget
 HEAVIEST_SCHEMA = 1_200  # optional properties of one object: the most the default max_symbols admits
+HEAVIEST_NUMBERS = 1_600  # required bounded integers: near the most the default max_lexer_fuel admits
 
 
 def alternatives(n: int, prefix: str = "") -> grammars.CFG:
@@ -66,6 +68,17 @@ def many_properties(n: int, variant: int) -> dict:
     """One object of n optional string properties: llguidance's costliest JSON shape found per symbol."""
     properties = {f"p{i}": {"type": "string"} for i in range(n)}
     return {"type": "object", "description": f"variant {variant}", "properties": properties}
+
+
+def bounded_integers(n: int, variant: int) -> dict:
+    """One object of n required integers, each with its own bounds: a range regex apiece (lexer fuel)."""
+    properties = {f"p{i}": {"type": "integer", "minimum": -37 * i, "maximum": 1013 * i + 7} for i in range(n)}
+    return {
+        "type": "object",
+        "description": f"variant {variant}",
+        "properties": properties,
+        "required": list(properties),
+    }
 
 
 def detect_schema(variant: int) -> dict:
@@ -168,9 +181,16 @@ def main_rows(tok: Any, rounds: int) -> dict:
     report[f"heaviest admitted ({HEAVIEST_ADMITTED:,} alternatives)"] = ms(
         [timed(heaviest) for _ in range(max(3, rounds // 5))]
     )
+
+    def heaviest_numbers() -> Any:
+        return grammars.compile(bounded_integers(HEAVIEST_NUMBERS, next(fresh)), tok, eos_token_id=EOS)
+
     report[f"heaviest admitted ({HEAVIEST_SCHEMA:,} properties)"] = ms(
         [timed(heaviest_schema) for _ in range(max(3, rounds // 5))]
     ) | {"verdict": refusal_of(many_properties(HEAVIEST_SCHEMA, -1), tok)}
+    report[f"heaviest admitted ({HEAVIEST_NUMBERS:,} bounded integers)"] = ms(
+        [timed(heaviest_numbers) for _ in range(max(3, rounds // 5))]
+    ) | {"verdict": refusal_of(bounded_integers(HEAVIEST_NUMBERS, -1), tok)}
 
     def schema_once() -> Any:
         return grammars.compile(detect_schema(next(fresh)), tok, eos_token_id=EOS)
@@ -183,7 +203,8 @@ def main_rows(tok: Any, rounds: int) -> dict:
     report["contention"] = contention(
         detect_once,
         {
-            "beside 2 heaviest admitted": Load(heaviest),
+            "beside 2 heaviest admitted grammars": Load(heaviest),
+            "beside 2 heaviest admitted schemas": Load(heaviest_numbers),
             "beside 2 refusal loops": Load(lambda: grammars.compile(big, tok, eos_token_id=EOS)),
             "beside 2 refusal loops, 10 ms apart": Load(
                 lambda: grammars.compile(big, tok, eos_token_id=EOS), pause=0.01

@@ -12,16 +12,25 @@ panics into SchemaError (grammars/errors.py).
 Stack depth: llguidance compiles rule references and `$ref`s recursively on the calling thread's
 stack. A chain of a few thousand Lark rules (`r0: r1`, `r1: r2`, ...) or of about a thousand
 nested `$ref`s, tens of KB of text, overflows an 8 MiB thread stack, and a stack overflow kills
-the process (SIGSEGV: no exception, no error). So a grammar longer than INLINE_BYTES, the most a
-thread's default stack holds with room to spare, is compiled on a short-lived thread with a stack of
-STACK_PER_BYTE bytes per byte the budget admits (256 MiB of address space by default, touched only as
-deep as the compile goes); the caller waits for it. Decoding does not recurse this way.
+the process (SIGSEGV: no exception, no error). The deepest need seen is a few hundred bytes of
+stack per byte of grammar text. So a grammar longer than INLINE_BYTES, which a thread's default stack
+holds with room to spare, is compiled on a short-lived thread whose stack has STACK_PER_BYTE bytes per
+byte of the grammar (address space, touched only as deep as the compile goes: 256 MiB for the
+largest grammar the default budget admits); the caller waits for it. Decoding does not recurse
+this way; renewing a template (a recompile) takes the same path.
+Error backtraces: with RUST_BACKTRACE=1 in the environment (common in development images), every
+error llguidance creates captures a backtrace of the whole (deep) stack, at every level of its
+recursive compile: a 2,000-rule chain ending in an unknown name took 40 s to be refused instead of
+0.05 s. Nobody reads those backtraces (the message is what the caller gets), so importing this
+module sets RUST_LIB_BACKTRACE=0 unless the environment sets it, which turns off the capture for
+library errors and leaves panics' backtraces as RUST_BACKTRACE says.
 INVARIANTS (tests/grammars/test_budget.py): no grammar within the budget crashes the process; the
 template is compiled once and only read afterwards, so automata are shared between threads.
 """
 
 from __future__ import annotations
 
+import os
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -33,6 +42,8 @@ from .errors import budget_refusal, native_failure, pattern_refusal, schema_refu
 from .limits import WHAT, CompileBudget, check_budget, compile_budget
 from .matcher import Matcher
 from .tokenizer import TokenizerHandle
+
+os.environ.setdefault("RUST_LIB_BACKTRACE", "0")  # before llguidance's first error (module docstring)
 
 
 @dataclass(frozen=True, slots=True)
@@ -82,7 +93,8 @@ def parser_limits(budget: CompileBudget | None = None) -> llguidance.LLParserLim
 MAX_ITEMS_IN_ROW = 20_000
 DECODE_LIMITS = {"max_items_in_row": MAX_ITEMS_IN_ROW}
 INLINE_BYTES = 4 * 1024  # compiled on the caller's stack up to this size (module docstring)
-STACK_PER_BYTE = 1024  # stack bytes per grammar byte the budget admits: a few times the deepest need seen
+STACK_PER_BYTE = 1024  # stack bytes per byte of grammar text: a few times the deepest need seen
+MIN_STACK = 16 * 1024 * 1024
 
 
 def compile_template(
@@ -93,8 +105,7 @@ def compile_template(
     budget = budget or compile_budget()
     what = WHAT.get(source.kind, "grammar")
     check_budget(source.grammar, what, budget)
-    stack = STACK_PER_BYTE * budget.max_grammar_bytes if len(source.grammar) > INLINE_BYTES else 0
-    template = _compile(handle.ll, source.grammar, parser_limits(budget), stack)
+    template = _compile(handle.ll, source.grammar, parser_limits(budget))
     if template.is_error():
         message = template.get_error()
         refusal = budget_refusal(message, what) or native_failure(message, what)
@@ -107,11 +118,13 @@ def compile_template(
 
 
 def _compile(
-    ll: llguidance.LLTokenizer, grammar: str, limits: llguidance.LLParserLimits, stack: int = 0
+    ll: llguidance.LLTokenizer, grammar: str, limits: llguidance.LLParserLimits
 ) -> llguidance.LLMatcher:
-    """llguidance's compile, on a thread with a `stack`-byte stack when `stack` is set (module docstring)."""
-    if not stack:
+    """llguidance's compile; a grammar over INLINE_BYTES on a thread with a deep stack (module docstring)."""
+    if len(grammar) <= INLINE_BYTES:
         return llguidance.LLMatcher(ll, grammar, log_level=0, limits=limits)
+    stack = max(STACK_PER_BYTE * len(grammar.encode()), MIN_STACK)
+    stack = -(-stack // (1 << 20)) << 20  # whole MiB: some platforms want stack sizes in whole pages
     done: list[llguidance.LLMatcher | BaseException] = []
 
     def run() -> None:

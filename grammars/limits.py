@@ -227,7 +227,7 @@ class CompileBudget:
     max_grammar_bytes: int = 256 * 1024  # UTF-8 bytes of the text llguidance compiles
     max_items: int = 20_000  # `|` alternatives plus quoted strings in that text
     max_symbols: int = 10_000  # llguidance's max_grammar_size: symbols of the compiled grammar
-    max_lexer_fuel: int = 200_000  # llguidance's initial_lexer_fuel: work building the lexer
+    max_lexer_fuel: int = 500_000  # llguidance's initial_lexer_fuel: work building the lexer
 
     def __post_init__(self) -> None:
         for name in self.__slots__:

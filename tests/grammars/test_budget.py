@@ -5,6 +5,7 @@ grammar kills the process."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import textwrap
@@ -205,6 +206,19 @@ def test_deep_rule_and_ref_chains_do_not_kill_the_process():
     )
     assert done.returncode == 0, (done.returncode, done.stderr[-2000:])
     assert done.stdout.count("\n") == 2, done.stdout
+
+
+@pytest.mark.parametrize(("preset", "expected"), [(None, "0"), ("1", "1")])
+def test_llguidance_errors_capture_no_backtrace_unless_asked(preset, expected):
+    """With RUST_BACKTRACE=1 every error of llguidance's recursive compile captured a backtrace of the
+    whole stack: a 2,000-rule chain ending in an unknown name took 40 s to be refused. Importing the
+    grammar layer turns that capture off (RUST_LIB_BACKTRACE=0), unless the environment says otherwise."""
+    env = {k: v for k, v in os.environ.items() if k != "RUST_LIB_BACKTRACE"} | {"RUST_BACKTRACE": "1"}
+    if preset is not None:
+        env["RUST_LIB_BACKTRACE"] = preset
+    script = "import os, foveal.grammars; print(os.environ.get('RUST_LIB_BACKTRACE'))"
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env)
+    assert done.stdout.strip() == expected, done.stderr[-1000:]
 
 
 def test_a_spec_nested_past_pythons_recursion_limit_is_a_schema_error(tok):
