@@ -93,24 +93,18 @@ def _peak_rss() -> int:
     raise RuntimeError("no VmHWM in /proc/self/status (Linux only)")
 
 
-def sdk_child(data_file: str, images: int) -> dict:
-    """`images` concurrent detect calls of the embedded model on the JPEG, in this (fresh) process."""
-    import foveal
-
-    data = Path(data_file).read_bytes()
-    model = foveal.load(device="cpu")
-    model.detect(near_uniform_jpeg(64, False), "circle")  # warm: traces and first-call costs
+def _measured(work, images: int, budget: PixelBudget) -> dict:
+    """Run `work` on `images` threads released together; the process's memory figures around it."""
     process = psutil.Process()
     gc.collect()
     before = process.memory_info().rss
     start = threading.Barrier(images)
-    answers: list[int] = []
 
-    def call() -> None:
+    def run() -> None:
         start.wait()
-        answers.append(len(model.detect(data, "circle")["objects"]))
+        work()
 
-    threads = [threading.Thread(target=call) for _ in range(images)]
+    threads = [threading.Thread(target=run) for _ in range(images)]
     t0 = time.perf_counter()
     for thread in threads:
         thread.start()
@@ -121,8 +115,7 @@ def sdk_child(data_file: str, images: int) -> dict:
     gc.collect()
     after = process.memory_info().rss
     _trim()
-    stats = model.pixels.stats()
-    model.close()
+    stats = budget.stats()
     return {
         "rss_before_mb": before / 2**20,
         "peak_rss_mb": peak / 2**20,
@@ -132,10 +125,27 @@ def sdk_child(data_file: str, images: int) -> dict:
         "held_after_mb": (after - before) / 2**20,
         "budget_peak_pixels": stats["peak"],
         "timeouts": stats["timeouts"],
+        "wall_s": wall,
+    }
+
+
+def sdk_child(data_file: str, images: int) -> dict:
+    """`images` concurrent detect calls of the embedded model on the JPEG, in this (fresh) process."""
+    import foveal
+
+    data = Path(data_file).read_bytes()
+    model = foveal.load(device="cpu")
+    model.detect(near_uniform_jpeg(64, False), "circle")  # warm: traces and first-call costs
+    answers: list[int] = []
+    figures = _measured(
+        lambda: answers.append(len(model.detect(data, "circle")["objects"])), images, model.pixels
+    )
+    model.close()
+    return {
+        **figures,
         "served": len(answers),
         "distinct_keys": 1,
         "decoded": [f"{len(answers)} answers"],
-        "wall_s": wall,
         "errors": [],
     }
 
@@ -147,15 +157,10 @@ def child(
     data = Path(data_file).read_bytes()
     target, resample = embedded_target()
     budget = PixelBudget(budget_pixels if bounded else 10**12, timeout_s=timeout_s)
-    process = psutil.Process()
-    gc.collect()
-    before = process.memory_info().rss
-    start = threading.Barrier(images)
     keys: list[str] = []
     errors: list[str] = []
 
     def step() -> None:
-        start.wait()
         try:
             with budget.load(data, min_size=target if reduced else None) as decoded:
                 key = image_key(decoded)
@@ -164,32 +169,12 @@ def child(
         except PixelBudgetTimeout as error:
             errors.append(str(error))
 
-    threads = [threading.Thread(target=step) for _ in range(images)]
-    t0 = time.perf_counter()
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
-    wall = time.perf_counter() - t0
-    peak = _peak_rss()
-    gc.collect()
-    after = process.memory_info().rss
-    _trim()
-    trimmed = process.memory_info().rss
-    stats = budget.stats()
+    figures = _measured(step, images, budget)
     return {
-        "rss_before_mb": before / 2**20,
-        "peak_rss_mb": peak / 2**20,
-        "rss_after_mb": after / 2**20,
-        "rss_after_trim_mb": trimmed / 2**20,
-        "peak_added_mb": (peak - before) / 2**20,
-        "held_after_mb": (after - before) / 2**20,
-        "budget_peak_pixels": stats["peak"],
-        "timeouts": stats["timeouts"],
+        **figures,
         "served": len(keys),
         "distinct_keys": len(set(keys)),
         "decoded": sorted(set(k.split(":", 1)[1] for k in keys)),
-        "wall_s": wall,
         "errors": errors[:1],
     }
 

@@ -31,24 +31,21 @@ from foveal.grammars.grounding import GroundingSpec
 
 RELATIVE_SCALE = 1000  # Qwen3-VL's coordinates: thousandths of the image
 
-ARCHITECTURES = (
-    Architecture(
-        "qwen2_5_vl",
-        ("Qwen2_5_VLForConditionalGeneration",),
-        processor_class="Qwen2_5_VLProcessor",
-        image_token=qwen.PLACEHOLDER,
-        image_keys=("pixel_values", "image_grid_thw"),
-        features_as_list=True,
-    ),
-    Architecture(
-        "qwen3_vl",
-        ("Qwen3VLForConditionalGeneration",),
-        processor_class="Qwen3VLProcessor",
-        image_token=qwen.PLACEHOLDER,
-        image_keys=("pixel_values", "image_grid_thw"),
-        features_as_list=True,
-    ),
+QWEN2_5_VL = Architecture(
+    "qwen2_5_vl",
+    ("Qwen2_5_VLForConditionalGeneration",),
+    processor_class="Qwen2_5_VLProcessor",
+    image_token=qwen.PLACEHOLDER,
+    image_keys=("pixel_values", "image_grid_thw"),
+    features_as_list=True,
 )
+QWEN3_VL = replace(
+    QWEN2_5_VL,
+    name="qwen3_vl",
+    architectures=("Qwen3VLForConditionalGeneration",),
+    processor_class="Qwen3VLProcessor",
+)
+ARCHITECTURES = (QWEN2_5_VL, QWEN3_VL)
 
 
 class QwenVLFamily(ChatFamily):
