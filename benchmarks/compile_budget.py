@@ -8,6 +8,8 @@ Rows, each the median (and max) of --rounds compiles with the SmolLM2 tokenizer:
 - heaviest admitted: 9,900 literal alternatives, a JSON schema of 1,200 optional properties and one
   of 1,600 bounded integers, each just inside the default budget (the most expensive Lark and JSON
   shapes found per symbol and per unit of lexer fuel), compiled fresh each round;
+- GIL wait: how long a thread sleeping 1 ms at a time overruns while a heaviest compile runs on
+  another thread (near zero: the compile leaves the GIL free);
 - normal JSON schema / detect grammar: a detect-like JSON schema and the detect skill's spatial
   grammar (`spatial.boxes`), each compiled fresh each round (a description or max_objects varies);
 - detect beside ...: the detect compile while two other threads compile back to back (a) the
@@ -141,6 +143,20 @@ class Load:
             thread.join()
 
 
+def gil_waits(compile_once: Callable[[], Any]) -> dict:
+    """How long a thread that sleeps 1 ms at a time waits past its 1 ms while `compile_once` runs on
+    another thread: the time it waits for the GIL (and a core). Near zero: the compile holds no GIL."""
+    waits: list[float] = []
+    worker = threading.Thread(target=timed, args=(compile_once,))
+    worker.start()
+    while worker.is_alive():
+        start = time.perf_counter()
+        time.sleep(0.001)
+        waits.append(time.perf_counter() - start - 0.001)
+    worker.join()
+    return {"median_ms": statistics.median(waits) * 1e3, "max_ms": max(waits) * 1e3, "n": len(waits)}
+
+
 def contention(detect_once: Callable[[], Any], loads: dict[str, Load], rounds: int) -> dict:
     """The detect compile alone and beside each load, in alternating blocks of rounds // 2."""
     alone: list[float] = []
@@ -191,6 +207,9 @@ def main_rows(tok: Any, rounds: int) -> dict:
     report[f"heaviest admitted ({HEAVIEST_NUMBERS:,} bounded integers)"] = ms(
         [timed(heaviest_numbers) for _ in range(max(3, rounds // 5))]
     ) | {"verdict": refusal_of(bounded_integers(HEAVIEST_NUMBERS, -1), tok)}
+
+    for name, compile_once in (("grammar", heaviest), ("schema", heaviest_numbers)):
+        report[f"GIL wait during heaviest {name}"] = gil_waits(compile_once)
 
     def schema_once() -> Any:
         return grammars.compile(detect_schema(next(fresh)), tok, eos_token_id=EOS)

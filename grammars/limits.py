@@ -184,6 +184,9 @@ def probe(template: llguidance.LLMatcher, what: str) -> int:
     """Refuse a compiled template that cannot start or whose first step forces too much text;
     returns how many tokens the forced start takes (a lower bound on every output's length)."""
     copy = template.deep_copy()
+    # The first mask before the forced text: computing it releases the GIL, and the forced-text calls,
+    # which hold the GIL, then reuse its work (for 10,000 literals: 80 ms under the GIL otherwise).
+    mask = copy.compute_bitmask()
     forced = copy.compute_ff_bytes()
     if len(forced) > MAX_FORCED_BYTES:
         raise SchemaError(
@@ -194,7 +197,6 @@ def probe(template: llguidance.LLMatcher, what: str) -> int:
         )
     forced_tokens = len(copy.compute_ff_tokens())
     # Two steps: llguidance reports some limits (an Earley row too wide) only at the second.
-    mask = copy.compute_bitmask()
     if not copy.is_error() and not copy.is_stopped():
         copy.consume_token(_first_allowed(mask))
         copy.compute_bitmask()
