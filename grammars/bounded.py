@@ -31,7 +31,7 @@ import llguidance
 import numpy as np
 
 from .bitmask import row_view
-from .errors import GrammarViolation
+from .errors import GrammarViolation, clean_native
 from .matcher import Matcher
 from .tokenizer import TokenizerHandle
 
@@ -173,7 +173,7 @@ class JsonBoxTables:
                 self.handle.ll, llguidance.LLMatcher.grammar_from_regex(regex), log_level=0
             )
             if template.is_error():  # a bug in greater_than, never user input
-                raise RuntimeError(f"bound sub-grammar failed to compile: {template.get_error()}")
+                raise RuntimeError(f"bound sub-grammar failed to compile: {clean_native(template.get_error())}")
             self._subs[(axis, bound)] = template
         return template.deep_copy()
 

@@ -42,7 +42,7 @@ from typing import TYPE_CHECKING, Any
 import llguidance
 
 from .bitmask import buffer_of, width_error
-from .errors import GrammarLimitError, GrammarViolation
+from .errors import GrammarLimitError, GrammarViolation, clean_native
 
 if TYPE_CHECKING:
     from .automaton import Automaton
@@ -154,7 +154,7 @@ class Matcher:
             self._eos_after_stop = False
             native -= 1
         if native and not self._ll.rollback(native):
-            raise RuntimeError(f"llguidance refused to roll back {native} tokens: {self._ll.get_error()}")
+            raise RuntimeError(f"llguidance refused to roll back {native} tokens: {clean_native(self._ll.get_error())}")
         self._count -= n
         self._fueled = False
 
