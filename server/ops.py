@@ -2,8 +2,9 @@
 `/` (static/playground.html, shipped in the package).
 
 `/health` answers 200 `{"status": "ok"}` once the model is loaded and 503 otherwise, with the
-status "loading", "failed" (and the error) or "stopping" (the server is shutting down: a load
-balancer takes it out of rotation while the calls in flight finish).
+status "loading", "failed" or "stopping" (the server is shutting down: a load balancer takes it out
+of rotation while the calls in flight finish) beside the error body every route answers
+(`{"error": {"message", "type", "param", "code"}}`, in HTTP terms: errors.py).
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from importlib import resources
 from fastapi import APIRouter, Request
 from fastapi.responses import HTMLResponse, JSONResponse, PlainTextResponse
 
+from foveal.server.errors import ApiError
 from foveal.server.state import state_of
 
 router = APIRouter(tags=["operations"])
@@ -23,11 +25,21 @@ PROMETHEUS_TEXT = "text/plain; version=0.0.4; charset=utf-8"
 async def health(request: Request) -> JSONResponse:
     state = state_of(request)
     if state.draining:
-        return JSONResponse({"status": "stopping", "error": None}, 503, {"Retry-After": "5"})
+        return _unavailable(
+            "stopping", "the server is shutting down; send calls to another replica", "shutting_down"
+        )
+    if state.model is None and state.load_error:
+        return _unavailable(
+            "failed", f"the model could not be loaded: {state.load_error}", "model_load_failed"
+        )
     if state.model is None:
-        status = "failed" if state.load_error else "loading"
-        return JSONResponse({"status": status, "error": state.load_error}, 503, {"Retry-After": "5"})
+        return _unavailable("loading", "the model is still loading; retry shortly", "model_not_ready")
     return JSONResponse({"status": "ok", "model": state.config.model_name})
+
+
+def _unavailable(status: str, message: str, code: str) -> JSONResponse:
+    body = {"status": status, **ApiError(503, message, code).body()}
+    return JSONResponse(body, 503, {"Retry-After": "5"})
 
 
 @router.get("/metrics")

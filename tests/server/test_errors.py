@@ -386,3 +386,20 @@ def _counted(url: str, name: str, expected: float, timeout: float = 10.0) -> boo
         time.sleep(0.02)
     time.sleep(0.2)
     return _metric(url, name) == expected
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the load fails only where torch sees no CUDA device")
+def test_health_answers_the_error_body_in_http_terms_while_not_ready():
+    app = create_app(loader=lambda: foveal.load(device="cuda"))
+    with TestClient(app) as client:
+        deadline = time.monotonic() + 30
+        while client.get("/health").json()["status"] == "loading" and time.monotonic() < deadline:
+            time.sleep(0.05)
+        response = client.get("/health")
+    body = response.json()
+    assert response.status_code == 503 and body["status"] == "failed"
+    assert (
+        set(body["error"]) == {"message", "type", "param", "code"}
+        and body["error"]["code"] == "model_load_failed"
+    )
+    assert "--device cpu" in body["error"]["message"] and "device='cpu'" not in body["error"]["message"]
