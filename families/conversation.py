@@ -40,6 +40,17 @@ def user_turn(text: str, images: int = 0) -> Conversation:
     return (Message("user", (*range(images), text)),)
 
 
+def single_user_message(conversation: Conversation, model: str) -> Message:
+    """The conversation's one user message; ValueError for anything more, where `model` ("this
+    checkpoint", "this paligemma model") has no chat template to hold it."""
+    if len(conversation) != 1 or conversation[0].role != "user":
+        raise ValueError(
+            f"{model} has no chat template, so it takes one user message (no system message, no earlier "
+            "turns); a checkpoint whose tokenizer has a chat_template holds conversations"
+        )
+    return conversation[0]
+
+
 def image_count(conversation: Conversation) -> int:
     return sum(len(m.images) for m in conversation)
 

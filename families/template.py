@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from foveal.families.conversation import Conversation, to_hf
+from foveal.families.conversation import Conversation, single_user_message, to_hf
 
 
 class ChatTemplate:
@@ -50,11 +50,6 @@ class ChatTemplate:
         return self._plain(conversation), True
 
     def _plain(self, conversation: Conversation) -> str:
-        if len(conversation) != 1 or conversation[0].role != "user":
-            raise ValueError(
-                "this checkpoint has no chat template, so it takes one user message (no system message, "
-                "no earlier turns); save a chat_template with its tokenizer to hold conversations"
-            )
-        (message,) = conversation
+        message = single_user_message(conversation, "this checkpoint")
         images = (self.image_token or "") * len(message.images)
         return f"Question: {images + chr(10) if images else ''}{message.text}\nAnswer:"

@@ -22,7 +22,7 @@ from typing import Any, ClassVar
 from foveal.engine.models.arch import Architecture, ModelLoadError
 from foveal.engine.models.loader import LoadedModel, LoadOptions, assemble, load_gguf, load_transformers
 from foveal.families.base import Capabilities, Family
-from foveal.families.conversation import Conversation, image_count, user_turn
+from foveal.families.conversation import Conversation, image_count, single_user_message, user_turn
 from foveal.families.task import Task, is_loc, spatial_task
 from foveal.families.template import ChatTemplate
 from foveal.grammars import spatial
@@ -139,10 +139,8 @@ class ChatFamily(Family):
             for part in message.parts:
                 if isinstance(part, str):
                     self.plain("message", part)
-        if not self.capabilities.conversations and (
-            len(conversation) != 1 or conversation[0].role != "user"
-        ):
-            self.template.render(conversation)  # raises, saying what this checkpoint takes
+        if not self.capabilities.conversations:
+            single_user_message(conversation, "this checkpoint")
         return Task("chat", conversation, output_type, None, is_loc(output_type))
 
     # ---- encoding ----------------------------------------------------------------------------------------------

@@ -33,7 +33,7 @@ from foveal import grammars
 from foveal.engine.models.arch import ModelLoadError
 from foveal.engine.models.loader import LoadedModel, LoadOptions
 from foveal.families.base import Capabilities, Family
-from foveal.families.conversation import Conversation
+from foveal.families.conversation import Conversation, single_user_message
 from foveal.families.moondream.answers import AnswerMatcher, RegionMatcher
 from foveal.families.moondream.config import MoondreamConfig
 from foveal.families.moondream.load import is_moondream, load_folder
@@ -159,11 +159,8 @@ class MoondreamFamily(Family):
         return self._ask("generate", self.plain("prompt", prompt), output_type)
 
     def chat(self, conversation: Conversation, output_type: Any) -> Task:
-        if len(conversation) != 1 or conversation[0].role != "user":
-            raise ValueError(
-                "Moondream has no chat template: chat takes one user message (with its image), asked as a query"
-            )
-        return self._ask("chat", self.plain("message", conversation[0].text), output_type)
+        text = single_user_message(conversation, "this moondream model").text  # asked as a query
+        return self._ask("chat", self.plain("message", text), output_type)
 
     def _ask(self, skill: str, text: str, output_type: Any) -> Task:
         if output_type is None:

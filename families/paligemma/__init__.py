@@ -17,7 +17,7 @@ from typing import Any, ClassVar
 from foveal.engine.models.arch import Architecture, ModelLoadError
 from foveal.engine.models.loader import LoadedModel, LoadOptions, assemble, load_transformers
 from foveal.families.base import Capabilities, Family
-from foveal.families.conversation import Conversation
+from foveal.families.conversation import Conversation, single_user_message
 from foveal.families.task import Task, box_centres, is_loc, spatial_task
 from foveal.grammars import spatial
 from foveal.grammars.locations import LocationFormat
@@ -74,16 +74,8 @@ class PaliGemmaFamily(Family):
         return Task("generate", self.plain("prompt", prompt), output_type, None, is_loc(output_type))
 
     def chat(self, conversation: Conversation, output_type: Any) -> Task:
-        return Task("chat", self.single_turn(conversation), output_type, None, is_loc(output_type))
-
-    def single_turn(self, conversation: Conversation) -> str:
-        """The text of a conversation that is one user message (all a prompt-prefix model takes)."""
-        if len(conversation) != 1 or conversation[0].role != "user":
-            raise ValueError(
-                f"this {self.name} model has no chat template: chat takes one user message with its image "
-                "(no system message, no earlier turns)"
-            )
-        return self.plain("message", conversation[0].text)
+        text = single_user_message(conversation, f"this {self.name} model").text
+        return Task("chat", self.plain("message", text), output_type, None, is_loc(output_type))
 
     def _label(self, phrase: str) -> str:
         return LocationFormat(self.BINS).check_label(self.plain("object", phrase))
