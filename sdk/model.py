@@ -1,4 +1,5 @@
-"""`foveal.load()` and the `Model` facade: Moondream-style skills on foveal's pipelined engine.
+"""`foveal.load()` and the `Model` facade: caption / query / detect / point / generate / chat on foveal's
+pipelined engine, with results as plain dicts (coordinates normalized to [0, 1], origin top-left).
 
 PROBLEM
     A user calls `model.detect(image, "car")` from a script, from 8 threads, over a list of 10,000
@@ -56,6 +57,7 @@ from foveal.engine import models as engine_models
 from foveal.engine.request import RequestHandle, RequestOutput
 from foveal.errors import GenerationError, IncompleteOutputError, ModelClosedError
 from foveal.families import Family
+from foveal.families.base import IMAGE_SKILLS
 from foveal.families.task import Task
 from foveal.grammars import spatial
 from foveal.results import (
@@ -77,7 +79,6 @@ from foveal.vision.budget import DEFAULT_PIXEL_BUDGET
 
 EMBEDDED = Path(__file__).parent / "embedded"
 SKILLS = ("caption", "query", "detect", "point", "generate")  # the skills `map` runs over images
-IMAGE_SKILLS = ("caption", "detect", "point")  # meaningless without an image, on every model
 
 
 @dataclass(frozen=True, slots=True)
@@ -151,8 +152,8 @@ def load(
     are the grammar's canonical tokenization of its forced text: where the model would have spelled
     that text with other tokens, the answer's ids, and then possibly what follows, can differ
     (SmolLM2, greedy: none of 80 answers did; benchmarks/jump_forward.py).
-    `image_options`: the image processor's resolution bounds where the family has them (Qwen-VL:
-    {"min_pixels": .., "max_pixels": ..}, pixels of the resized image).
+    `image_options`: the image processor's resolution bounds where the family has them (families
+    of dynamic resolution: {"min_pixels": .., "max_pixels": ..}, pixels of the resized image).
     `quantize`: None (the checkpoint's own weights), "int8", "int4" or "fp16" (CPU only): "int8" /
     "int4" are weight-only quantization of the text decoder's linear layers at load (the LM head
     is int8 in both), computed with bf16 activations unless `dtype` says otherwise; "fp16" keeps
@@ -350,7 +351,7 @@ class Model:
         return self._batch(task, list(images), settings, explicit, progress)
 
     def encode_image(self, image: Any) -> EncodedImage:
-        """Decode and key an image once, for several calls on it (Moondream's `encode_image`)."""
+        """Decode and key an image once, for several calls on it."""
         if isinstance(image, EncodedImage):
             return image
         with self.pixels.load(image, min_size=self.family.image_min_size) as decoded:
@@ -393,11 +394,13 @@ class Model:
 
     # ---- step 1: tasks (arguments, settings, the family's task; no image) ----------------------------------
 
-    def _task(self, skill: str, settings: Mapping | None, make: Callable[[], Task]) -> tuple:
+    def _task(self, skill: str, settings: Mapping | None, make: Callable[[Settings], Task]) -> tuple:
+        """The family's task for a call (`make(validated settings)`), after the settings and the
+        family's declared skills are checked."""
         s, explicit = _settings(settings, "generate" if skill == "chat" else skill)
         if skill not in self.family.capabilities.skills:
             raise self.family.unsupported(skill)
-        task = make()
+        task = make(s)
         if s.stop and task.spec is not None:
             raise ValueError(
                 f"settings['stop'] applies to free text; this {skill} answer is decoded under its output "
@@ -407,31 +410,29 @@ class Model:
 
     def _caption_task(self, length: str = "normal", settings: Mapping | None = None) -> tuple:
         check_length(length)
-        return self._task("caption", settings, lambda: self.family.caption(length))
+        return self._task("caption", settings, lambda _: self.family.caption(length))
 
     def _query_task(self, question: str, settings: Mapping | None = None) -> tuple:
         text = check_text("question", question).strip()
-        return self._task("query", settings, lambda: self.family.query(text))
+        return self._task("query", settings, lambda _: self.family.query(text))
 
     def _detect_task(self, object: str, settings: Mapping | None = None) -> tuple:
         phrase = check_object(object)
-        s, _ = _settings(settings, "detect")
-        return self._task("detect", settings, lambda: self.family.detect(phrase, s.max_objects))
+        return self._task("detect", settings, lambda s: self.family.detect(phrase, s.max_objects))
 
     def _point_task(self, object: str, settings: Mapping | None = None) -> tuple:
         phrase = check_object(object)
-        s, _ = _settings(settings, "point")
-        return self._task("point", settings, lambda: self.family.point(phrase, s.max_objects))
+        return self._task("point", settings, lambda s: self.family.point(phrase, s.max_objects))
 
     def _generate_task(self, prompt: str, output_type: Any = None, settings: Mapping | None = None) -> tuple:
         check_text("prompt", prompt)
-        return self._task("generate", settings, lambda: self.family.generate(prompt, output_type))
+        return self._task("generate", settings, lambda _: self.family.generate(prompt, output_type))
 
     def _chat_task(self, messages: Any, output_type: Any, settings: Mapping | None, stream: bool) -> tuple:
         if stream and output_type is not None:
             raise ValueError("stream=True streams free text; a structured output_type is returned whole")
         talk, images = conversation(messages)
-        task, s, explicit = self._task("chat", settings, lambda: self.family.chat(talk, output_type))
+        task, s, explicit = self._task("chat", settings, lambda _: self.family.chat(talk, output_type))
         return task, images, s, explicit
 
     # ---- step 2: prepare (grammar, images, prompt ids, token budget) ------------------------------------------
