@@ -81,6 +81,7 @@ import contextlib
 import time
 from collections import deque
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -98,6 +99,9 @@ from .slot import POISON, DecodeSlot, SlotState
 from .stats import Stats
 from .step import Step, stage
 from .trace import Trace
+
+if TYPE_CHECKING:
+    import torch
 
 Committed = list[tuple[Sequence, int]]  # (sequence, token) pairs whose text is still due
 MAX_JUMP = 64  # forced tokens one jump carries at most (a longer forced run takes several)
@@ -287,37 +291,36 @@ class Pipeline:
         token; as zombies their token is dropped), and the others keep their masks: one broken
         grammar never fails its neighbours.
         """
-        masked = [
-            (row, seq)
-            for row, seq in enumerate(step.rows)
-            if seq.matcher is not None and not seq.finalized and row not in step.partial
-        ]
-        if not masked:
+        batched: list[tuple[int, Sequence]] = []
+        own: list[tuple[int, Sequence]] = []
+        for row, seq in enumerate(step.rows):  # one pass: the native call's rows first, OwnMask rows last
+            if seq.matcher is not None and not seq.finalized and row not in step.partial:
+                (own if seq.own_mask else batched).append((row, seq))
+        if not batched and not own:
             return 0
-        own = [pair for pair in masked if pair[1].own_mask]
-        if own:
-            masked = [pair for pair in masked if not pair[1].own_mask] + own
-        rows, seqs = zip(*masked, strict=True)
-        batched = len(seqs) - len(own)
+        rows, seqs = zip(*(batched + own), strict=True)
         host, bitmask = step.slot.np, step.slot.host.bitmask
         host.bitmask[: len(rows)] = 0
         host.mask_rows[: len(rows)] = rows
         try:
             if batched:
-                self.fill_masks([seq.matcher for seq in seqs[:batched]], bitmask[:batched])
-            for index in range(batched, len(seqs)):
+                self.fill_masks([seq.matcher for _, seq in batched], bitmask[: len(batched)])
+            for index in range(len(batched), len(seqs)):
                 seqs[index].matcher.fill_mask(bitmask, index)
         except Exception:
             for index, seq in enumerate(seqs):
                 try:
-                    if seq.own_mask:
-                        seq.matcher.fill_mask(bitmask, index)
-                    else:
-                        self.fill_masks([seq.matcher], bitmask[index : index + 1])
+                    self._fill_one(seq, bitmask, index)
                 except Exception as error:
                     host.bitmask[index] = -1
                     self.sequences.finish(seq, FinishReason.ERROR, f"the grammar failed to give a mask: {error}")
         return len(rows)
+
+    def _fill_one(self, seq: Sequence, bitmask: torch.Tensor, index: int) -> None:
+        if seq.own_mask:
+            seq.matcher.fill_mask(bitmask, index)
+        else:
+            self.fill_masks([seq.matcher], bitmask[index : index + 1])
 
     def _pin_forced(self, step: Step, num_masked: int) -> None:
         """Jump-forward (module docstring): narrow the masks of rows whose grammar forces >= 2 tokens
