@@ -56,10 +56,6 @@ class ChatCall:
     output_type: dict[str, Any] | None
     settings: dict[str, Any]
 
-    @property
-    def has_image(self) -> bool:
-        return any(isinstance(m["content"], list) and any(p["type"] == "image" for p in m["content"]) for m in self.messages)
-
 
 def chat_call(body: ChatRequest) -> ChatCall:
     _check_unsupported(body)

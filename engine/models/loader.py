@@ -89,7 +89,9 @@ def resolve_options(
     int_kernels = quantize in ("int8", "int4") or (quantize is None and gguf and dev.type == "cpu")
     torch_dtype = torch.bfloat16 if dtype is None and int_kernels else resolve_dtype(dtype, dev)
     if quantize == "fp16" and torch_dtype != torch.float32:
-        raise ModelLoadError(f"quantize='fp16' multiplies float32 activations; leave dtype unset (got {dtype!r})")
+        raise ModelLoadError(
+            f"quantize='fp16' multiplies float32 activations; leave dtype unset (got {dtype!r})"
+        )
     if quantize == "fp16" and not fp16_kernel_available():
         raise ModelLoadError(FP16_UNAVAILABLE)
     if quantize is not None and dev.type != "cpu":
@@ -99,7 +101,9 @@ def resolve_options(
         )
     if gguf and image_options:
         raise ModelLoadError("image_options apply to Qwen-VL folders; a .gguf file has no image processor")
-    return LoadOptions(dev, torch_dtype, image_cache_bytes, quantize, dict(image_options) if image_options else None)
+    return LoadOptions(
+        dev, torch_dtype, image_cache_bytes, quantize, dict(image_options) if image_options else None
+    )
 
 
 def resolve_source(source: str | os.PathLike) -> Path:
@@ -212,20 +216,27 @@ def check_attention(text_config: dict) -> None:
 
 def check_vision_files(path: Path) -> None:
     if not any((path / n).is_file() for n in ("preprocessor_config.json", "processor_config.json")):
-        raise ModelLoadError(f"{path} has no preprocessor_config.json; save the image processor with the model")
+        raise ModelLoadError(
+            f"{path} has no preprocessor_config.json; save the image processor with the model"
+        )
 
 
 def load_transformers(
-    path: Path, arch: Architecture, class_name: str, options: LoadOptions, processor: tuple[Any, Any] | None = None
+    path: Path,
+    raw: dict,
+    arch: Architecture,
+    class_name: str,
+    options: LoadOptions,
+    processor: Callable[[], tuple[Any, Any]] | None = None,
 ) -> tuple[Any, Any, Any]:
-    """(model on the device, hf processor or None, tokenizer) of a folder whose model is transformers'
-    `class_name`, its attention on foveal's paged attention. `processor`: a (hf processor, tokenizer)
-    pair the family built itself; default: the architecture's processor class (or the tokenizer)."""
-    raw = json.loads((path / "config.json").read_text())
+    """(model on the device, hf processor or None, tokenizer) of a folder (its config.json read as
+    `raw`) whose model is transformers' `class_name`, its attention on foveal's paged attention.
+    `processor`: what builds the (hf processor, tokenizer) pair where the family builds its own,
+    called after the folder's checks; default: the architecture's processor class (or the tokenizer)."""
     check_attention(raw.get("text_config") or raw)
     if arch.has_vision:
         check_vision_files(path)
-    hf_processor, tokenizer = processor if processor is not None else _load_processor(arch, path)
+    hf_processor, tokenizer = processor() if processor is not None else _load_processor(arch, path)
     model = getattr(transformers, class_name).from_pretrained(
         path, dtype=options.dtype, attn_implementation=_attn_implementation(arch), use_safetensors=True
     )
@@ -286,7 +297,9 @@ def check_gguf(path: Path) -> Any:
     size = path.stat().st_size
     try:
         header = read_header(path)
-    except Exception as error:  # struct.error, ValueError, IndexError, UnicodeDecodeError: whatever the cut hits
+    except (
+        Exception
+    ) as error:  # struct.error, ValueError, IndexError, UnicodeDecodeError: whatever the cut hits
         detail = f"{type(error).__name__}: {error}".splitlines()[0]
         raise ModelLoadError(
             f"{path} ({size} bytes) is not a readable GGUF file, probably truncated or corrupt ({detail}); "
@@ -335,7 +348,9 @@ def assemble(
         input_processor = processor(runner)
     else:
         image_token_id = getattr(model.config, "image_token_id", None) if arch.has_vision else None
-        input_processor = InputProcessor(arch, tokenizer, hf_processor, runner.device, runner.dtype, image_token_id)
+        input_processor = InputProcessor(
+            arch, tokenizer, hf_processor, runner.device, runner.dtype, image_token_id
+        )
     return LoadedModel(runner, tokenizer, input_processor, _eos_ids(model, tokenizer), source)
 
 

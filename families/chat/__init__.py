@@ -58,7 +58,9 @@ TEXT_SKILLS = frozenset({"query", "generate", "chat"})
 VISION_SKILLS = frozenset({"caption", "query", "detect", "point", "generate", "chat"})
 
 
-def architecture_for(names: list[str] | None, table: tuple[Architecture, ...] = ARCHITECTURES) -> tuple[Architecture, str]:
+def architecture_for(
+    names: list[str] | None, table: tuple[Architecture, ...] = ARCHITECTURES
+) -> tuple[Architecture, str]:
     """The architecture and transformers class name of a config's `architectures` list."""
     for name in names or []:
         for arch in table:
@@ -98,8 +100,10 @@ class ChatFamily(Family):
     def load(cls, folder: Path, raw: dict, options: LoadOptions) -> ChatFamily:
         arch, class_name = architecture_for(raw.get("architectures"), cls.table)
         if options.image_options:
-            raise ModelLoadError(f"image_options are not supported for {arch.name}; its image processor has fixed sizes")
-        model, hf_processor, tokenizer = load_transformers(folder, arch, class_name, options)
+            raise ModelLoadError(
+                f"image_options are not supported for {arch.name}; its image processor has fixed sizes"
+            )
+        model, hf_processor, tokenizer = load_transformers(folder, raw, arch, class_name, options)
         loaded = assemble(model, arch, tokenizer, hf_processor, str(folder), options)
         return cls(loaded, arch, hf_processor)
 
@@ -154,6 +158,8 @@ class ChatFamily(Family):
         """The task's conversation: a chat call's own, or one user turn with the call's images."""
         if isinstance(task.prompt, tuple):
             if image_count(task.prompt) != images:
-                raise ValueError(f"the conversation refers to {image_count(task.prompt)} images but {images} came")
+                raise ValueError(
+                    f"the conversation refers to {image_count(task.prompt)} images but {images} came"
+                )
             return task.prompt
         return user_turn(task.prompt, images)

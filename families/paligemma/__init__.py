@@ -48,8 +48,12 @@ class PaliGemmaFamily(Family):
     @classmethod
     def load(cls, folder: Path, raw: dict, options: LoadOptions) -> Family:
         if options.image_options:
-            raise ModelLoadError("image_options are not supported for paligemma; its image processor has fixed sizes")
-        model, hf_processor, tokenizer = load_transformers(folder, PALIGEMMA, PALIGEMMA.architectures[0], options)
+            raise ModelLoadError(
+                "image_options are not supported for paligemma; its image processor has fixed sizes"
+            )
+        model, hf_processor, tokenizer = load_transformers(
+            folder, raw, PALIGEMMA, PALIGEMMA.architectures[0], options
+        )
         return cls.build(assemble(model, PALIGEMMA, tokenizer, hf_processor, str(folder), options), folder)
 
     @classmethod
@@ -68,7 +72,9 @@ class PaliGemmaFamily(Family):
 
     def point(self, phrase: str, max_objects: int) -> Task:
         spec = spatial.boxes("loc", max_objects=max_objects, label=self._label(phrase), bins=self.BINS)
-        return Task("point", f"detect {phrase}", spec, lambda text: box_centres(spatial.parse(spec, text)), True)
+        return Task(
+            "point", f"detect {phrase}", spec, lambda text: box_centres(spatial.parse(spec, text)), True
+        )
 
     def generate(self, prompt: str, output_type: Any) -> Task:
         return Task("generate", self.plain("prompt", prompt), output_type, None, is_loc(output_type))

@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 from foveal.engine.models.arch import Architecture, ModelLoadError
-from foveal.engine.models.loader import LoadOptions, assemble, check_vision_files, load_transformers
+from foveal.engine.models.loader import LoadOptions, assemble, load_transformers
 from foveal.families.chat import ChatFamily, architecture_for
 from foveal.families.qwen_vl import model as qwen
 from foveal.families.task import Task, spatial_task
@@ -71,9 +71,8 @@ class QwenVLFamily(ChatFamily):
     def load(cls, folder: Path, raw: dict, options: LoadOptions) -> QwenVLFamily:
         arch, class_name = architecture_for(raw.get("architectures"), cls.table)
         qwen.check_config(raw, folder)
-        check_vision_files(folder)
-        processor = qwen.load_processor(arch, folder, options.image_options)
-        model, hf_processor, tokenizer = load_transformers(folder, arch, class_name, options, processor)
+        processor = lambda: qwen.load_processor(arch, folder, options.image_options)  # noqa: E731
+        model, hf_processor, tokenizer = load_transformers(folder, raw, arch, class_name, options, processor)
         loaded = assemble(
             model,
             arch,
