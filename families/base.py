@@ -55,7 +55,6 @@ class Capabilities:
     image_required: bool = False  # every call needs an image (no text-only prompts)
     max_images: int = 1  # images one call may carry (0: text-only)
     conversations: bool = False  # system turns and several turns, rendered by the model's own template
-    caption_lengths: tuple[str, ...] = ("short", "normal", "long")
 
 
 class Family:

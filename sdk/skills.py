@@ -30,16 +30,15 @@ from foveal.results import (
 
 CAPTION_LENGTHS = ("short", "normal", "long")
 MAX_PHRASE_CHARS = 200
-MAX_QUESTION_CHARS = 20_000
 RESULTS: dict[str, type[Result]] = {
     r.SKILL: r for r in (CaptionResult, QueryResult, DetectResult, PointResult, GenerateResult, ChatResult)
 }
 _EXAMPLES = {"object": "red circle", "question": "how many shapes are there?", "prompt": "describe the image"}
 
 
-def check_length(length: Any, lengths: Sequence[str] = CAPTION_LENGTHS) -> str:
-    if length not in lengths:
-        raise ValueError(f"length={length!r} is not accepted; use one of {', '.join(lengths)}")
+def check_length(length: Any) -> str:
+    if length not in CAPTION_LENGTHS:
+        raise ValueError(f"length={length!r} is not accepted; use one of {', '.join(CAPTION_LENGTHS)}")
     return length
 
 

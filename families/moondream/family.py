@@ -87,8 +87,7 @@ class MoondreamFamily(Family):
     architectures = ("HfMoondream",)
 
     def __init__(self, loaded: LoadedModel, config: MoondreamConfig) -> None:
-        lengths = tuple((config.tokenizer.templates.get("caption") or {}).keys())
-        super().__init__(loaded, Capabilities(SKILLS, vision=True, caption_lengths=lengths))
+        super().__init__(loaded, Capabilities(SKILLS, vision=True))
         self.config = config
         self.ids = config.tokenizer
         self.templates = config.tokenizer.templates
