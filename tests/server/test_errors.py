@@ -5,6 +5,7 @@ their requests and are counted."""
 from __future__ import annotations
 
 import base64
+import contextlib
 import io
 import logging
 import socket
@@ -125,13 +126,20 @@ def test_sdk_advice_reaches_http_clients_in_http_terms(server):
     assert "object is empty; send some text" in error_of(post(server, "/v1/detect", json=empty), 400)
 
 
-@pytest.mark.skipif(torch.cuda.is_available(), reason="the load fails only where torch sees no CUDA device")
-def test_a_load_error_names_the_servers_flag_not_the_sdks_argument():
+@contextlib.contextmanager
+def _failed_load():
+    """A client of an app whose model load failed (device="cuda" where torch sees none), once it has."""
     app = create_app(loader=lambda: foveal.load(device="cuda"))
     with TestClient(app) as client:
         deadline = time.monotonic() + 30
         while client.get("/health").json()["status"] == "loading" and time.monotonic() < deadline:
             time.sleep(0.05)
+        yield client
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the load fails only where torch sees no CUDA device")
+def test_a_load_error_names_the_servers_flag_not_the_sdks_argument():
+    with _failed_load() as client:
         body = {"image_url": data_url(scene(0)), "object": "o"}
         message = error_of(client.post("/v1/point", json=body), 503, "model_not_ready")
     assert "--device cpu" in message and "device='cpu'" not in message
@@ -390,11 +398,7 @@ def _counted(url: str, name: str, expected: float, timeout: float = 10.0) -> boo
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the load fails only where torch sees no CUDA device")
 def test_health_answers_the_error_body_in_http_terms_while_not_ready():
-    app = create_app(loader=lambda: foveal.load(device="cuda"))
-    with TestClient(app) as client:
-        deadline = time.monotonic() + 30
-        while client.get("/health").json()["status"] == "loading" and time.monotonic() < deadline:
-            time.sleep(0.05)
+    with _failed_load() as client:
         response = client.get("/health")
     body = response.json()
     assert response.status_code == 503 and body["status"] == "failed"
