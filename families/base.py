@@ -65,7 +65,6 @@ class Family:
     architectures: ClassVar[tuple[str, ...]] = ()  # config.json architectures this family loads
 
     def __init__(self, loaded: LoadedModel, capabilities: Capabilities) -> None:
-        self.loaded = loaded
         self.runner = loaded.runner
         self.tokenizer = loaded.tokenizer
         self.processor = loaded.processor
