@@ -54,6 +54,7 @@ class SampleShape:
     num_masked: int  # rows with a grammar mask
     filter_rows: bool  # some random row uses top-k or top-p
     num_region: int = 0  # rows that sample a region value (regions.py)
+    top_logprobs: int = -1  # alternatives to record per row; -1: no row asked for logprobs
 
 
 @torch.inference_mode()
@@ -121,15 +122,18 @@ def sample(slot: DecodeSlot, shape: SampleShape, heads: RegionHeads | None = Non
         filter_rows=shape.filter_rows,
         bitmask=dev.bitmask[:masked] if masked else None,
         mask_rows=dev.mask_rows[:masked] if masked else None,
+        top_logprobs=shape.top_logprobs,
     )
-    sampler.sample(slot.logits, batch, slot.sampled)
+    sampler.sample(slot.logits, batch, slot.sampled, slot.logprobs)
     if shape.num_region:  # region rows: their ids become value ids, on the device (regions.py)
         slot.upload(REGION_INPUTS, (rows, shape.num_region))
         heads.sample_regions(slot.hidden, dev.kinds[:rows], dev.region_rows[: shape.num_region], slot.sampled)
     slot.logits = slot.hidden = None
 
 
-def copy_to_host(slot: DecodeSlot, num_rows: int, debug: bool) -> None:
+def copy_to_host(slot: DecodeSlot, num_rows: int, debug: bool, top_logprobs: int = -1) -> None:
     if debug:
         slot.check_poisoned(num_rows)
     slot.sampled_host[:num_rows].copy_(slot.sampled[:num_rows], non_blocking=True)
+    if top_logprobs >= 0:
+        slot.copy_logprobs_to_host(num_rows, top_logprobs)

@@ -7,7 +7,7 @@ PROBLEM
     forward, host time the device waits for, and nearly all of it repeats the step before.
 SOLUTION
     An admitted sequence takes a lane: an index into preallocated numpy arrays holding what does not
-    change while it runs (prompt length, block-table row, temperature, top-p, top-k, seed) and where
+    change while it runs (prompt length, block-table row, temperature, top-p, top-k, seed, logprobs) and where
     its next input id is sampled (the step and row that last carried it). Staging a step is then a
     few numpy gathers by its rows' lanes, a cost that barely grows with the number of rows.
 INVARIANTS
@@ -35,6 +35,7 @@ class Lanes:
         self.top_p = np.ones(count, dtype=np.float32)
         self.top_k = np.zeros(count, dtype=np.int64)
         self.seed = np.zeros(count, dtype=np.int64)
+        self.logprobs = np.full(count, -1, dtype=np.int64)  # alternatives to record; -1: none
         self.last_step = np.full(count, -1, dtype=np.int64)  # the latest step that carried the lane ...
         self.last_row = np.zeros(count, dtype=np.int64)  # ... and its row there (where its next input is)
         self._free = list(range(count - 1, -1, -1))  # pop() hands out low lanes first
@@ -59,6 +60,7 @@ class Lanes:
         self.top_p[lane] = sampling.top_p
         self.top_k[lane] = sampling.top_k
         self.seed[lane] = seed
+        self.logprobs[lane] = -1 if sampling.logprobs is None else sampling.logprobs
         self.last_step[lane] = -1
         return lane
 

@@ -78,6 +78,7 @@ INVARIANTS (tests/engine/test_pipeline_steps.py steps ticks one by one and check
 from __future__ import annotations
 
 import contextlib
+import math
 import time
 from collections import deque
 from collections.abc import Callable
@@ -91,7 +92,7 @@ from .device_jobs import SampleShape
 from .kv_cache import PagePool, pages_needed
 from .lanes import Lanes
 from .matcher import FillMasks, bitmask_words, conforms, require
-from .request import FinishReason
+from .request import FinishReason, TokenLogprob
 from .runner import ModelRunner
 from .scheduler import Scheduler, Sequence
 from .sequences import Sequences
@@ -217,6 +218,7 @@ class Pipeline:
         self.trace.span("wait", "scheduler", waited, started)
         self._hook("commit")
         tokens = slot.read_sampled(step.num_rows, self.debug)
+        logprobs = self._read_logprobs(step, tokens)
         slot.state, slot.step, slot.event = SlotState.FREE, None, None
         committed = []
         for row, (seq, token) in enumerate(zip(step.rows, tokens, strict=True)):
@@ -232,30 +234,50 @@ class Pipeline:
                         seq, FinishReason.ERROR, f"jump-forward: sampled {token} where the mask allowed only {forced[0]}"
                     )
                     continue
+                logprob = logprobs[row] if logprobs is not None else None
                 if forced is not None:
-                    self._append_forced(seq, forced)
+                    self._append_forced(seq, forced, logprob)
                     if seq.final_run and not seq.finalized:  # never left running with no launch to come
                         self.sequences.finish(
                             seq, FinishReason.ERROR, "jump-forward: a forced run said to complete the output did not"
                         )
-                elif self.sequences.append(seq, token):
+                elif self.sequences.append(seq, token, logprob):
                     committed.append((seq, token))
             elif seq.inflight_refs == 0:  # a zombie's last step: its token is dropped
                 self.scheduler.release(seq)
         self._span("commit", started)
         return committed
 
-    def _append_forced(self, seq: Sequence, forced: list[int]) -> None:
+    def _read_logprobs(self, step: Step, tokens: list[int]) -> list[TokenLogprob | None] | None:
+        """Per row, the sampled token's TokenLogprob when its sequence asked for logprobs."""
+        if step.top_logprobs < 0:
+            return None
+        chosen, top_ids, top_values = step.slot.read_logprobs(step.num_rows, step.top_logprobs)
+        kinds = step.slot.np.kinds if self.heads is not None else None
+        out: list[TokenLogprob | None] = []
+        for row, seq in enumerate(step.rows):
+            k = seq.logprobs_k
+            if k < 0:
+                out.append(None)
+            elif kinds is not None and kinds[row] != 0:  # a region value: no token distribution
+                out.append(TokenLogprob(tokens[row], math.nan))
+            else:
+                top = tuple((i, v) for i, v in zip(top_ids[row][:k], top_values[row][:k], strict=True) if v > -math.inf)
+                out.append(TokenLogprob(tokens[row], chosen[row], top))
+        return out
+
+    def _append_forced(self, seq: Sequence, forced: list[int], logprob: TokenLogprob | None = None) -> None:
         """Commit the sampled f0, then f1..f(k-1) (their K/V is the next launch's work).
 
         Their text is done here, token by token, not in the text phase: a later token of the run
         can end the sequence (the grammar completes), and its final text must hold the earlier ones.
+        f0's logprob is the sampler's (its mask allowed f0 alone: 0.0); f1.. were never sampled.
         """
         for index, token in enumerate(forced):
             if seq.finalized:
                 break
             self.stats.forced_tokens += index > 0
-            if self.sequences.append(seq, token):
+            if self.sequences.append(seq, token, logprob if index == 0 else None):
                 self.sequences.stream([(seq, token)])
 
     # ---- 3. finalize --------------------------------------------------------------------------
@@ -275,10 +297,13 @@ class Pipeline:
         filter_rows = bool(((host.top_k[random_rows] > 0) | (host.top_p[random_rows] < 1)).any())
         heads = self.heads
         num_region = regions.stage_kinds(step.rows, host.kinds, host.region_rows) if heads is not None else 0
-        shape = SampleShape(num_rows, len(random_rows), num_masked, filter_rows, num_region)
+        top = step.top_logprobs = int(self.lanes.logprobs[lane].max())
+        shape = SampleShape(num_rows, len(random_rows), num_masked, filter_rows, num_region, top)
         self.device.run("sample", lambda: device_jobs.sample(slot, shape, heads))
         debug = self.debug and self.device.device.type == "cpu"
-        slot.event = self.device.copy_to_host("copy", lambda: device_jobs.copy_to_host(slot, num_rows, debug))
+        slot.event = self.device.copy_to_host(
+            "copy", lambda: device_jobs.copy_to_host(slot, num_rows, debug, top)
+        )
         slot.state = SlotState.FINALIZED
         self._span("finalize", started)
 

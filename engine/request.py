@@ -28,6 +28,7 @@ if TYPE_CHECKING:
     from .matcher import Matcher
 
 SEED_LIMIT = 2**64  # seeds are unsigned 64-bit; the sampler hashes all 64 bits
+MAX_LOGPROBS = 20  # alternatives per token (OpenAI's top_logprobs allows 0..20)
 
 
 class FinishReason(StrEnum):
@@ -43,6 +44,9 @@ class SamplingParams:
 
     skip_special_tokens=False keeps special tokens in the output text (for formats that answer in
     them, such as location tokens); stop strings are then matched against that text.
+
+    logprobs=k records each output token's log-probability and its k most likely alternatives
+    (k in 0..MAX_LOGPROBS; None records nothing): see `TokenLogprob` for the distribution.
     """
 
     temperature: float = 0.0
@@ -54,6 +58,7 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     skip_special_tokens: bool = True
+    logprobs: int | None = None
 
     def __post_init__(self) -> None:
         if self.temperature < 0:
@@ -70,6 +75,13 @@ class SamplingParams:
             raise ValueError("stop must be a tuple of strings, e.g. stop=('\\n',), not a bare string")
         if any(not s for s in self.stop):
             raise ValueError("stop strings must be non-empty")
+        if self.logprobs is not None and (
+            type(self.logprobs) is not int or not 0 <= self.logprobs <= MAX_LOGPROBS
+        ):
+            raise ValueError(
+                f"logprobs must be None (off) or an int in [0, {MAX_LOGPROBS}] (alternatives per token), "
+                f"got {self.logprobs}"
+            )
 
 
 def seed_as_int64(seed: int) -> int:
@@ -111,6 +123,23 @@ class Request:
     prefill: PrefillInputs | None = None
 
 
+@dataclass(slots=True, frozen=True)
+class TokenLogprob:
+    """One output token's log-probability, and its most likely alternatives (best first).
+
+    The distribution is the one the token was drawn from: the model's logits with the grammar's mask
+    applied, divided by the temperature, restricted by top-k / top-p (a greedy row: temperature 1,
+    no filter). So a disallowed token never appears, and a token the grammar forced (jump-forward,
+    or a mask that allowed one token) has logprob 0.0. `top` holds at most k (id, logprob) pairs of
+    allowed tokens; fewer when fewer are allowed; empty for a token forced without a forward.
+    A region value (regions.py: a coordinate or size, not a token) has logprob NaN and no `top`.
+    """
+
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
+
+
 @dataclass(slots=True)
 class RequestOutput:
     token_ids: list[int]  # generated tokens, without the EOS / stop token that ended them
@@ -118,6 +147,7 @@ class RequestOutput:
     finish_reason: FinishReason
     num_prompt_tokens: int
     error: str | None = None
+    logprobs: list[TokenLogprob] | None = None  # one per token id, when SamplingParams.logprobs is set
 
 
 class RequestHandle:
@@ -131,6 +161,8 @@ class RequestHandle:
         self._output: RequestOutput | None = None
         self._listeners: list[Callable[[str | None], None]] = []
         self._iterating = 0  # callers blocked in __iter__, waiting for a delta
+        # the engine's list of committed TokenLogprobs (appended by the engine thread), or None
+        self._logprobs: list[TokenLogprob] | None = None
 
     # engine side -------------------------------------------------------------------------------
     def _push(self, delta: str) -> None:
@@ -174,6 +206,14 @@ class RequestHandle:
             if not self._cond.wait_for(lambda: self._output is not None, timeout):
                 raise TimeoutError(f"request {self.request_id} did not finish within {timeout} s")
             return self._output
+
+    def logprobs(self) -> list[TokenLogprob]:
+        """The logprobs of the tokens committed so far (a copy; [] when the request asked for none).
+
+        While streaming, they can run a few tokens ahead of the text deltas: a delta is held back
+        while it could still be the start of a stop string or a split UTF-8 character.
+        """
+        return list(self._logprobs) if self._logprobs is not None else []
 
     def __iter__(self) -> Iterator[str]:
         """Text deltas of committed tokens, pushed in each tick's text phase (after finalize of the next

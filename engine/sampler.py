@@ -10,9 +10,13 @@ SOLUTION
     an exact sample from softmax(logits / T) (restricted by top-k / top-p), and it depends only on
     the request's own row. Greedy rows (T = 0) take the argmax. The grammar's bitmask is unpacked
     and applied to the constrained rows in one masked fill.
+    When a row asks for logprobs, the step also writes every row's log-probability of its sampled
+    id and the top alternatives, from the distribution each row was drawn from (masked; greedy rows
+    at temperature 1; random rows tempered and filtered), into the slot's logprob buffers.
 INVARIANTS
     - A row's sampled id depends only on its logits, its sampling parameters, its mask and (seed, k).
     - Disallowed tokens are never sampled while the mask allows at least one token.
+    - Recording logprobs never changes a sampled id (it reads the distributions after the ids are drawn).
 """
 
 from __future__ import annotations
@@ -38,6 +42,16 @@ class SamplingBatch:
     filter_rows: bool  # some random row uses top-k or top-p
     bitmask: torch.Tensor | None  # [c, W] int32 masks of the constrained rows, or None
     mask_rows: torch.Tensor | None  # [c] int64 rows the bitmask rows belong to
+    top_logprobs: int = -1  # alternatives to record per row (-1: no row asked for logprobs)
+
+
+@dataclass(slots=True)
+class LogprobBuffers:
+    """Where a step's logprobs go: [B] the sampled ids' logprobs, [B, K] the top alternatives."""
+
+    chosen: torch.Tensor  # [B] float32
+    top_values: torch.Tensor  # [B, K] float32
+    top_ids: torch.Tensor  # [B, K] int64
 
 
 def _mix32(x: torch.Tensor) -> torch.Tensor:
@@ -114,12 +128,16 @@ def filter_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.T
     return torch.empty_like(logits).scatter_(1, order, sorted_logits)
 
 
-def sample(logits: torch.Tensor, batch: SamplingBatch, out: torch.Tensor) -> None:
-    """Write the step's sampled ids into `out[:n]` (int64, on the device)."""
+def sample(
+    logits: torch.Tensor, batch: SamplingBatch, out: torch.Tensor, logprobs: LogprobBuffers | None = None
+) -> None:
+    """Write the step's sampled ids into `out[:n]` (int64, on the device), and their logprobs into
+    `logprobs` when `batch.top_logprobs >= 0`."""
     logits = logits.float()
     if batch.bitmask is not None:
         apply_bitmask(logits, batch.bitmask, batch.mask_rows)
     ids = logits.argmax(dim=-1)
+    scaled = None
     if batch.random_rows is not None:
         rows = batch.random_rows
         scaled = logits[rows] / batch.temperature[rows, None]
@@ -128,3 +146,25 @@ def sample(logits: torch.Tensor, batch: SamplingBatch, out: torch.Tensor) -> Non
         noise = gumbel_noise(batch.seeds[rows], batch.counters[rows], logits.shape[1])
         ids[rows] = (scaled + noise).argmax(dim=-1)
     out[: ids.shape[0]].copy_(ids)
+    if batch.top_logprobs >= 0 and logprobs is not None:
+        record_logprobs(logits, scaled, batch, ids, logprobs)
+
+
+def record_logprobs(
+    logits: torch.Tensor,
+    scaled: torch.Tensor | None,
+    batch: SamplingBatch,
+    ids: torch.Tensor,
+    buffers: LogprobBuffers,
+) -> None:
+    """Log-softmax of the distribution each row was drawn from; the sampled ids' entries and the top k."""
+    logp = logits.log_softmax(dim=-1)  # masked logits: greedy rows sample from these at temperature 1
+    if scaled is not None:
+        logp[batch.random_rows] = scaled.log_softmax(dim=-1)
+    n = ids.shape[0]
+    buffers.chosen[:n].copy_(logp.gather(1, ids[:, None])[:, 0])
+    k = batch.top_logprobs
+    if k:
+        values, top_ids = logp.topk(k, dim=-1)
+        buffers.top_values[:n, :k].copy_(values)
+        buffers.top_ids[:n, :k].copy_(top_ids)

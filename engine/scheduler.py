@@ -40,7 +40,7 @@ from .kv_cache import PagePool, pages_needed
 from .lanes import Lanes
 from .matcher import ForcedTokens, Matcher, conforms, own_mask
 from .regions import RegionSteps
-from .request import FinishReason, Request, RequestHandle
+from .request import FinishReason, Request, RequestHandle, TokenLogprob
 
 
 @dataclass(slots=True, eq=False)
@@ -77,10 +77,15 @@ class Sequence:
     # forced tokens pinned at finalize (pipeline.py, jump-forward) that the next launch carries as its query
     jump: list[int] | None = None
     final_run: bool = False  # its pinned forced tokens complete the output: no launch after them (pipeline.py)
+    logprobs_k: int = field(init=False, default=-1)  # SamplingParams.logprobs; -1: none recorded
+    logprobs: list[TokenLogprob] | None = field(init=False, default=None)  # one per token_ids entry
 
     def __post_init__(self) -> None:
         self.prompt_len = len(self.request.prompt_ids)
         self.max_tokens = self.request.sampling.max_tokens
+        if self.request.sampling.logprobs is not None:
+            self.logprobs_k = self.request.sampling.logprobs
+            self.logprobs = self.handle._logprobs = []  # the handle reads what the engine appends
         matcher = self.matcher = self.request.matcher
         if matcher is None:
             return

@@ -18,7 +18,7 @@ INVARIANTS
 
 from __future__ import annotations
 
-from .request import FinishReason, RequestOutput
+from .request import FinishReason, RequestOutput, TokenLogprob
 from .scheduler import Scheduler, Sequence
 from .stats import Stats
 
@@ -38,8 +38,12 @@ class Sequences:
         if seq is not None:
             self.finish(seq, FinishReason.CANCELLED)
 
-    def append(self, seq: Sequence, token: int) -> bool:
-        """Commit one token; finish the sequence on a stop that needs no text. True: its text is due."""
+    def append(self, seq: Sequence, token: int, logprob: TokenLogprob | None = None) -> bool:
+        """Commit one token; finish the sequence on a stop that needs no text. True: its text is due.
+
+        `logprob`: the sampler's record of the token, for a sequence that asked for logprobs; None
+        for a token forced without a forward (its logprob under the grammar's mask is 0.0).
+        """
         seq.num_committed += 1
         self.stats.tokens += 1
         matcher = seq.matcher
@@ -53,6 +57,8 @@ class Sequences:
             self.finish(seq, FinishReason.STOP)
             return False
         seq.token_ids.append(token)
+        if seq.logprobs is not None:
+            seq.logprobs.append(logprob if logprob is not None else TokenLogprob(token, 0.0))
         terminated = matcher is not None and matcher.is_terminated()
         if terminated or seq.num_committed >= seq.max_tokens:
             seq.detok.add(token)  # its final text; a stop string in it makes the reason STOP
@@ -81,7 +87,8 @@ class Sequences:
         if delta := seq.detok.release(final=True):
             seq.handle._push(delta)
         del self.live[seq.id]
-        output = RequestOutput(list(seq.token_ids), seq.detok.text, reason, seq.prompt_len, error)
+        logprobs = list(seq.logprobs) if seq.logprobs is not None else None
+        output = RequestOutput(list(seq.token_ids), seq.detok.text, reason, seq.prompt_len, error, logprobs)
         if seq.inflight_refs == 0:
             self.scheduler.release(seq)
         seq.handle._finish(output)

@@ -25,6 +25,8 @@ from typing import Any
 import torch
 
 from .device import Device
+from .request import MAX_LOGPROBS
+from .sampler import LogprobBuffers
 
 POISON = -0x5EED  # never a token id
 
@@ -99,11 +101,37 @@ class DecodeSlot:
         self.dev = host if on_cpu else host.map(lambda t: torch.empty_like(t, device=device.device))
         self.sampled = torch.zeros(max_batch, dtype=torch.int64, device=device.device)
         self.sampled_host = device.pin(torch.full((max_batch,), POISON, dtype=torch.int64))
+        # logprobs of the sampled ids and the top alternatives, for steps where a row asks for them
+        self.logprobs = self._logprob_buffers(max_batch, lambda t: t.to(device.device))
+        self.logprobs_host = self._logprob_buffers(max_batch, device.pin)
         self.logits: torch.Tensor | None = None
         self.hidden: torch.Tensor | None = None  # a region runner's last-token hidden states (regions.py)
         self.state = SlotState.FREE
         self.step: Any = None  # the Step occupying this slot
         self.event: Any = None  # set when sampled_host holds the step's ids
+
+    @staticmethod
+    def _logprob_buffers(max_batch: int, place: Any) -> LogprobBuffers:
+        return LogprobBuffers(
+            chosen=place(torch.zeros(max_batch, dtype=torch.float32)),
+            top_values=place(torch.zeros(max_batch, MAX_LOGPROBS, dtype=torch.float32)),
+            top_ids=place(torch.zeros(max_batch, MAX_LOGPROBS, dtype=torch.int64)),
+        )
+
+    def copy_logprobs_to_host(self, n: int, k: int) -> None:
+        dev, host = self.logprobs, self.logprobs_host
+        host.chosen[:n].copy_(dev.chosen[:n], non_blocking=True)
+        if k:
+            host.top_values[:n, :k].copy_(dev.top_values[:n, :k], non_blocking=True)
+            host.top_ids[:n, :k].copy_(dev.top_ids[:n, :k], non_blocking=True)
+
+    def read_logprobs(self, n: int, k: int) -> tuple[list[float], list[list[int]], list[list[float]]]:
+        """The sampled ids' logprobs and the top k alternatives (ids, logprobs) of the first n rows."""
+        host = self.logprobs_host
+        chosen = host.chosen[:n].tolist()
+        if not k:
+            return chosen, [[] for _ in range(n)], [[] for _ in range(n)]
+        return chosen, host.top_ids[:n, :k].tolist(), host.top_values[:n, :k].tolist()
 
     def upload(self, names: tuple[str, ...], counts: tuple[int, ...]) -> None:
         """Copy the first `count` entries of host tensors to the device ones (no-op on CPU)."""

@@ -50,6 +50,7 @@ class Step:
     extra: np.ndarray | None = None  # per row, query tokens past one (a jump row's k - 1); by stage()
     pinned: dict[int, list[int]] = field(default_factory=dict)  # row -> forced tokens, set at finalize
     partial: set[int] = field(default_factory=set)  # prefill rows whose chunk does not end the prompt
+    top_logprobs: int = -1  # alternatives the step records per row; -1: no logprobs (set at finalize)
 
     @property
     def num_rows(self) -> int:
