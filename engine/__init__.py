@@ -22,6 +22,7 @@ from .request import (  # noqa: E402
     RequestHandle,
     RequestOutput,
     SamplingParams,
+    TokenLogprob,
 )
 from .runner import ForwardBatch, ModelRunner, Quiesce  # noqa: E402
 
@@ -44,5 +45,6 @@ __all__ = [
     "RequestHandle",
     "RequestOutput",
     "SamplingParams",
+    "TokenLogprob",
     "fill_masks_each",
 ]
