@@ -15,6 +15,8 @@ Accepted keys and ranges:
     max_tokens   int, 1 <= max_tokens <= MAX_TOKENS_CEILING (8192)
     max_objects  int, 1 <= max_objects <= MAX_OBJECTS_CEILING (1000); detect and point only
     seed         int, 0 <= seed < 2**64, or None (no seed)
+    min_score    float, 0 <= min_score <= 1; detect and point only: boxes and points whose "score" is
+                 below it are left out (docs/scores.md defines the score)
     stop         a list (or tuple) of at most MAX_STOPS (16) non-empty strings: free text ends before
                  the first of them (not included) and the usage's finish_reason is "stop"; skills
                  whose answer is decoded under a grammar refuse it (the grammar decides the end)
@@ -48,6 +50,7 @@ class Settings:
     max_objects: int = 50
     seed: int | None = None
     stop: tuple[str, ...] = ()
+    min_score: float = 0.0
 
     def __post_init__(self) -> None:
         # object.__setattr__: the dataclass is frozen; values are normalized to plain Python numbers.
@@ -62,6 +65,7 @@ class Settings:
         if self.seed is not None:
             object.__setattr__(self, "seed", _int("seed", self.seed, 0, SEED_LIMIT - 1, "2**64 - 1"))
         object.__setattr__(self, "stop", _stops(self.stop))
+        object.__setattr__(self, "min_score", _real("min_score", self.min_score, 0.0, 1.0, "number in [0, 1]"))
 
     @property
     def greedy(self) -> bool:
@@ -91,10 +95,8 @@ def _check_key(key: Any, skill: str) -> None:
         close = difflib.get_close_matches(str(key), KEYS, n=1)
         hint = f" (did you mean {close[0]!r}?)" if close else ""
         raise ValueError(f"unknown setting {key!r}{hint}; accepted settings: {', '.join(sorted(KEYS))}")
-    if key == "max_objects" and skill not in OBJECT_SKILLS:
-        raise ValueError(
-            f"setting 'max_objects' applies to {', '.join(OBJECT_SKILLS)}, not {skill}; remove it"
-        )
+    if key in ("max_objects", "min_score") and skill not in OBJECT_SKILLS:
+        raise ValueError(f"setting {key!r} applies to {', '.join(OBJECT_SKILLS)}, not {skill}; remove it")
 
 
 def _real(key: str, value: Any, low: float, high: float, accepted: str) -> float:
