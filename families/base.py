@@ -55,6 +55,11 @@ class Capabilities:
     image_required: bool = False  # every call needs an image (no text-only prompts)
     max_images: int = 1  # images one call may carry (0: text-only)
     conversations: bool = False  # system turns and several turns, rendered by the model's own template
+    reasoning: bool = False  # query(reasoning=True): a grounded reasoning before the answer
+    gaze: bool = False  # detect_gaze(image, eye=(x, y))
+    spatial_refs: frozenset[str] = frozenset()  # the skills that take spatial_refs (points / boxes in the prompt)
+    variants: bool = False  # settings["variant"]: a LoRA adapter per request
+    token_budget: int | None = None  # default max_tokens of caption / query answers; None: the SDK's
 
 
 class Family:
@@ -116,6 +121,35 @@ class Family:
 
     def chat(self, conversation: Conversation, output_type: Any) -> Any:
         raise self.unsupported("chat")
+
+    # ---- Moondream's extras (families that declare them in their capabilities override these) ---------------
+
+    def spatial_query(self, question: str, refs: tuple[tuple[float, ...], ...]) -> Any:
+        raise self.unsupported_option("spatial_refs on query", self._with_refs())
+
+    def reasoning(self, question: str, refs: tuple[tuple[float, ...], ...] | None) -> Any:
+        """The reasoning phase of query(reasoning=True); its ids go to `reasoned_answer`."""
+        raise self.unsupported("reasoning")
+
+    def reasoned_answer(self, task: Any, token_ids: list[int]) -> tuple[dict[str, Any], Any]:
+        """(the reasoning dict read from the reasoning task's ids, the answer's task)."""
+        raise self.unsupported("reasoning")
+
+    def detect_gaze(self, eye: tuple[float, float]) -> Any:
+        raise self.unsupported("detect_gaze")
+
+    def with_settings(self, task: Any, settings: Any) -> Any:
+        """The task with what the call's settings say beyond sampling (a LoRA variant)."""
+        if getattr(settings, "variant", None) is not None:
+            raise self.unsupported_option("settings['variant'] (LoRA variants)", "remove it")
+        return task
+
+    def _with_refs(self) -> str:
+        skills = sorted(self.capabilities.spatial_refs)
+        return f"it takes them on {', '.join(skills)}" if skills else "remove spatial_refs"
+
+    def unsupported_option(self, what: str, instead: str) -> UnsupportedSkill:
+        return UnsupportedSkill(f"this {self.name} model does not support {what}; {instead}")
 
     def unsupported(self, skill: str) -> UnsupportedSkill:
         supported = ", ".join(s for s in ALL_SKILLS if s in self.capabilities.skills)
