@@ -20,6 +20,8 @@ Accepted keys and ranges:
     stop         a list (or tuple) of at most MAX_STOPS (16) non-empty strings: free text ends before
                  the first of them (not included) and the usage's finish_reason is "stop"; skills
                  whose answer is decoded under a grammar refuse it (the grammar decides the end)
+    variant      a LoRA variant's name or file path (Moondream's `settings["variant"]`), or None;
+                 families without variants refuse it (the family resolves and loads it)
 """
 
 from __future__ import annotations
@@ -51,6 +53,7 @@ class Settings:
     seed: int | None = None
     stop: tuple[str, ...] = ()
     min_score: float = 0.0
+    variant: str | None = None
 
     def __post_init__(self) -> None:
         # object.__setattr__: the dataclass is frozen; values are normalized to plain Python numbers.
@@ -65,6 +68,10 @@ class Settings:
         if self.seed is not None:
             object.__setattr__(self, "seed", _int("seed", self.seed, 0, SEED_LIMIT - 1, "2**64 - 1"))
         object.__setattr__(self, "stop", _stops(self.stop))
+        if self.variant is not None and (not isinstance(self.variant, str) or not self.variant.strip()):
+            raise ValueError(
+                f"setting 'variant' = {self.variant!r:.80} is not accepted; it must be a variant's name or file path, or None"
+            )
         object.__setattr__(self, "min_score", _real("min_score", self.min_score, 0.0, 1.0, "number in [0, 1]"))
 
     @property
