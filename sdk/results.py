@@ -194,13 +194,43 @@ class CaptionResult(Result):
 
 
 class QueryResult(Result):
-    """`{"answer": str}`, or a TextStream of text chunks when streamed."""
+    """`{"answer": str}`, or a TextStream of text chunks when streamed; a grounded query
+    (`reasoning=True`) is `{"reasoning": {"text", "grounding": [{"start_idx", "end_idx", "points"}]},
+    "answer": ...}`, its answer streamed alone."""
 
     __slots__ = ()
     SKILL = "query"
 
     def __init__(self, answer: str | TextStream | AsyncTextStream, *, image: Any = None) -> None:
         super().__init__(answer=answer, image=image)
+
+    def with_reasoning(self, reasoning: dict[str, Any]) -> QueryResult:
+        """This result with the reasoning before the answer (the reference's key order)."""
+        answer = self["answer"]
+        self.clear()
+        self["reasoning"] = reasoning
+        self["answer"] = answer
+        return self
+
+
+class GazeResult(Result):
+    """`{"gaze": {"x", "y"}}` (floats in [0, 1], origin top-left), or `{"gaze": None}` where the
+    model finds no gaze target."""
+
+    __slots__ = ()
+    SKILL = "gaze"
+
+    def __init__(self, gaze: dict[str, float] | None, *, image: Any = None) -> None:
+        if gaze is not None:
+            parse_result({"points": [gaze]})
+        super().__init__(gaze=gaze, image=image)
+
+    def annotated(self) -> Image.Image:
+        if self.image is None:
+            raise ValueError("this result has no image to draw on; use foveal.vision.draw(image, result)")
+        if self["gaze"] is None:
+            return load_image(self.image)
+        return draw(self.image, {"points": [self["gaze"]]})
 
 
 class DetectResult(Result):
