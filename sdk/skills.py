@@ -22,6 +22,7 @@ from foveal.results import (
     CaptionResult,
     ChatResult,
     DetectResult,
+    GazeResult,
     GenerateResult,
     PointResult,
     QueryResult,
@@ -31,7 +32,8 @@ from foveal.results import (
 CAPTION_LENGTHS = ("short", "normal", "long")
 MAX_PHRASE_CHARS = 200
 RESULTS: dict[str, type[Result]] = {
-    r.SKILL: r for r in (CaptionResult, QueryResult, DetectResult, PointResult, GenerateResult, ChatResult)
+    r.SKILL: r
+    for r in (CaptionResult, QueryResult, DetectResult, PointResult, GenerateResult, ChatResult, GazeResult)
 }
 _EXAMPLES = {"object": "red circle", "question": "how many shapes are there?", "prompt": "describe the image"}
 
@@ -57,6 +59,37 @@ def check_text(name: str, value: Any, max_chars: int | None = None, one_line: bo
 
 def check_object(value: Any) -> str:
     return check_text("object", value, MAX_PHRASE_CHARS, one_line=True).strip()
+
+
+def _unit(name: str, value: Any) -> float:
+    if isinstance(value, bool) or not isinstance(value, int | float) or not 0.0 <= value <= 1.0:
+        raise ValueError(f"{name} = {value!r} is not accepted; coordinates are numbers in [0, 1] (normalized)")
+    return float(value)
+
+
+def check_spatial_refs(refs: Any) -> tuple[tuple[float, ...], ...] | None:
+    """spatial_refs: None, or a non-empty list of points [x, y] and boxes [x1, y1, x2, y2] (normalized,
+    x1 <= x2, y1 <= y2), as Moondream's API takes them."""
+    if refs is None:
+        return None
+    if isinstance(refs, str | bytes) or not isinstance(refs, Sequence) or not refs:
+        raise TypeError("spatial_refs must be a non-empty list of [x, y] points or [x1, y1, x2, y2] boxes, or None")
+    out = []
+    for i, ref in enumerate(refs):
+        if isinstance(ref, str | bytes) or not isinstance(ref, Sequence) or len(ref) not in (2, 4):
+            raise ValueError(f"spatial_refs[{i}] = {ref!r:.80} is neither a point [x, y] nor a box [x1, y1, x2, y2]")
+        values = tuple(_unit(f"spatial_refs[{i}][{j}]", v) for j, v in enumerate(ref))
+        if len(values) == 4 and (values[0] > values[2] or values[1] > values[3]):
+            raise ValueError(f"spatial_refs[{i}] = {list(values)} is a box with x1 > x2 or y1 > y2; give [x1, y1, x2, y2]")
+        out.append(values)
+    return tuple(out)
+
+
+def check_eye(eye: Any) -> tuple[float, float]:
+    """detect_gaze's eye: (x, y), normalized."""
+    if isinstance(eye, str | bytes) or not isinstance(eye, Sequence) or len(eye) != 2:
+        raise TypeError(f"eye must be the eye's (x, y), normalized to [0, 1]; got {eye!r:.80}")
+    return _unit("eye[0]", eye[0]), _unit("eye[1]", eye[1])
 
 
 def conversation(messages: Any) -> tuple[Conversation, list[Any]]:
