@@ -3,17 +3,65 @@
 A task is what the SDK needs to run a call and read its answer: the skill's name (which result type
 wraps the value), the prompt in the family's own form (a `Conversation` for families with a chat
 template, a task-prefix string for PaliGemma, a `MoondreamPrompt`), the output spec the grammar
-compiles, and how the answer's text becomes the value. The SDK never looks inside `prompt`: it hands
-it back to the family's `encode`.
+compiles, how the answer's text becomes the value, and how its items are scored. The SDK never looks
+inside `prompt`: it hands it back to the family's `encode`.
+
+SCORES
+    Every box and point carries `"score"` in [0, 1], read from the distributions its tokens were drawn
+    from under the grammar's mask (the engine's `TokenLogprob`s: the sampled token and its
+    `SCORE_ALTERNATIVES` most likely alternatives). An item's score is
+
+        P(the answer went on to this item rather than stop) x prod over its coordinates of
+        P(the coordinate lands within a tolerance of the value chosen)
+
+    - Going on: at each step between the previous item's last coordinate and this item's first one,
+      the alternatives that would have ended the answer there (EOS where the answer may end, or a
+      token whose text starts the answer's closing text and not the separator) take probability
+      away from going on; their mass is removed, step by step.
+    - A coordinate's mass: for a location token, the probability of the location tokens within the
+      tolerance of the chosen bin; for a coordinate written as digits, the same at each of its
+      tokens (and at the token that ends it), where an alternative's value is the number read with
+      that one token replaced and the others kept, the product over its tokens.
+    - The tolerance is `BOX_TOLERANCE` of the box's own extent along the coordinate's axis (a
+      coordinate off by a tenth of the box's width hardly moves its IoU), `POINT_TOLERANCE` of the
+      image for a point.
+    Alternatives beyond the recorded ones count as neither stopping nor near: a score is a lower
+    bound of the quantity above when the distribution is wider than SCORE_ALTERNATIVES tokens.
+    The definition and its measured ranking are in docs/scores.md.
+INVARIANTS (tests/sdk/test_scores.py)
+    - Every score is in [0, 1]; items and scores pair one to one, in answer order.
+    - Scoring reads the recorded distributions only: it never changes a sampled token.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import dataclass
+import math
+import re
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
+from foveal.engine.request import TokenLogprob
 from foveal.grammars import spatial
+from foveal.grammars.locations import COORDINATES
+
+SCORE_ALTERNATIVES = 20  # alternatives per token the scores read (the engine records at most 20)
+BOX_TOLERANCE = 0.1  # of the box's extent along the coordinate's axis
+POINT_TOLERANCE = 0.03  # of the image's side
+
+
+@dataclass(frozen=True, slots=True)
+class Decoded:
+    """What a scorer reads of one constrained answer: its tokens, their logprobs (one per token), the
+    tokenizer handle the grammar was compiled with (grammars.tokenizer), and the ids that end a sequence."""
+
+    token_ids: Sequence[int]
+    logprobs: Sequence[TokenLogprob]
+    tokenizer: Any
+    eos_token_ids: frozenset[int] = field(default_factory=frozenset)
+
+
+Scorer = Callable[[Decoded], list[float]]
 
 
 @dataclass(frozen=True, slots=True)
@@ -25,12 +73,15 @@ class Task:
     keep_special: bool = False  # the answer's text keeps special tokens (location tokens may be special)
     # Free text under the family's own decode rules: a factory of one call's matcher. None: unconstrained.
     rules: Callable[[], Any] | None = None
+    # A score in [0, 1] per item of the value (boxes, points), in order; None: the value is not scored.
+    score: Scorer | None = None
 
 
 def spatial_task(skill: str, prompt: Any, spec: spatial.SpatialSpec) -> Task:
-    """A detect / point task whose answer is `spec` and whose value is its boxes or points."""
+    """A detect / point task whose answer is `spec`, whose value is its boxes or points, each scored."""
     key = "objects" if spec.kind == "boxes" else "points"
-    return Task(skill, prompt, spec, lambda text: spatial.parse(spec, text)[key], is_loc(spec))
+    parse = lambda text: spatial.parse(spec, text)[key]  # noqa: E731
+    return Task(skill, prompt, spec, parse, is_loc(spec), score=lambda decoded: spatial_scores(spec, decoded))
 
 
 def is_loc(spec: Any) -> bool:
@@ -42,3 +93,189 @@ def box_centres(result: dict) -> list[dict[str, float]]:
     return [
         {"x": (b["x_min"] + b["x_max"]) / 2, "y": (b["y_min"] + b["y_max"]) / 2} for b in result["objects"]
     ]
+
+
+def with_scores(items: list[dict], scores: Sequence[float], min_score: float = 0.0) -> list[dict]:
+    """The items with their `"score"`, those below `min_score` left out (order kept)."""
+    if len(items) != len(scores):
+        raise ValueError(
+            f"{len(items)} items but {len(scores)} scores: the scorer and the parser read the answer "
+            "differently, please report it"
+        )
+    return [{**item, "score": score} for item, score in zip(items, scores, strict=True) if score >= min_score]
+
+
+# ---- scores of spatial answers (module docstring) ----------------------------------------------------
+
+
+@dataclass(slots=True)
+class _Coordinate:
+    """One coordinate of an answer: its value (normalized), its axis (0 x, 1 y), the steps that wrote
+    it with the value each alternative there would have given, and the byte offset where it ends."""
+
+    value: float
+    axis: int
+    steps: list[tuple[int, Callable[[int], float | None]]]
+    end: int
+
+
+def spatial_scores(spec: spatial.SpatialSpec, decoded: Decoded) -> list[float]:
+    """A score per item of an answer of `spec` (loc, JSON or grounding encoding), in answer order."""
+    if len(decoded.logprobs) != len(decoded.token_ids):
+        raise ValueError(
+            f"{len(decoded.token_ids)} tokens but {len(decoded.logprobs)} logprobs: ask the engine for them "
+            f"(SamplingParams(logprobs={SCORE_ALTERNATIVES}))"
+        )
+    texts = decoded.tokenizer.token_bytes()
+    pieces = [texts[t] if t < len(texts) else b"" for t in decoded.token_ids]
+    starts = [0]
+    for piece in pieces:
+        starts.append(starts[-1] + len(piece))
+    text = b"".join(pieces)
+    reader = _loc_coordinates if spec.encoding == "loc" else _text_coordinates
+    coordinates = reader(spec, decoded, pieces, starts, text)
+    per_item = COORDINATES[spec.kind]
+    layout = spec.layout()
+    tail = _item_tail(layout).encode()
+    scores, previous_end, after = [], None, 0  # previous_end: byte offset where the previous item ended
+    for k in range(len(coordinates) // per_item):
+        item = coordinates[k * per_item : (k + 1) * per_item]
+        if previous_end is None:
+            stopped, going_on = layout.empty.encode(), layout.start.encode()
+        else:
+            stopped = text[:previous_end] + layout.end.encode()
+            going_on = text[:previous_end] + layout.separator.encode()
+        first = item[0].steps[0][0]
+        going = 1.0
+        for j in range(after, first + 1):
+            going *= 1.0 - _stop_mass(decoded, j, texts, text[: starts[j]], stopped, going_on)
+        mass = math.prod(_near_mass(decoded, c, _tolerance(spec, item, c)) for c in item)
+        scores.append(min(1.0, max(0.0, going * mass)))
+        previous_end, after = item[-1].end + len(tail), item[-1].steps[-1][0]
+    return scores
+
+
+def _item_tail(layout: spatial.AnswerLayout) -> str:
+    """The fixed text of an item after its last coordinate."""
+    tail = ""
+    for piece in reversed(layout.item):
+        if isinstance(piece, spatial.Coordinate):
+            return tail
+        tail = piece + tail
+    return tail
+
+
+def _candidates(step: TokenLogprob) -> dict[int, float]:
+    """The recorded tokens of a step and their log-probabilities (the sampled one always among them)."""
+    found = dict(step.top)
+    found[step.token_id] = step.logprob
+    return found
+
+
+def _stop_mass(
+    decoded: Decoded, j: int, texts: list[bytes], base: bytes, stopped: bytes, going_on: bytes
+) -> float:
+    """The probability, at step j (answer text `base` before it), of a token that ends the answer:
+    EOS where the answer may end, or text that starts the stopped answer and not the going-on one."""
+    mass = 0.0
+    for token, logprob in _candidates(decoded.logprobs[j]).items():
+        if token == decoded.token_ids[j] or not math.isfinite(logprob):
+            continue
+        if token in decoded.eos_token_ids or token == decoded.tokenizer.eos_token_id:
+            stops = base == stopped
+        else:
+            written = base + (texts[token] if token < len(texts) else b"")
+            stops = (
+                len(written) > len(base) and stopped.startswith(written) and not going_on.startswith(written)
+            )
+        mass += math.exp(logprob) if stops else 0.0
+    return min(1.0, mass)
+
+
+def _near_mass(decoded: Decoded, coordinate: _Coordinate, tolerance: float) -> float:
+    mass = 1.0
+    for j, value_of in coordinate.steps:
+        near = 0.0
+        for token, logprob in _candidates(decoded.logprobs[j]).items():
+            value = value_of(token)
+            if (
+                value is not None
+                and math.isfinite(logprob)
+                and abs(value - coordinate.value) <= tolerance + 1e-9
+            ):
+                near += math.exp(logprob)
+        mass *= min(1.0, near)
+    return mass
+
+
+def _tolerance(spec: spatial.SpatialSpec, item: list[_Coordinate], coordinate: _Coordinate) -> float:
+    if spec.kind == "points":
+        return POINT_TOLERANCE
+    along = [c.value for c in item if c.axis == coordinate.axis]
+    return BOX_TOLERANCE * (max(along) - min(along))
+
+
+# Axes of an item's coordinates, in the order each encoding writes them.
+_AXES = {("loc", "boxes"): (1, 0, 1, 0), ("loc", "points"): (1, 0), "boxes": (0, 1, 0, 1), "points": (0, 1)}
+
+
+def _loc_coordinates(spec, decoded: Decoded, pieces, starts, text) -> list[_Coordinate]:
+    """Location tokens: one step per coordinate, an alternative's value its bin's."""
+    handle, fmt = decoded.tokenizer, spec.locations
+    bins = {handle.token_to_id(token): k for k, token in enumerate(fmt.tokens())}
+    value_of = lambda token: fmt.decode(bins[token]) if token in bins else None  # noqa: E731
+    axes = _AXES["loc", spec.kind]
+    found = []
+    for j, token in enumerate(decoded.token_ids):
+        if token in bins:
+            found.append(
+                _Coordinate(
+                    fmt.decode(bins[token]), axes[len(found) % len(axes)], [(j, value_of)], starts[j + 1]
+                )
+            )
+    return found
+
+
+_NUMBER = re.compile(rb"\d+(?:\.\d+)?")
+# Where each text encoding writes its coordinates (its keys and labels hold no such spans).
+_SPANS = {
+    "json": re.compile(rb'": (\d+(?:\.\d+)?)'),
+    "grounding": re.compile(rb"(?<=_2d\": \[)[0-9, ]*(?=\])"),
+}
+
+
+def _text_coordinates(spec, decoded: Decoded, pieces, starts, text) -> list[_Coordinate]:
+    """Coordinates written as digits: the tokens over each number and the token that ends it; an
+    alternative's value is the number read with that token in place of the sampled one."""
+    spans = []
+    for match in _SPANS[spec.encoding].finditer(text):
+        if spec.encoding == "json":
+            spans.append(match.span(1))
+        else:
+            spans += [
+                (match.start() + m.start(), match.start() + m.end()) for m in _NUMBER.finditer(match[0])
+            ]
+    axes = _AXES[spec.kind]
+    scales = (getattr(spec, "width", None) or 1, getattr(spec, "height", None) or 1)
+    texts = decoded.tokenizer.token_bytes()
+    found = []
+    for a, b in spans:
+        axis = axes[len(found) % len(axes)]
+        steps = [j for j in range(len(pieces)) if starts[j] <= b and starts[j + 1] > a]
+        reread = _rereader(text, starts, texts, a, scales[axis])
+        found.append(_Coordinate(float(text[a:b]) / scales[axis], axis, [(j, reread(j)) for j in steps], b))
+    return found
+
+
+def _rereader(text: bytes, starts: list[int], texts: list[bytes], at: int, scale: float):
+    def at_step(j: int) -> Callable[[int], float | None]:
+        def value_of(token: int) -> float | None:
+            piece = texts[token] if token < len(texts) else b""
+            if not piece:
+                return None
+            match = _NUMBER.match(text[: starts[j]] + piece + text[starts[j + 1] :], at)
+            return float(match[0]) / scale if match else None
+
+        return value_of
+
+    return at_step

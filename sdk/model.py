@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import hashlib
 from collections import deque
 from collections.abc import AsyncIterator, Callable, Generator, Iterable, Mapping
@@ -52,19 +53,21 @@ from PIL import Image
 from tqdm import tqdm
 
 from foveal import families
+from foveal import tools as chat_tools
 from foveal.engine import AsyncEngine, Engine, EngineConfig, FinishReason, Request, SamplingParams, shutdown
 from foveal.engine import models as engine_models
 from foveal.engine.request import RequestHandle, RequestOutput
 from foveal.errors import GenerationError, IncompleteOutputError, ModelClosedError
 from foveal.families import Family
 from foveal.families.base import IMAGE_SKILLS
-from foveal.families.task import Task
+from foveal.families.task import SCORE_ALTERNATIVES, Decoded, Task, with_scores
 from foveal.grammars import spatial
 from foveal.results import (
     AsyncTextStream,
     CaptionResult,
     ChatResult,
     DetectResult,
+    GazeResult,
     GenerateResult,
     PointResult,
     QueryResult,
@@ -73,12 +76,23 @@ from foveal.results import (
     Usage,
 )
 from foveal.settings import Settings, validate_settings
-from foveal.skills import RESULTS, check_length, check_object, check_text, conversation, parser
+from foveal.skills import (
+    RESULTS,
+    check_eye,
+    check_length,
+    check_object,
+    check_spatial_refs,
+    check_text,
+    conversation,
+    guarded,
+    parser,
+)
 from foveal.vision import PixelBudget, image_key, load_image
 from foveal.vision.budget import DEFAULT_PIXEL_BUDGET
 
 EMBEDDED = Path(__file__).parent / "embedded"
 SKILLS = ("caption", "query", "detect", "point", "generate")  # the skills `map` runs over images
+SETTINGS_OF = {"chat": "generate", "gaze": "point"}  # whose settings a skill takes (validate_settings)
 
 
 @dataclass(frozen=True, slots=True)
@@ -105,6 +119,8 @@ class Job:
     request: Request
     parse: Callable[[str], Any]  # the task's parser, or its compiled output spec's
     image: Image.Image | None  # the call's (first) image, which the result is about
+    tokenizer: Any = None  # the compiled answer's tokenizer handle (what a scorer reads tokens with)
+    min_score: float = 0.0  # scored items below it are left out
 
     @property
     def result(self) -> type[Result]:
@@ -292,10 +308,32 @@ class Model:
         return self._dispatch(*self._caption_task(length, settings), image, stream)
 
     def query(
-        self, image: Any, question: str, stream: bool = False, settings: Mapping | None = None
+        self,
+        image: Any = None,
+        question: str | None = None,
+        reasoning: bool = False,
+        spatial_refs: Any = None,
+        stream: bool = False,
+        settings: Mapping | None = None,
     ) -> QueryResult:
-        """Answer a question about the image: `{"answer": str}` (or an iterator of chunks with stream=True)."""
-        return self._dispatch(*self._query_task(question, settings), image, stream)
+        """Answer a question about the image: `{"answer": str}` (or an iterator of chunks with stream=True).
+
+        The arguments are Moondream's, in its order. `reasoning=True` (models that reason, e.g.
+        Moondream 2): `{"reasoning": {"text", "grounding": [{"start_idx", "end_idx", "points"}]},
+        "answer"}`, the reasoning made first, then the answer (streamed with stream=True).
+        `spatial_refs`: points [x, y] and boxes [x1, y1, x2, y2] (normalized) the question refers to,
+        on models that take them (`capabilities.spatial_refs`).
+        """
+        if reasoning:
+            return self._reason(image, question, spatial_refs, stream, settings)
+        return self._dispatch(*self._query_task(question, settings, spatial_refs), image, stream)
+
+    def detect_gaze(
+        self, image: Any, eye: Any = None, face: Any = None, unstable_settings: Mapping | None = None
+    ) -> GazeResult:
+        """Where the person whose eye is at `eye` (x, y, normalized) looks: `{"gaze": {"x", "y"}}`,
+        or `{"gaze": None}` (models with gaze, e.g. Moondream 2; its signature)."""
+        return self._dispatch(*self._gaze_task(eye, face, unstable_settings), image, False)
 
     def detect(self, image: Any, object: str, settings: Mapping | None = None) -> DetectResult:
         """Boxes of every `object`: `{"objects": [{"x_min", "y_min", "x_max", "y_max"}]}`, floats in [0, 1].
@@ -320,7 +358,15 @@ class Model:
         return self._dispatch(*self._generate_task(prompt, output_type, settings), image, False)
 
     def chat(
-        self, messages: Any, output_type: Any = None, settings: Mapping | None = None, stream: bool = False
+        self,
+        messages: Any,
+        output_type: Any = None,
+        settings: Mapping | None = None,
+        stream: bool = False,
+        tools: Any = None,
+        tool_choice: Any = None,
+        parallel_tool_calls: bool = True,
+        logprobs: int | None = None,
     ) -> ChatResult:
         """Answer a conversation: `{"text": str, "output": parsed value}` (output_type as for `generate`;
         without one, output is the text), or `{"text": iterator of chunks, "output": None}` with stream=True.
@@ -329,9 +375,27 @@ class Model:
         a part `{"type": "text", "text": ...}` or `{"type": "image", "image": PIL | path | bytes | array}`;
         images in any user message (as many as `model.capabilities.max_images`). Rendered by the model's
         own chat template; a model without one takes a single user message (capabilities.conversations).
+        An assistant message may carry OpenAI's `tool_calls`, a tool message the `tool_call_id` it answers.
+
+        tools: OpenAI function definitions (`{"type": "function", "function": {"name", "description",
+        "parameters"}}`); tool_choice: "none", "auto" (the default with tools), "required" or
+        `{"type": "function", "function": {"name": ..}}`; every call is valid against its tool's schema
+        by construction (foveal.tools), and comes back in `result["tool_calls"]` as
+        `[{"id", "name", "arguments": dict}]`. parallel_tool_calls=False: at most one call.
+        A template with a thinking section puts the thinking in `result["reasoning"]` (the output type
+        and tools constrain only what follows it). logprobs=k (0..20): `result["logprobs"]`, each token's
+        log-probability under the grammar's mask and its k most likely alternatives. With stream=True the
+        chunks are the raw reply (thinking and call markup included: `foveal.tools.ReplyReader` reads them).
         """
-        task, images, s, explicit = self._chat_task(messages, output_type, settings, stream)
-        return self._run(task, images, s, explicit, stream)
+        call = self._chat_task(messages, output_type, settings, stream, tools, tool_choice, parallel_tool_calls)
+        task, images, s, explicit, chat_plan = call
+        job = self._prepare(task, images, s, explicit)
+        self._chat_sampling(job, logprobs)
+        handle = self._submit(job)
+        if stream:
+            text = chat_tools.ChatTextStream(self._stream(job, handle), chat_plan, handle.logprobs)
+            return ChatResult("", text, image=job.image)
+        return self._chat_result(job, handle.result(), chat_plan, logprobs)
 
     def map(
         self, skill: str, images: Iterable[Any], *args: Any, progress: bool | None = True, **kwargs: Any
@@ -366,10 +430,26 @@ class Model:
         return await self._adispatch(*self._caption_task(length, settings), image, stream)
 
     async def aquery(
-        self, image: Any, question: str, stream: bool = False, settings: Mapping | None = None
+        self,
+        image: Any,
+        question: str,
+        stream: bool = False,
+        settings: Mapping | None = None,
+        *,
+        reasoning: bool = False,
+        spatial_refs: Any = None,
     ) -> QueryResult:
-        """`query` for asyncio; with stream=True the answer is an async iterator of text chunks."""
-        return await self._adispatch(*self._query_task(question, settings), image, stream)
+        """`query` for asyncio; with stream=True the answer is an async iterator of text chunks.
+        (foveal's own order: stream third; reasoning and spatial_refs by keyword.)"""
+        if reasoning:
+            return await self._areason(image, question, spatial_refs, stream, settings)
+        return await self._adispatch(*self._query_task(question, settings, spatial_refs), image, stream)
+
+    async def adetect_gaze(
+        self, image: Any, eye: Any = None, face: Any = None, unstable_settings: Mapping | None = None
+    ) -> GazeResult:
+        """`detect_gaze` for asyncio."""
+        return await self._adispatch(*self._gaze_task(eye, face, unstable_settings), image, False)
 
     async def adetect(self, image: Any, object: str, settings: Mapping | None = None) -> DetectResult:
         """`detect` for asyncio."""
@@ -386,21 +466,40 @@ class Model:
         return await self._adispatch(*self._generate_task(prompt, output_type, settings), image, False)
 
     async def achat(
-        self, messages: Any, output_type: Any = None, settings: Mapping | None = None, stream: bool = False
+        self,
+        messages: Any,
+        output_type: Any = None,
+        settings: Mapping | None = None,
+        stream: bool = False,
+        tools: Any = None,
+        tool_choice: Any = None,
+        parallel_tool_calls: bool = True,
+        logprobs: int | None = None,
     ) -> ChatResult:
         """`chat` for asyncio; with stream=True the text is an async iterator of chunks."""
-        task, images, s, explicit = self._chat_task(messages, output_type, settings, stream)
-        return await self._arun(task, images, s, explicit, stream)
+        call = self._chat_task(messages, output_type, settings, stream, tools, tool_choice, parallel_tool_calls)
+        task, images, s, explicit, chat_plan = call
+        job = await asyncio.to_thread(self._prepare, task, images, s, explicit)
+        self._chat_sampling(job, logprobs)
+        if stream:
+            handles: list[RequestHandle] = []
+            text = chat_tools.AsyncChatStream(self._astream(job, handles.append), chat_plan, handles)
+            return ChatResult("", text, image=job.image)
+        output = await AsyncEngine(self.engine).generate(job.request)
+        return self._chat_result(job, output, chat_plan, logprobs)
 
     # ---- step 1: tasks (arguments, settings, the family's task; no image) ----------------------------------
 
     def _task(self, skill: str, settings: Mapping | None, make: Callable[[Settings], Task]) -> tuple:
         """The family's task for a call (`make(validated settings)`), after the settings and the
         family's declared skills are checked."""
-        s, explicit = _settings(settings, "generate" if skill == "chat" else skill)
-        if skill not in self.family.capabilities.skills:
+        s, explicit = _settings(settings, SETTINGS_OF.get(skill, skill))
+        caps = self.family.capabilities
+        if skill not in caps.skills and skill != "gaze":
             raise self.family.unsupported(skill)
-        task = make(s)
+        if not explicit and caps.token_budget is not None and skill in ("caption", "query"):
+            s = dataclasses.replace(s, max_tokens=caps.token_budget)  # the family's own default
+        task = self.family.with_settings(make(s), s)
         if s.stop and task.spec is not None:
             raise ValueError(
                 f"settings['stop'] applies to free text; this {skill} answer is decoded under its output "
@@ -412,9 +511,61 @@ class Model:
         check_length(length)
         return self._task("caption", settings, lambda _: self.family.caption(length))
 
-    def _query_task(self, question: str, settings: Mapping | None = None) -> tuple:
+    def _query_task(self, question: str, settings: Mapping | None = None, spatial_refs: Any = None) -> tuple:
         text = check_text("question", question).strip()
-        return self._task("query", settings, lambda _: self.family.query(text))
+        refs = check_spatial_refs(spatial_refs)
+        if refs is None:
+            return self._task("query", settings, lambda _: self.family.query(text))
+        return self._task("query", settings, lambda _: self.family.spatial_query(text, refs))
+
+    def _reasoning_task(self, question: str, spatial_refs: Any, settings: Mapping | None) -> tuple:
+        text = check_text("question", question).strip()
+        refs = check_spatial_refs(spatial_refs)
+        if not self.family.capabilities.reasoning:
+            raise self.family.unsupported("reasoning")
+        return self._task("query", settings, lambda _: self.family.reasoning(text, refs))
+
+    def _gaze_task(self, eye: Any, face: Any, unstable_settings: Mapping | None) -> tuple:
+        if not self.family.capabilities.gaze:
+            raise self.family.unsupported("detect_gaze")
+        if eye is None:
+            raise ValueError("detect_gaze needs eye=(x, y), normalized; locating the face (face=) is not implemented")
+        if face is not None or unstable_settings:
+            raise ValueError(
+                "detect_gaze takes eye=(x, y) only: face= and unstable_settings (prioritize_accuracy, "
+                "force_detect) are not implemented; remove them"
+            )
+        point = check_eye(eye)
+        return self._task("gaze", None, lambda _: self.family.detect_gaze(point))
+
+    def _reason(self, image: Any, question: Any, spatial_refs: Any, stream: bool, settings: Any) -> QueryResult:
+        """A grounded query: the reasoning request, then the answer request, whose prompt holds the
+        reasoning's ids (its coordinates as values) after the reasoning's prompt."""
+        if isinstance(image, list | tuple):
+            raise ValueError("reasoning=True takes one image, not a list")
+        task, s, explicit = self._reasoning_task(question, spatial_refs, settings)
+        images = [] if image is None else [image]
+        job = self._prepare(task, images, s, explicit)
+        output = self._submit(job).result()
+        self._check(job, output)
+        reasoning, answer_task = self.family.reasoned_answer(job.task, output.token_ids)
+        result = self._run(answer_task, images, s, explicit, stream)
+        return result.with_reasoning(reasoning)
+
+    async def _areason(
+        self, image: Any, question: Any, spatial_refs: Any, stream: bool, settings: Any
+    ) -> QueryResult:
+        """`_reason` for asyncio."""
+        if isinstance(image, list | tuple):
+            raise ValueError("reasoning=True takes one image, not a list")
+        task, s, explicit = self._reasoning_task(question, spatial_refs, settings)
+        images = [] if image is None else [image]
+        job = await asyncio.to_thread(self._prepare, task, images, s, explicit)
+        output = await AsyncEngine(self.engine).generate(job.request)
+        self._check(job, output)
+        reasoning, answer_task = self.family.reasoned_answer(job.task, output.token_ids)
+        result = await self._arun(answer_task, images, s, explicit, stream)
+        return result.with_reasoning(reasoning)
 
     def _detect_task(self, object: str, settings: Mapping | None = None) -> tuple:
         phrase = check_object(object)
@@ -428,12 +579,66 @@ class Model:
         check_text("prompt", prompt)
         return self._task("generate", settings, lambda _: self.family.generate(prompt, output_type))
 
-    def _chat_task(self, messages: Any, output_type: Any, settings: Mapping | None, stream: bool) -> tuple:
-        if stream and output_type is not None:
+    def _chat_task(
+        self,
+        messages: Any,
+        output_type: Any,
+        settings: Mapping | None,
+        stream: bool,
+        tools: Any = None,
+        tool_choice: Any = None,
+        parallel_tool_calls: bool = True,
+    ) -> tuple:
+        """The chat call's task, images, settings and `foveal.tools.ChatPlan` (its grammar: tools, the
+        thinking section); raises before any work."""
+        plain, fields = chat_tools.split_tool_fields(messages)
+        talk, images = conversation(plain)
+        template = getattr(self.family, "template", None)  # the family's chat template, where it has one
+        chat_plan = chat_tools.plan(
+            output_type,
+            tools,
+            tool_choice,
+            parallel_tool_calls,
+            getattr(template, "tool_format", "json"),
+            getattr(template, "reasoning", None),
+        )
+        if (chat_plan.tools or any(calls for calls, _ in fields)) and not self.capabilities.conversations:
+            raise ValueError(
+                f"this {self.family.name} model has no chat template, so it cannot be given tools or tool "
+                "messages; use a checkpoint whose tokenizer has a chat_template"
+            )
+        if stream and chat_plan.spec is not None and not isinstance(chat_plan.spec, chat_tools.CFG):
             raise ValueError("stream=True streams free text; a structured output_type is returned whole")
-        talk, images = conversation(messages)
-        task, s, explicit = self._task("chat", settings, lambda _: self.family.chat(talk, output_type))
-        return task, images, s, explicit
+        talk = chat_tools.attach_tool_fields(talk, fields, chat_plan)
+        for where, text in chat_tools.plain_texts(chat_plan, talk):
+            self.family.plain(where, text)
+        task, s, explicit = self._task("chat", settings, lambda _: self.family.chat(talk, chat_plan.spec))
+        return task, images, s, explicit, chat_plan
+
+    def _chat_sampling(self, job: Job, logprobs: int | None) -> None:
+        """A chat request that records `logprobs` alternatives per token (SamplingParams checks k)."""
+        if logprobs is not None:
+            job.request.sampling = dataclasses.replace(job.request.sampling, logprobs=logprobs)
+
+    def _chat_result(self, job: Job, output: RequestOutput, chat_plan: Any, logprobs: int | None) -> ChatResult:
+        """The chat result: the reply read back (thinking, text, tool calls) and the logprobs asked for."""
+        result = self._result(job, output)
+        if chat_plan.calls_tools or chat_plan.reasoning is not None:
+            reply = chat_tools.read_reply(chat_plan, output.text)
+            result["text"] = reply.text
+            if chat_plan.parse_output is not None:
+                result["output"] = guarded(job.task.skill, chat_plan.parse_output)(reply.text)
+            elif isinstance(chat_plan.spec, chat_tools.CFG) or chat_plan.spec is None:
+                result["output"] = reply.text
+            if chat_plan.reasoning is not None:
+                result["reasoning"] = reply.reasoning
+            if chat_plan.calls_tools:
+                result["tool_calls"] = reply.tool_calls
+        elif chat_plan.tools:
+            result["tool_calls"] = []
+        if logprobs is not None:
+            result["logprobs"] = chat_tools.token_logprobs(output.logprobs or [], self.family.tokenizer)
+        return result
 
     # ---- step 2: prepare (grammar, images, prompt ids, token budget) ------------------------------------------
 
@@ -463,10 +668,13 @@ class Model:
             seed=settings.seed,
             stop=settings.stop,
             skip_special_tokens=not task.keep_special,  # the text the parser reads, made by the engine
+            logprobs=SCORE_ALTERNATIVES if task.score is not None else None,  # what the scores read
         )
         matcher = automaton.matcher() if automaton is not None else task.rules() if task.rules is not None else None
         request = Request(prompt.token_ids, sampling, matcher, prompt.prefill)
-        return Job(task, request, parser(task, automaton), decoded[0] if decoded else None)
+        image = decoded[0] if decoded else None
+        tokens = getattr(automaton, "tokenizer", None)
+        return Job(task, request, parser(task, automaton), image, tokens, settings.min_score)
 
     def _fit_items(self, task: Task, prompt_len: int, max_tokens: int) -> Task:
         """A spatial answer's max_objects lowered to the items `max_tokens` holds whatever spelling the
@@ -551,7 +759,12 @@ class Model:
 
     def _result(self, job: Job, output: RequestOutput) -> Result:
         self._check(job, output)
-        result = job.result.of_answer(output.text, job.parse(output.text), job.image)
+        value = job.parse(output.text)
+        if job.task.score is not None:  # boxes and points, each with its "score"
+            eos = frozenset(self.family.eos_token_ids)
+            decoded = Decoded(output.token_ids, output.logprobs or [], job.tokenizer, eos)
+            value = with_scores(value, job.task.score(decoded), job.min_score)
+        result = job.result.of_answer(output.text, value, job.image)
         result.usage = _usage(output)
         return result
 
@@ -629,10 +842,15 @@ class Model:
             return job.result.of_answer("", AsyncTextStream(self._astream(job)), job.image)
         return self._result(job, await AsyncEngine(self.engine).generate(job.request))
 
-    async def _astream(self, job: Job) -> AsyncIterator[str | Usage]:
+    async def _astream(
+        self, job: Job, on_handle: Callable[[RequestHandle], None] | None = None
+    ) -> AsyncIterator[str | Usage]:
         """The async twin of `_stream`: an engine error, a cancellation or a cut constrained answer
-        raises at the end of the stream, as it does for the sync stream and the whole result."""
+        raises at the end of the stream, as it does for the sync stream and the whole result.
+        `on_handle` sees the request's handle once submitted (a chat stream reads its logprobs)."""
         handle = self._submit(job)
+        if on_handle is not None:
+            on_handle(handle)
         try:
             async for delta in AsyncEngine.deltas(handle):
                 yield delta

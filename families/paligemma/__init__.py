@@ -18,7 +18,7 @@ from foveal.engine.models.arch import Architecture, ModelLoadError
 from foveal.engine.models.loader import LoadedModel, LoadOptions, assemble, load_transformers
 from foveal.families.base import Capabilities, Family
 from foveal.families.conversation import Conversation, single_user_message
-from foveal.families.task import Task, box_centres, is_loc, spatial_task
+from foveal.families.task import Task, box_centres, is_loc, spatial_scores, spatial_task
 from foveal.grammars import spatial
 from foveal.grammars.locations import LocationFormat
 
@@ -72,9 +72,9 @@ class PaliGemmaFamily(Family):
 
     def point(self, phrase: str, max_objects: int) -> Task:
         spec = spatial.boxes("loc", max_objects=max_objects, label=self._label(phrase), bins=self.BINS)
-        return Task(
-            "point", f"detect {phrase}", spec, lambda text: box_centres(spatial.parse(spec, text)), True
-        )
+        centres = lambda text: box_centres(spatial.parse(spec, text))  # noqa: E731
+        # a centre's score is its box's
+        return Task("point", f"detect {phrase}", spec, centres, True, score=lambda d: spatial_scores(spec, d))
 
     def generate(self, prompt: str, output_type: Any) -> Task:
         return Task("generate", self.plain("prompt", prompt), output_type, None, is_loc(output_type))
