@@ -84,6 +84,11 @@ class GroundingSpec(SpatialSpec):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or value < 1):
                 raise SchemaError(f"{name}={value!r}; the coordinate scale must be a positive integer")
+            # a 1-unit box scale leaves each coordinate one value: llguidance then forces the whole
+            # separator-and-digit run and allows only a token holding digits after a separator,
+            # which the x2 > x1 refinement must refuse inside a box (a dead end, not an answer)
+            if value == 1 and self.kind == "boxes":
+                raise SchemaError(f"{name}=1; a box scale must be at least 2 (x1 < x2 needs two values)")
 
     @property
     def bound(self) -> bool:

@@ -138,3 +138,28 @@ def test_forced_tokens_stop_before_any_digit(tok):
     _commit_text(matcher, tok, '```json\n[\n\t{"bbox_2d": [30, 5, 31, 6]')
     assert tok.decode(matcher._ll.compute_ff_tokens()) == ', "label": "car 2'
     assert tok.decode(matcher.forced_tokens()) == ', "label": "car '
+
+
+def test_a_one_unit_box_scale_is_refused_and_the_smallest_scale_never_dead_ends():
+    """At width or height 1 every box coordinate has one value: llguidance forces the separator and the
+    digit together and allows only a token that holds both, which the refinement refuses inside a box
+    (a random walk with the embedded tokenizer met that dead end). Such a scale is refused; at 2 x 2
+    with the same tokenizer, walks end in answers."""
+    from pathlib import Path
+
+    from tokenizers import Tokenizer
+
+    import foveal
+
+    for width, height in ((1, 5), (5, 1), (1, 1)):
+        with pytest.raises(SchemaError, match="at least 2"):
+            GroundingSpec("boxes", max_objects=1, label="0", width=width, height=height)
+    GroundingSpec("points", max_objects=1, label="0", width=1, height=1)  # points have 0 and 1
+    embedded = Tokenizer.from_file(str(Path(foveal.__file__).parent / "embedded" / "tokenizer.json"))
+    spec = GroundingSpec("boxes", max_objects=1, label="0", width=2, height=2)
+    automaton = grammars.compile(spec, embedded, eos_token_id=1)
+    rng = np.random.default_rng(0)
+    for _ in range(200):
+        walk = random_walk(automaton, rng, max_tokens=200, pull=0.004)
+        assert not walk.empty_mask and walk.terminated and not walk.limit, walk
+        _check(spec, embedded.decode(walk.tokens, skip_special_tokens=False))
