@@ -8,6 +8,10 @@ PROBLEM
     `max_objects` times. Each decision is one step of the engine's pipeline.
 SOLUTION
     `AnswerMatcher`: all tokens allowed at the first step, all but the answer id afterwards.
+    `ReasoningMatcher`: a grounded reasoning (query with reasoning=True): every step is THINK, a
+    token step whose coord token becomes a coordinate read from the same hidden state (the runner's
+    sample_regions), so the next input is that coordinate's encoding; eos and size are masked from
+    the second step on; the answer id ends the reasoning.
     `RegionMatcher`: an automaton over the step kinds GATE (token: eos ends the answer, anything
     else means "one more object", whose x the same step samples), COORD (y) and SIZE (w, h).
     Its `step_kind()` tells the engine what the next step samples (`foveal.engine.regions.RegionSteps`);
@@ -27,13 +31,22 @@ import torch
 
 from .region import value_of
 
-GATE, COORD, SIZE = 1, 2, 3  # engine step kinds (0 is a plain token step)
+GATE, COORD, SIZE, THINK = 1, 2, 3, 4  # engine step kinds (0 is a plain token step)
 
 
 def _clear_bit(bitmask: torch.Tensor, row: int, token: int) -> None:
-    word, bit = divmod(token, 32)
-    value = 0xFFFFFFFF & ~(1 << bit)
-    bitmask[row, word] = value - (1 << 32) if value >= 1 << 31 else value
+    """Clear one token's bit of a row whose words are all ones."""
+    _clear_bits(bitmask, row, (token,))
+
+
+def _clear_bits(bitmask: torch.Tensor, row: int, tokens: tuple[int, ...]) -> None:
+    """Clear these tokens' bits of a row whose words are all ones (tokens may share a word)."""
+    words: dict[int, int] = {}
+    for token in tokens:
+        word, bit = divmod(token, 32)
+        words[word] = words.get(word, 0xFFFFFFFF) & ~(1 << bit)
+    for word, value in words.items():
+        bitmask[row, word] = value - (1 << 32) if value >= 1 << 31 else value
 
 
 class AnswerMatcher:
@@ -58,6 +71,37 @@ class AnswerMatcher:
 
     def rollback(self, n: int) -> None:
         self.steps -= n
+
+
+class ReasoningMatcher:
+    """The reasoning phase of a grounded query: THINK steps until the answer id (the reference's loop)."""
+
+    fills_own_mask = True
+
+    def __init__(self, answer_id: int, masked: tuple[int, ...]) -> None:
+        self.answer_id = answer_id
+        self.masked = masked  # eos and size: masked after the first step, as the reference does
+        self.history: list[int] = []
+
+    def step_kind(self) -> int:
+        return THINK
+
+    def commit(self, token_id: int) -> None:
+        if self.is_terminated():
+            raise ValueError(f"the reasoning is complete; got {token_id}")
+        self.history.append(token_id)
+
+    def fill_mask(self, bitmask: torch.Tensor, row: int) -> None:
+        bitmask[row] = -1
+        if self.history:
+            _clear_bits(bitmask, row, self.masked)
+
+    def is_terminated(self) -> bool:
+        return bool(self.history) and self.history[-1] == self.answer_id
+
+    def rollback(self, n: int) -> None:
+        if n:
+            del self.history[-n:]
 
 
 class RegionMatcher:

@@ -23,7 +23,7 @@ past the image's edge is clipped to it; `parse_regions(..., clip=False)` gives t
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -34,11 +34,12 @@ from foveal.engine.models.arch import ModelLoadError
 from foveal.engine.models.loader import LoadedModel, LoadOptions
 from foveal.families.base import Capabilities, Family
 from foveal.families.conversation import Conversation, single_user_message
-from foveal.families.moondream.answers import AnswerMatcher, RegionMatcher
+from foveal.families.moondream import lora
+from foveal.families.moondream.answers import AnswerMatcher, ReasoningMatcher, RegionMatcher
 from foveal.families.moondream.config import MoondreamConfig
 from foveal.families.moondream.load import is_moondream, load_folder
-from foveal.families.moondream.processor import MoondreamPrompt
-from foveal.families.moondream.region import coord_from_bin, size_from_bins
+from foveal.families.moondream.processor import Coord, MoondreamPrompt, Size
+from foveal.families.moondream.region import coord_from_bin, size_from_bins, value_of
 from foveal.families.task import Task
 
 VALUE = re.compile(r"<(coord|size) (\d+)(?: (\d+))?>")
@@ -79,18 +80,89 @@ def parse_regions(text: str, with_size: bool, clip: bool = True) -> list[dict[st
     return out
 
 
+def parse_gaze(text: str) -> dict[str, float] | None:
+    """The gaze point of a gaze answer's text (one point, or None where the model said eos)."""
+    points = parse_regions(text, with_size=False)
+    return points[0] if points else None
+
+
 SKILLS = frozenset({"caption", "query", "detect", "point", "generate", "chat"})
+GAZE_PROMPT = ("\n\nPoint:", " gaze\n\n")  # the reference's strings around the eye's coordinates
+
+
+def bf16(value: float) -> float:
+    """A float rounded to bfloat16, as the reference builds detect_gaze's eye tensor."""
+    return torch.tensor(value, dtype=torch.float32).to(torch.bfloat16).float().item()
+
+
+def ref_parts(refs: tuple[tuple[float, ...], ...]) -> tuple[Coord | Size, ...]:
+    """Spatial references as the reference encodes them: a point (x, y) -> coord x, coord y; a box
+    (x1, y1, x2, y2) -> coord of its centre's x, y, then size (x2 - x1, y2 - y1); in order."""
+    parts: list[Coord | Size] = []
+    for ref in refs:
+        if len(ref) == 2:
+            parts += [Coord(ref[0]), Coord(ref[1])]
+        else:
+            x1, y1, x2, y2 = ref
+            parts += [Coord((x1 + x2) / 2), Coord((y1 + y2) / 2), Size(x2 - x1, y2 - y1)]
+    return tuple(parts)
+
+
+@dataclass(frozen=True, slots=True)
+class Reasoning:
+    """A grounded reasoning's text and groundings, read from its committed ids as the reference does."""
+
+    text: str
+    grounding: list[dict[str, Any]]
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"text": self.text, "grounding": self.grounding}
+
+
+def parse_reasoning(ids: list[int], decode: Any, tokens: Any, vocab_size: int) -> tuple[Reasoning, list]:
+    """(the reasoning, the prompt parts it fed) from a reasoning's committed ids (coordinates are value
+    ids, region.py). Chunks open at start-ground / end-ground tokens; text = the chunks' decoded texts
+    joined; a chunk with >= 2 coordinates is a grounding over its own text, points = (x, y) pairs."""
+    chunks: list[list[int]] = [[]]
+    coords: list[list[float]] = [[]]
+    fed: list[int | Coord] = []
+    for value_id in ids:
+        kind, bins = value_of(vocab_size, value_id)
+        token = tokens.coord_id if kind == "coord" else value_id
+        if token in (tokens.start_ground_points_id, tokens.end_ground_id):
+            chunks.append([])
+            coords.append([])
+        chunks[-1].append(token)
+        if kind == "coord":
+            x = coord_from_bin(torch.tensor(bins[0])).item()
+            coords[-1].append(x)
+            fed.append(Coord(x))
+        else:
+            fed.append(token)
+    text, grounding = "", []
+    for chunk, values in zip(chunks, coords, strict=True):
+        piece = decode(chunk, skip_special_tokens=True) if chunk else ""
+        if len(values) >= 2:
+            points = [[values[i], values[i + 1]] for i in range(0, len(values) - 1, 2)]
+            grounding.append({"start_idx": len(text), "end_idx": len(text) + len(piece), "points": points})
+        text += piece
+    return Reasoning(text, grounding), fed
+
 
 
 class MoondreamFamily(Family):
     name = "moondream"
     architectures = ("HfMoondream",)
 
-    def __init__(self, loaded: LoadedModel, config: MoondreamConfig) -> None:
-        super().__init__(loaded, Capabilities(SKILLS, vision=True))
+    def __init__(self, loaded: LoadedModel, config: MoondreamConfig, folder: Path | None = None) -> None:
+        capabilities = Capabilities(
+            SKILLS, vision=True, reasoning=True, gaze=True, spatial_refs=frozenset({"query"}), variants=True
+        )
+        super().__init__(loaded, capabilities)
         self.config = config
         self.ids = config.tokenizer
         self.templates = config.tokenizer.templates
+        self.folder = folder
 
     @classmethod
     def matches(cls, raw: dict, folder: Path) -> bool:
@@ -102,7 +174,7 @@ class MoondreamFamily(Family):
             if value:
                 raise ModelLoadError(f"{name} is not supported for Moondream 2 (its own implementation); leave it unset")
         loaded, config = load_folder(folder, options.device, options.dtype, str(folder), options.image_cache_bytes)
-        return cls(loaded, config)
+        return cls(loaded, config, folder)
 
     def compile(self, spec: Any) -> grammars.Automaton | None:
         if isinstance(spec, RegionAnswer):  # its own automaton: nothing to compile
@@ -139,6 +211,58 @@ class MoondreamFamily(Family):
 
     def query(self, question: str) -> Task:
         return Task("query", self._query_prompt(self.plain("question", question)), rules=self._rules)
+
+    def spatial_query(self, question: str, refs: tuple[tuple[float, ...], ...]) -> Task:
+        """query.prefix + each ref's coord (and size) values + question + query.suffix twice."""
+        template = self._template("query")
+        prompt = MoondreamPrompt(
+            (*template["prefix"], *ref_parts(refs)), self.plain("question", question), tuple(template["suffix"]) * 2
+        )
+        return Task("query", prompt, rules=self._rules)
+
+    def reasoning(self, question: str, refs: tuple[tuple[float, ...], ...] | None) -> Task:
+        """The reasoning phase of query(reasoning=True): query.prefix + question + query.suffix + the
+        thinking id; its answer's ids are read by `reasoned_answer`."""
+        if refs:
+            raise self.unsupported_option(
+                "spatial_refs together with reasoning=True",
+                "the reference fails on it at this revision; ask with one or the other",
+            )
+        template = self._template("query")
+        prompt = MoondreamPrompt(
+            tuple(template["prefix"]), self.plain("question", question), (*template["suffix"], self.ids.thinking_id)
+        )
+        masked = (self.ids.eos_id, self.ids.size_id)
+        return Task("query", prompt, rules=lambda: ReasoningMatcher(self.ids.answer_id, masked))
+
+    def reasoned_answer(self, task: Task, token_ids: list[int]) -> tuple[dict[str, Any], Task]:
+        """The reasoning read from its ids, and the answer's task: the reasoning's prompt, every token
+        it fed (coordinates as their values), then query.suffix (the answer id) at the next position."""
+        if token_ids and token_ids[-1] == self.ids.answer_id:
+            token_ids = token_ids[:-1]  # the id that ended the reasoning; the suffix feeds it again
+        thought, fed = parse_reasoning(token_ids, self.tokenizer.decode, self.ids, self.config.text.vocab_size)
+        base = task.prompt
+        suffix = (*base.suffix, *fed, *self._template("query")["suffix"])
+        prompt = MoondreamPrompt(base.prefix, base.text, suffix, base.variant, base.variant_name)
+        return thought.as_dict(), Task("query", prompt, rules=self._rules)
+
+    def detect_gaze(self, eye: tuple[float, float]) -> Task:
+        """The reference's gaze prompt: "\n\nPoint:", the eye's x and y (rounded to bfloat16 as the
+        reference's tensor is), " gaze\n\n"; then one point, or eos for none."""
+        before, after = GAZE_PROMPT
+        prompt = MoondreamPrompt((before, Coord(bf16(eye[0])), Coord(bf16(eye[1])), after))
+        spec = RegionAnswer(False, 1, self.config.text.vocab_size, self.ids.eos_id)
+        return Task("gaze", prompt, spec, parse_gaze, keep_special=True)
+
+    def with_settings(self, task: Task, settings: Any) -> Task:
+        """The task with the call's LoRA variant (settings['variant']) resolved and loaded."""
+        name = getattr(settings, "variant", None)
+        if name is None:
+            return task
+        path = lora.resolve(name, self.folder)
+        index, identity = self.runner.variants.load(path)
+        p = task.prompt
+        return replace(task, prompt=MoondreamPrompt(p.prefix, p.text, p.suffix, index, identity))
 
     def detect(self, phrase: str, max_objects: int) -> Task:
         return self._region_task("detect", phrase, max_objects, with_size=True)

@@ -30,6 +30,8 @@ INVARIANTS
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 import torch.nn.functional as F
 
@@ -41,8 +43,10 @@ from foveal.engine.request import PrefillInputs
 from foveal.engine.runner import ForwardBatch
 
 from . import region
-from .answers import COORD, GATE, SIZE
+from .answers import COORD, GATE, SIZE, THINK
 from .config import HEAD_DIM, MoondreamConfig
+from .lora import VariantBank, selector
+from .processor import KEY_SALT
 from .text import rotary_table
 from .weights import MoondreamWeights
 
@@ -68,7 +72,16 @@ class MoondreamRunner:
         self.num_layers, self.kv_heads = text.n_layers, text.n_kv_heads
         self.eos_id = self.config.tokenizer.eos_id
         self.cos, self.sin = (t.to(self.device) for t in rotary_table(text.max_context))
+        self.coord_token = self.config.tokenizer.coord_id
         self.image_cache = ImageFeatureCache(image_cache_bytes)
+        text_shapes = {
+            "qkv": (text.dim, (text.n_heads + 2 * text.n_kv_heads) * HEAD_DIM),
+            "proj": (text.dim, text.dim),
+            "fc1": (text.dim, text.ff_dim),
+            "fc2": (text.ff_dim, text.dim),
+        }
+        self.variants = VariantBank(text.n_layers, text_shapes, self.device, self.dtype)
+        self.page_variant: torch.Tensor | None = None  # [pages + 1]: the variant of the sequence owning a first page
         self.images_encoded = 0
         self.kv: PagedKV | None = None
         self.last_hidden: torch.Tensor | None = None
@@ -89,6 +102,7 @@ class MoondreamRunner:
             page_size,
             num_pages,
         )
+        self.page_variant = torch.zeros(num_pages + 1, dtype=torch.int64, device=self.device)
         if self.decode_graphs is not None:
             self.decode_graphs.clear()
 
@@ -102,10 +116,11 @@ class MoondreamRunner:
         kv = self.kv
         if kv is None:
             raise RuntimeError("allocate_kv(num_pages, page_size) must be called before forward()")
-        if batch.is_decode and self.decode_graphs is not None and not batch.prefill:
+        lora = self._lora(batch)
+        if batch.is_decode and self.decode_graphs is not None and not batch.prefill and lora is None:
             out = self.decode_graphs(batch, kv.k, kv.v, kv.page_size, kv.scratch_page)
         else:
-            out = self._eager(batch, kv.k, kv.v)
+            out = self._eager(batch, kv.k, kv.v, lora)
         self.last_hidden = out[:, self.vocab_size :]
         return out[:, : self.vocab_size]
 
@@ -122,19 +137,28 @@ class MoondreamRunner:
         wh = self.region.size_bins(h)
         size = region.size_id(self.vocab_size, wh[:, 0], wh[:, 1])
         gate = torch.where(token == self.eos_id, token, coord)
+        think = torch.where(token == self.coord_token, coord, token)
         value = torch.where(kind == GATE, gate, torch.where(kind == SIZE, size, coord))
-        value = torch.where((kind == GATE) | (kind == COORD) | (kind == SIZE), value, token)
+        value = torch.where(kind == THINK, think, value)
+        value = torch.where((kind == GATE) | (kind == COORD) | (kind == SIZE) | (kind == THINK), value, token)
         sampled.index_copy_(0, rows, value)
 
     # ---- the forward ---------------------------------------------------------------------------
-    def _eager(self, batch: ForwardBatch, ks: list[torch.Tensor], vs: list[torch.Tensor]) -> torch.Tensor:
+    def _eager(
+        self, batch: ForwardBatch, ks: list[torch.Tensor], vs: list[torch.Tensor], lora: tuple | None = None
+    ) -> torch.Tensor:
         kv = PagedKV(ks, vs, self.kv.page_size, self.kv.scratch_page)
         ctx = build_context(batch, kv, prefix_lens(batch, self.device), self.dtype)
         x = self.embed(batch.input_ids)
         images = [(row, p) for row, p in enumerate(batch.prefill) if p is not None and p.num_image_tokens]
         if images:
             x = self._scatter_images(x, batch, ctx.query_seq, images)
-        hidden = self.text(x, batch.positions, ctx, self.cos, self.sin)
+            x = self._scatter_values(x, batch, ctx.query_seq, images)
+        if lora is not None:
+            stacks, seq_variant = lora
+            token_variant = seq_variant if ctx.query_seq is None else seq_variant[ctx.query_seq]  # None: decode
+            lora = (stacks, selector(stacks, token_variant, x.dtype))
+        hidden = self.text(x, batch.positions, ctx, self.cos, self.sin, lora)
         last = hidden.index_select(0, batch.query_start[1:].to(torch.int64) - 1)
         return torch.cat([self.text.logits(last).float(), last.float()], dim=-1)
 
@@ -161,10 +185,59 @@ class MoondreamRunner:
         rows = (start + batch.positions - 1).clamp(0, features.shape[0] - 1)
         return torch.where(at[:, None], features.index_select(0, rows), x)
 
+    def _scatter_values(
+        self,
+        x: torch.Tensor,
+        batch: ForwardBatch,
+        query_seq: torch.Tensor,
+        images: list[tuple[int, PrefillInputs]],
+    ) -> torch.Tensor:
+        """Rows at a prompt's region-value positions (processor.py) take the values' encodings; a value
+        whose position is not in this launch (its page came from the prefix cache) matches no row."""
+        for values, where, encode in (("coords", "coord_pos", self.region.encode_coord),
+                                      ("sizes", "size_pos", self.region.encode_size)):
+            found = [(row, p.image_tensors[values], p.image_tensors[where])
+                     for row, p in images if values in p.image_tensors]
+            if not found:
+                continue
+            encoded = encode(torch.cat([v for _, v, _ in found]).to(x.dtype))
+            pos = torch.cat([at for _, _, at in found])
+            seq = torch.cat([torch.full_like(at, row) for row, _, at in found])
+            match = (query_seq[:, None] == seq[None, :]) & (batch.positions[:, None] == pos[None, :])
+            # at most one match per row: the matmul copies that value's row exactly
+            x = torch.where(match.any(dim=1)[:, None], match.to(x.dtype) @ encoded, x)
+        return x
+
+    def _lora(self, batch: ForwardBatch) -> tuple | None:
+        """(stacks, [B] variant index of each sequence) when any variant is loaded, else None.
+
+        A sequence's variant is known from its prefill (PrefillInputs "variant") and recorded on its
+        first KV page, which only sequences of the same image, values and variant share
+        (processor.py keys those pages by the variant); decode rows read it back from there."""
+        stacks = self.variants.snapshot
+        if stacks is None:
+            return None
+        first = batch.block_tables[:, 0].to(torch.int64).clamp(min=0)
+        # Every Moondream prompt carries PrefillInputs (processor.py), so a None here is a decode row.
+        rows = [row for row, p in enumerate(batch.prefill) if p is not None]
+        if rows:
+            index = [int(batch.prefill[row].image_tensors.get("variant", 0)) for row in rows]
+            self.page_variant.index_copy_(
+                0, first[rows], torch.tensor(index, dtype=torch.int64).to(self.device, non_blocking=True)
+            )
+        seq_variant = self.page_variant.index_select(0, first)
+        if self.device.type == "cpu" and not bool(seq_variant.any()):
+            return None  # the host is the device: a batch of base rows replays the base graphs
+        return stacks, seq_variant
+
     def image_features(self, images: list[PrefillInputs]) -> list[torch.Tensor]:
         """Each image's [729, dim] embeddings: cached ones by key, misses encoded in one call (a key
-        seen twice in the launch is encoded once)."""
-        return cached_or_encoded(self.image_cache, images, self.encode_images)
+        seen twice in the launch is encoded once). The key's salt (values, variant) is dropped: the
+        embeddings depend on the image alone."""
+        unsalted = [
+            p if p.image_key is None else replace(p, image_key=p.image_key.split(KEY_SALT, 1)[0]) for p in images
+        ]
+        return cached_or_encoded(self.image_cache, unsalted, self.encode_images)
 
     def encode_images(self, images: list[PrefillInputs]) -> list[torch.Tensor]:
         pixels = [image.image_tensors["pixels"] for image in images]

@@ -9,6 +9,7 @@ SOLUTION
     Blocks are parallel: h = ln(x); x = x + proj(attn(h)) + fc2(gelu(fc1(h))). Q/K/V come from one
     fused projection ([q | k | v]); rotary is partial (dims 0..31 of each 64-dim head) with half
     pairing (dim i rotates with dim i + 16), angles from a float32 table as the reference builds it.
+    A LoRA variant per token (lora.py) adds its delta to qkv, proj, fc1 and fc2.
     Attention reuses the engine's paged layout (`attention.PagedKV`) and the per-launch indices and
     mask of `attention.build_context`: new K/V are written at the batch's `kv_index`, each sequence's
     keys gathered through its block table, one SDPA call over the padded query block; the image
@@ -22,12 +23,14 @@ INVARIANTS
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from foveal.engine.models.attention import PagedContext, paged_attention
 
 from .config import HEAD_DIM, LN_EPS, ROPE_THETA, ROTARY_DIM, TextConfig
 from .layers import MLP, QKV
+from .lora import Stacks, delta
 
 
 def rotary_table(max_positions: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -76,20 +79,34 @@ class TextDecoder(nn.Module):
         ctx: PagedContext,
         cos_table: torch.Tensor,
         sin_table: torch.Tensor,
+        lora: tuple[Stacks, torch.Tensor] | None = None,
     ) -> torch.Tensor:
-        """x [T, dim] input embeddings of the launch's tokens -> [T, dim] hidden states (before post_ln)."""
+        """x [T, dim] input embeddings of the launch's tokens -> [T, dim] hidden states (before post_ln).
+
+        `lora`: the variants' stacks and the [T, R] selector of each token's variant (lora.py); None:
+        the base model."""
         cos, sin = cos_table[positions], sin_table[positions]
         heads, kv_heads = self.cfg.n_heads, self.cfg.n_kv_heads
         num_tokens = x.shape[0]
         for index, block in enumerate(self.blocks):
             h = block.ln(x)
-            q, k, v = block.attn.qkv(h).split(
+            qkv = block.attn.qkv(h)
+            if lora is not None:
+                qkv = qkv + delta(lora[0], (index, "qkv"), h, lora[1])
+            q, k, v = qkv.split(
                 [heads * HEAD_DIM, kv_heads * HEAD_DIM, kv_heads * HEAD_DIM], dim=-1
             )
             q = apply_rotary(q.view(num_tokens, heads, HEAD_DIM), cos, sin)
             k = apply_rotary(k.view(num_tokens, kv_heads, HEAD_DIM), cos, sin)
             a = paged_attention(ctx, index, q, k, v.view(num_tokens, kv_heads, HEAD_DIM), None)
-            x = x + block.attn.proj(a.reshape(num_tokens, heads * HEAD_DIM)) + block.mlp(h)
+            attn = block.attn.proj(a.reshape(num_tokens, heads * HEAD_DIM))
+            if lora is None:
+                x = x + attn + block.mlp(h)
+                continue
+            stacks, select = lora
+            attn = attn + delta(stacks, (index, "proj"), h, select)  # reads h, as the reference's
+            g = F.gelu(block.mlp.fc1(h) + delta(stacks, (index, "fc1"), h, select), approximate="tanh")
+            x = x + attn + block.mlp.fc2(g) + delta(stacks, (index, "fc2"), g, select)
         return x
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
