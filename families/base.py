@@ -125,7 +125,7 @@ class Family:
     # ---- Moondream's extras (families that declare them in their capabilities override these) ---------------
 
     def spatial_query(self, question: str, refs: tuple[tuple[float, ...], ...]) -> Any:
-        raise self.unsupported_option("spatial_refs on query", self._with_refs())
+        raise self.unsupported_option("spatial_refs on query", self.refs_hint())
 
     def reasoning(self, question: str, refs: tuple[tuple[float, ...], ...] | None) -> Any:
         """The reasoning phase of query(reasoning=True); its ids go to `reasoned_answer`."""
@@ -144,7 +144,8 @@ class Family:
             raise self.unsupported_option("settings['variant'] (LoRA variants)", "remove it")
         return task
 
-    def _with_refs(self) -> str:
+    def refs_hint(self) -> str:
+        """Where this family takes spatial_refs, for refusals."""
         skills = sorted(self.capabilities.spatial_refs)
         return f"it takes them on {', '.join(skills)}" if skills else "remove spatial_refs"
 
