@@ -342,9 +342,14 @@ class Model:
         """
         return self._dispatch(*self._detect_task(object, settings), image, False)
 
-    def point(self, image: Any, object: str, settings: Mapping | None = None) -> PointResult:
-        """Points on every `object`: `{"points": [{"x", "y"}]}`, floats in [0, 1], origin top-left."""
-        return self._dispatch(*self._point_task(object, settings), image, False)
+    def point(
+        self, image: Any, object: str, settings: Mapping | None = None, spatial_refs: Any = None
+    ) -> PointResult:
+        """Points on every `object`: `{"points": [{"x", "y"}]}`, floats in [0, 1], origin top-left.
+
+        `spatial_refs` (Moondream's API): taken only by models that declare it for point
+        (`capabilities.spatial_refs`), refused elsewhere."""
+        return self._dispatch(*self._point_task(object, settings, spatial_refs), image, False)
 
     def generate(
         self, image: Any, prompt: str, output_type: Any = None, settings: Mapping | None = None
@@ -455,9 +460,11 @@ class Model:
         """`detect` for asyncio."""
         return await self._adispatch(*self._detect_task(object, settings), image, False)
 
-    async def apoint(self, image: Any, object: str, settings: Mapping | None = None) -> PointResult:
+    async def apoint(
+        self, image: Any, object: str, settings: Mapping | None = None, spatial_refs: Any = None
+    ) -> PointResult:
         """`point` for asyncio."""
-        return await self._adispatch(*self._point_task(object, settings), image, False)
+        return await self._adispatch(*self._point_task(object, settings, spatial_refs), image, False)
 
     async def agenerate(
         self, image: Any, prompt: str, output_type: Any = None, settings: Mapping | None = None
@@ -571,8 +578,10 @@ class Model:
         phrase = check_object(object)
         return self._task("detect", settings, lambda s: self.family.detect(phrase, s.max_objects))
 
-    def _point_task(self, object: str, settings: Mapping | None = None) -> tuple:
+    def _point_task(self, object: str, settings: Mapping | None = None, spatial_refs: Any = None) -> tuple:
         phrase = check_object(object)
+        if check_spatial_refs(spatial_refs) is not None:  # no family points from references yet
+            raise self.family.unsupported_option("spatial_refs on point", self.family.refs_hint())
         return self._task("point", settings, lambda s: self.family.point(phrase, s.max_objects))
 
     def _generate_task(self, prompt: str, output_type: Any = None, settings: Mapping | None = None) -> tuple:
