@@ -42,7 +42,9 @@ ROOT = Path(__file__).resolve().parent.parent
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
 SERVER = "http://127.0.0.1:2020"
 DATA_URL = "data:image/png;base64,..."
-FENCE = re.compile(r"^(?P<indent>[ \t]*)```python(?P<info>[^\n`]*)\n(?P<code>.*?)^(?P=indent)```", re.M | re.S)
+FENCE = re.compile(
+    r"^(?P<indent>[ \t]*)```python(?P<info>[^\n`]*)\n(?P<code>.*?)^(?P=indent)```", re.M | re.S
+)
 AWAIT = re.compile(r"^\s*(\w+ = )?await ", re.M)
 
 
@@ -126,7 +128,9 @@ def test_a_failing_block_names_its_file_and_line(tmp_path):
 
 def test_a_failing_await_block_names_its_line(tmp_path):
     page = tmp_path / "page.md"
-    page.write_text("text\n\n- a list item:\n\n    ```python\n    await asyncio.sleep(0)\n    1 / 0\n    ```\n")
+    page.write_text(
+        "text\n\n- a list item:\n\n    ```python\n    await asyncio.sleep(0)\n    1 / 0\n    ```\n"
+    )
     with pytest.raises(pytest.fail.Exception, match=r"page\.md:7: .*ZeroDivisionError"):
         run_page(page, {"asyncio": asyncio})
 

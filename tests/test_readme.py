@@ -56,7 +56,12 @@ def test_no_diary_in_the_readme():
 
 
 def test_the_diary_pattern_finds_what_it_should():
-    samples = ["as issue 19 measured", "this session changed", "load average 4-5", "on this shared 2-core machine"]
+    samples = [
+        "as issue 19 measured",
+        "this session changed",
+        "load average 4-5",
+        "on this shared 2-core machine",
+    ]
     assert all(DIARY.search(sample) for sample in samples)
     assert not DIARY.search("a 2-slot pipeline runs the forward of step t+1")
 
@@ -72,6 +77,14 @@ def test_every_relative_link_resolves():
 
 def test_the_readme_links_the_main_docs_pages():
     text = _text()
-    for page in ("getting-started", "models/index", "skills", "structured-output", "serving", "batch",
-                 "performance", "architecture"):
+    for page in (
+        "getting-started",
+        "models/index",
+        "skills",
+        "structured-output",
+        "serving",
+        "batch",
+        "performance",
+        "architecture",
+    ):
         assert f"(docs/{page}.md)" in text, f"README.md does not link docs/{page}.md"
