@@ -13,6 +13,10 @@ SOLUTION
     batch's `kv_index`, gathers each sequence's pages through `block_tables`, and runs one SDPA
     call over the padded [num_seqs, max_query_len] query block with a boolean mask built once per
     forward (`PagedContext`). Untagged modules (vision towers) use transformers' own SDPA.
+    A layer that attends over a sliding window (transformers passes its `sliding_window`) gets the
+    same mask with the keys at or before `position - window` masked out, built once per window per
+    forward. A layer that reads another layer's K/V (KV sharing: `module.foveal_kv_shared`, its
+    `foveal_kv_index` the producer's) writes nothing and attends over the producer's pages.
 
 INVARIANTS
     - Only the KV rows named in `kv_index` are written; only pages named in `block_tables` (and the
@@ -20,13 +24,15 @@ INVARIANTS
     - A query at position p sees keys 0..p of its own sequence (causal within the query), plus the
       whole prefix [0, prefix_len) when the family has prefix attention (PaliGemma's image + prompt);
       so a PaliGemma prompt must be prefilled in one launch (the engine does not split prompts).
+    - A sliding layer's query at position p sees keys p - window + 1 .. p of its own sequence, as
+      transformers' `sliding_window_overlay` does (the window counts the query's own position).
     - Padded query rows always see key 0, so SDPA never produces NaN rows (they are dropped anyway).
     - No host synchronisation: every index is derived on the device from the batch tensors.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -62,7 +68,22 @@ class PagedContext:
     num_seqs: int
     max_query_len: int
     num_keys: int  # L
-    grouped_mask: torch.Tensor | None = None  # [B, 1, G * Q, L]: `mask` for GQA folded into query rows (CPU)
+    query_pos: torch.Tensor | None = None  # [B, Q] each query row's position (decode: [B, 1]); for windows
+    # window (None: full attention) -> its mask, and its GQA-folded form (CPU), built once per forward
+    window_masks: dict[int, torch.Tensor] = field(default_factory=dict)
+    grouped_masks: dict[int | None, torch.Tensor] = field(default_factory=dict)
+
+    def mask_for(self, window: int | None) -> torch.Tensor:
+        """The additive mask of a layer with a sliding `window` (None: `mask`), built on first use."""
+        if window is None:
+            return self.mask
+        mask = self.window_masks.get(window)
+        if mask is None:
+            key_pos = torch.arange(self.num_keys, device=self.mask.device)
+            far = key_pos[None, None, :] <= self.query_pos[:, :, None] - window  # [B, Q, L]
+            mask = self.mask.masked_fill(far[:, None], float("-inf"))
+            self.window_masks[window] = mask
+        return mask
 
 
 _NUMPY_OF_WIDTH = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
@@ -109,6 +130,7 @@ def build_context(
     query_seq = query_row = None
     if max_q == 1 and prefix_lens is None and not batch.prefill:  # prefill inputs: runners place rows by query_seq
         visible = in_context
+        query_pos = (batch.context_lens.to(torch.int64) - 1)[:, None]
     else:
         num_tokens = batch.input_ids.shape[0]
         token = torch.arange(num_tokens, device=device)
@@ -134,19 +156,30 @@ def build_context(
         num_seqs=num_seqs,
         max_query_len=max_q,
         num_keys=num_keys,
+        query_pos=query_pos,
     )
 
 
 def paged_attention(
-    ctx: PagedContext, index: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scaling: float | None
+    ctx: PagedContext,
+    index: int,
+    query: torch.Tensor,
+    key: torch.Tensor | None,
+    value: torch.Tensor | None,
+    scaling: float | None,
+    window: int | None = None,
 ) -> torch.Tensor:
     """One layer's attention over the paged cache: query [T, H, D], key/value [T, Hkv, D] -> [T, H, D].
 
-    Writes the launch's K/V at `ctx.kv_index` first, then attends over each sequence's gathered pages.
+    Writes the launch's K/V at `ctx.kv_index` first (key None: a layer reading another layer's K/V,
+    written by that layer), then attends over each sequence's gathered pages; `window`: a sliding
+    window's length in positions (None: full attention).
     """
     k_cache, v_cache = ctx.kv.k[index], ctx.kv.v[index]
-    k_cache.index_copy_(0, ctx.kv_index, key.to(k_cache.dtype))
-    v_cache.index_copy_(0, ctx.kv_index, value.to(v_cache.dtype))
+    if key is not None:
+        k_cache.index_copy_(0, ctx.kv_index, key.to(k_cache.dtype))
+        v_cache.index_copy_(0, ctx.kv_index, value.to(v_cache.dtype))
+    mask = ctx.mask_for(window)
 
     # index_select over the flat KV rows, not k_cache[gather_index]: same rows, ~5x faster on CPU
     # (advanced indexing takes a generic path; 32 x 128 keys: 49 vs 243 us per tensor).
@@ -162,19 +195,19 @@ def paged_attention(
             query.reshape(num_seqs, kv_heads, heads // kv_heads, dim),
             keys.to(query.dtype),
             values.to(query.dtype),
-            attn_mask=ctx.mask,
+            attn_mask=mask,
             scale=scaling,
         )
         return out.reshape(num_seqs, heads, dim)
     padded = query.new_zeros(num_seqs, ctx.max_query_len, heads, dim)
     padded[ctx.query_seq, ctx.query_row] = query
     if heads > kv_heads and query.device.type == "cpu":  # measured on CPU only; CUDA keeps enable_gqa
-        return _grouped_attention(ctx, padded, keys.to(query.dtype), values.to(query.dtype), scaling)
+        return _grouped_attention(ctx, padded, keys.to(query.dtype), values.to(query.dtype), scaling, window)
     out = F.scaled_dot_product_attention(
         padded.transpose(1, 2),
         keys.to(query.dtype),
         values.to(query.dtype),
-        attn_mask=ctx.mask,
+        attn_mask=mask,
         scale=scaling,
         enable_gqa=heads > kv_heads,
     )
@@ -182,7 +215,12 @@ def paged_attention(
 
 
 def _grouped_attention(
-    ctx: PagedContext, padded: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scaling: float | None
+    ctx: PagedContext,
+    padded: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    scaling: float | None,
+    window: int | None = None,
 ) -> torch.Tensor:
     """The padded query block [B, Q, H, D] over keys/values [B, Hkv, L, D], GQA folded into query
     rows as in decode: the G query heads of a KV head are G * Q rows of that head, with the mask
@@ -192,12 +230,14 @@ def _grouped_attention(
     num_seqs, max_q, heads, dim = padded.shape
     kv_heads = keys.shape[1]
     group = heads // kv_heads
-    if ctx.grouped_mask is None:
+    grouped = ctx.grouped_masks.get(window)
+    if grouped is None:
         shape = (num_seqs, 1, group, max_q, ctx.num_keys)
-        ctx.grouped_mask = ctx.mask[:, :, None].expand(shape).reshape(num_seqs, 1, group * max_q, ctx.num_keys)
+        grouped = ctx.mask_for(window)[:, :, None].expand(shape).reshape(num_seqs, 1, group * max_q, ctx.num_keys)
+        ctx.grouped_masks[window] = grouped
     rows = padded.view(num_seqs, max_q, kv_heads, group, dim).permute(0, 2, 3, 1, 4)
     out = F.scaled_dot_product_attention(
-        rows.reshape(num_seqs, kv_heads, group * max_q, dim), keys, values, attn_mask=ctx.grouped_mask, scale=scaling
+        rows.reshape(num_seqs, kv_heads, group * max_q, dim), keys, values, attn_mask=grouped, scale=scaling
     )
     out = out.view(num_seqs, kv_heads, group, max_q, dim).permute(0, 3, 1, 2, 4)
     return out.reshape(num_seqs, max_q, heads, dim)[ctx.query_seq, ctx.query_row]
@@ -224,8 +264,15 @@ def paged_attention_forward(
         raise NotImplementedError(
             "attention logit soft-capping (Gemma 2) is not supported by foveal's runner"
         )
+    shared = getattr(module, "foveal_kv_shared", False)  # K/V written by the producer layer
     out = paged_attention(
-        ctx, index, query[0].transpose(0, 1), key[0].transpose(0, 1), value[0].transpose(0, 1), scaling
+        ctx,
+        index,
+        query[0].transpose(0, 1),
+        None if shared else key[0].transpose(0, 1),
+        None if shared else value[0].transpose(0, 1),
+        scaling,
+        kwargs.get("sliding_window"),
     )
     return out[None], None
 

@@ -15,7 +15,8 @@ SOLUTION
     and handed to the forward as `mm_encoder_outputs`, transformers' hook for precomputed encoder
     outputs, so transformers' own code scatters them over the image placeholder tokens in order.
     The last-token rows are selected before the LM head (`logits_to_keep`), so the head runs on B
-    rows, not T.
+    rows, not T; a batch that names its logit rows (`ForwardBatch.logits_index`: speculative
+    verify steps) gets those rows instead (`logits_at_positions`, runner.PositionLogits).
 
 INVARIANTS
     - `forward` before `allocate_kv` raises (tested).
@@ -27,6 +28,10 @@ INVARIANTS
       reused for another image can never be scattered silently). Only the rows past the image tokens
       whose K/V the prefix cache held (`PrefillInputs.cached_image_tokens`) are scattered.
     - On CPU, decode launches replay a traced graph per bucket (traced.py) with the same logits.
+    - Each decoder layer attends over the KV tensors `kv_layout` names (default: its own, all of one
+      shape). A family whose layers differ in KV shape (Gemma 4's full-attention layers: other head
+      counts and sizes) or share another layer's K/V overrides `layout_kv`; a sharing layer owns no
+      KV tensor and writes none, so `kv_bytes_per_token` counts only the tensors that exist.
     - Launches without images run `LeanDecoder` (lean.py) when the text model's layers are of a
       shape it reproduces (`self.lean` is then set), transformers' forward otherwise; both give the
       same logits (tested per family through greedy parity).
@@ -34,6 +39,7 @@ INVARIANTS
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -49,8 +55,19 @@ from foveal.engine.request import PrefillInputs
 from foveal.engine.runner import ForwardBatch
 
 
+@dataclass(frozen=True, slots=True)
+class KVLayout:
+    """Which KV tensors each decoder layer attends over, and each tensor's shape per token."""
+
+    index: tuple[int, ...]  # per decoder layer: its KV tensor (a sharing layer: its producer's)
+    shared: tuple[bool, ...]  # per decoder layer: it reads the producer's K/V and writes none
+    shapes: tuple[tuple[int, int], ...]  # per KV tensor: (kv_heads, head_dim)
+
+
 class HFRunner:
     """One loaded transformers model, driven one `ForwardBatch` at a time (from a single thread)."""
+
+    logits_at_positions = True  # runner.PositionLogits: `_eager` honours ForwardBatch.logits_index
 
     def __init__(
         self,
@@ -75,27 +92,36 @@ class HFRunner:
         self.device: torch.device = next(model.parameters()).device
         self.dtype: torch.dtype = _compute_dtype(model)
         self.num_layers: int = text.num_hidden_layers
-        self.kv_heads: int = text.num_key_value_heads
-        self.head_dim: int = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
         self.kv: PagedKV | None = None
         # Decode launches replay traced graphs on CPU (see traced.py); CUDA runs eager (CUDA graphs: not yet).
         if trace_decode is None:
             trace_decode = self.device.type == "cpu"
         self.decode_graphs = DecodeGraphs(self._eager, self.model) if trace_decode else None
-        for index, layer in enumerate(model.get_decoder().layers):
+        self.kv_layout: KVLayout = self.layout_kv(model)
+        for layer, index, shared in zip(
+            model.get_decoder().layers, self.kv_layout.index, self.kv_layout.shared, strict=True
+        ):
             layer.self_attn.foveal_kv_index = index
+            layer.self_attn.foveal_kv_shared = shared
         # lean=False keeps transformers' forward for every launch (the reference the lean one is tested against).
         self.lean: LeanDecoder | None = LeanDecoder(model) if lean and LeanDecoder.supports(model) else None
 
+    def layout_kv(self, model: torch.nn.Module) -> KVLayout:
+        """One KV tensor per decoder layer, all of the text config's shape (families override it)."""
+        text = model.config.get_text_config()
+        head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
+        shape = (text.num_key_value_heads, head_dim)
+        return KVLayout(tuple(range(self.num_layers)), (False,) * self.num_layers, (shape,) * self.num_layers)
+
     def kv_bytes_per_token(self) -> int:
-        return 2 * self.num_layers * self.kv_heads * self.head_dim * self.dtype.itemsize
+        return 2 * sum(heads * dim for heads, dim in self.kv_layout.shapes) * self.dtype.itemsize
 
     def allocate_kv(self, num_pages: int, page_size: int) -> None:
-        shape = ((num_pages + 1) * page_size, self.kv_heads, self.head_dim)  # + the scratch page
-        make = lambda: kv_zeros(shape, self.dtype, self.device)  # noqa: E731
+        rows = (num_pages + 1) * page_size  # + the scratch page
+        make = lambda heads, dim: kv_zeros((rows, heads, dim), self.dtype, self.device)  # noqa: E731
         self.kv = PagedKV(
-            k=[make() for _ in range(self.num_layers)],
-            v=[make() for _ in range(self.num_layers)],
+            k=[make(*shape) for shape in self.kv_layout.shapes],
+            v=[make(*shape) for shape in self.kv_layout.shapes],
             page_size=page_size,
             scratch_page=num_pages,
         )
@@ -122,15 +148,17 @@ class HFRunner:
         context = build_context(batch, kv, prefix, self.dtype)
         # images whose tokens the prefix cache held entirely need no features (nor an encoder run)
         images = [p for p in batch.prefill if p is not None and p.num_image_tokens > p.cached_image_tokens]
-        # A decode launch has one query token per sequence: every row is a last row.
-        last = None if batch.is_decode else batch.query_start[1:].to(torch.int64) - 1
+        if batch.logits_index is not None:  # a verify step: the logits of the tokens it names
+            last = batch.logits_index
+        else:  # A decode launch has one query token per sequence: every row is a last row.
+            last = None if batch.is_decode else batch.query_start[1:].to(torch.int64) - 1
         if self.lean is not None and not images:
             return self.lean(batch.input_ids, self.position_ids(batch)[0], last, context)
         out = self.model(
             input_ids=batch.input_ids[None],
             position_ids=self.position_ids(batch),
             use_cache=False,
-            logits_to_keep=batch.query_start[1:].to(torch.int64) - 1,
+            logits_to_keep=last if last is not None else batch.query_start[1:].to(torch.int64) - 1,
             foveal_context=context,
             **self._image_inputs(images),
         )
