@@ -13,12 +13,17 @@ Decoding (--engine, printed with the table): "transformers" (default) is greedy 
 transformers' `PaliGemmaForConditionalGeneration.generate` and its PaliGemmaProcessor, free text
 parsed back by `shapes_format`; "foveal" runs the SDK (`foveal.load(folder)`, the project's engine,
 detect/point constrained by the spatial grammars).
+
+`--scores` runs the evaluation of detection scores instead (COCO AP with foveal's scores against
+constant and area-only scores on harder scenes, ROC AUC, a precision / recall plot): the options
+are `foveal.training.eval_scores`'s.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import sys
 import time
 from pathlib import Path
 
@@ -243,6 +248,12 @@ def format_table(metrics: dict) -> str:
 
 
 def main(argv: list[str] | None = None) -> None:
+    argv = sys.argv[1:] if argv is None else argv
+    if "--scores" in argv:  # the score evaluation: its own options (eval_scores.py)
+        from foveal.training import eval_scores
+
+        eval_scores.main([a for a in argv if a != "--scores"])
+        return
     p = argparse.ArgumentParser(
         prog="python -m foveal.training.eval_shapes", description=__doc__.split("\n")[0]
     )
