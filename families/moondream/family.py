@@ -87,6 +87,7 @@ def parse_gaze(text: str) -> dict[str, float] | None:
 
 
 SKILLS = frozenset({"caption", "query", "detect", "point", "generate", "chat"})
+REFERENCE_MAX_TOKENS = 768  # the reference's default max_tokens of captions and answers
 GAZE_PROMPT = ("\n\nPoint:", " gaze\n\n")  # the reference's strings around the eye's coordinates
 
 
@@ -156,7 +157,13 @@ class MoondreamFamily(Family):
 
     def __init__(self, loaded: LoadedModel, config: MoondreamConfig, folder: Path | None = None) -> None:
         capabilities = Capabilities(
-            SKILLS, vision=True, reasoning=True, gaze=True, spatial_refs=frozenset({"query"}), variants=True
+            SKILLS,
+            vision=True,
+            reasoning=True,
+            gaze=True,
+            spatial_refs=frozenset({"query"}),
+            variants=True,
+            token_budget=REFERENCE_MAX_TOKENS,
         )
         super().__init__(loaded, capabilities)
         self.config = config

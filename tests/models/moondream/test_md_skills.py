@@ -243,3 +243,11 @@ def test_refusals(models, md_dir):
         model.detect_gaze(image, eye=(0.5, 0.5), unstable_settings={"prioritize_accuracy": True})
     with pytest.raises(ValueError, match=r"eye\[0\]"):
         model.detect_gaze(image, eye=(1.5, 0.5))
+
+
+def test_reference_defaults(models):
+    """Captions and answers default to the reference's 768 tokens; an explicit max_tokens is kept."""
+    model = models["base"]
+    assert model._caption_task("normal", None)[1].max_tokens == 768
+    assert model._query_task(QUESTION, None)[1].max_tokens == 768
+    assert model._query_task(QUESTION, {"max_tokens": 5})[1].max_tokens == 5
