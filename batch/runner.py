@@ -1,4 +1,4 @@
-"""`foveal.batch.run`: one skill over many images on this machine, as records, optionally into a results file.
+"""`foveal.batch.run`: one skill over many images in this process, as records, optionally into a results file.
 
 The order of work: resolve INPUT (folder, glob, list, table: `inputs.py`), check the skill's
 arguments and settings, check `out` (exists without resume?) and, with resume, that `out` belongs

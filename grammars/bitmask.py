@@ -4,11 +4,9 @@ Executor threads: llguidance's `LLExecutor` fills a batch on its own thread pool
 thread runs the forward at the same time, so every mask thread competes with it for a core. The
 pool size is `mask_threads()`: `set_mask_threads(n)` if called, else the environment variable
 `FOVEAL_MASK_THREADS`, else `default_mask_threads()`: one core left to the device thread, at most
-4, at least 1. Measured on the 2-core development machine (benchmarks/grammar_layer.py
---contention, a shared and busy machine, so p99s are noise): alone, 2 executor threads filled no
-faster than 1 (p50 47 / 152 / 251 µs for 8 / 32 / 64 rows either way); beside a busy 2-thread
-matmul loop, 2 threads filled 64 rows in 458 µs p50 against 513 µs for 1, but the loop kept 77% of
-its solo rate against 84%. The forward is ~100x longer than a fill, so the default here is 1. The
+4, at least 1. A fill is about a hundredth of a forward, and where cores are few a second
+executor thread fills no faster while it slows the forward beside it (benchmarks/grammar_layer.py
+--contention measures both; docs/performance.md has the figures), so two cores get one thread. The
 cap of 4 for larger machines is a guess, not a measurement.
 
 Bit `t % 32` of word `t // 32` in a row is set when token `t` is allowed. Buffers may be numpy

@@ -3,8 +3,8 @@
 `python -m foveal.training.train_shapes --run runs/shapes --steps 20000` trains (or resumes from the run
 folder's last.pt) and `--export sdk/embedded` writes the Hugging Face folder that ships in the
 package. `--config '{"init_from": "runs/a/last.pt"}'` starts a new run from another run's weights
-(a checkpoint, or an exported folder such as sdk/embedded/, which is how a later session continues
-the shipped model; the README lists the stages that made it).
+(a checkpoint, or an exported folder such as sdk/embedded/, which is how to continue from the
+shipped model; docs/models/shapes.md lists the stages that made it).
 
 PROBLEM: a model that really answers detect / point / caption / query on the shapes world has to
 be trained on this project's own CPU budget (a few CPU-hours), reproducibly, and interrupted runs
@@ -80,7 +80,7 @@ class TrainConfig:
     render_sizes: tuple[int, int] = (64, 160)  # scenes render at a random size in this range, then resize
     aux_weight: float = 0.5  # dense per-patch loss on the image features (see patch_targets); 0: off
     init_from: str | None = None  # start from this checkpoint's model weights (a warm start), not random
-    bf16: bool = True  # bf16 autocast: ~25% faster steps on this CPU (avx512_bf16); weights stay fp32
+    bf16: bool = True  # bf16 autocast: faster steps on CPUs with native bf16 (avx512_bf16); weights stay fp32
 
 
 # ---- tokenizer and model ----------------------------------------------------------------------
@@ -405,7 +405,7 @@ def lr_at(step: int, cfg: TrainConfig) -> float:
 def warm_start_weights(source: str | Path) -> dict[str, torch.Tensor]:
     """Model weights to start a run from: a run's checkpoint (`.pt`) or an exported folder.
 
-    Exported folders (such as sdk/embedded/, which a later session warm-starts from) hold
+    Exported folders (such as sdk/embedded/, the shipped model, to warm-start from) hold
     the model in bf16, in the checkpoint layout of `save_pretrained`, without the auxiliary head;
     transformers reads them back (key renames, tied head) and they are cast to fp32 for training.
     """
