@@ -11,6 +11,9 @@ SOLUTION
     `load_weights` reads the file's header first: a file of another layout is refused naming the
     layout found and the one supported; a missing, unexpected or misshapen tensor is refused by
     name; then tensors are read and cast to the requested dtype (bf16 stays bf16, or is upcast).
+    A checkpoint saved by the reference's fine-tuning scripts (`MoondreamModel.state_dict()`: the same
+    names without the wrapper's `model.` prefix, plus each text block's KV-cache buffers
+    `text.blocks.{i}.kv_cache.{k,v}_cache`) loads: the prefix is added and the buffers are skipped.
 INVARIANTS
     - Every parameter is assigned from the file exactly once; nothing stays uninitialized.
     - No buffers are stored in the file (rotary tables and masks are computed).
@@ -18,6 +21,7 @@ INVARIANTS
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import torch
@@ -31,8 +35,13 @@ from .region import RegionHeads
 from .text import TextDecoder
 from .vision import VisionEncoder
 
-SUPPORTED_LAYOUT = "model.{vision,text,region}.* (vikhyatk/moondream2 2025 revisions)"
+SUPPORTED_LAYOUT = (
+    "model.{vision,text,region}.* (vikhyatk/moondream2 2025 revisions), or the same without 'model.' "
+    "(the reference's fine-tuning scripts)"
+)
 OLD_LAYOUT_PREFIXES = ("vision_encoder.", "text_model.", "region_model.")
+UNWRAPPED_PREFIXES = ("vision.", "text.", "region.")
+KV_BUFFER = re.compile(r"(model\.)?text\.blocks\.\d+\.kv_cache\.[kv]_cache")  # the reference's cache buffers
 
 
 class _Parts(nn.Module):
@@ -58,10 +67,13 @@ def describe_layout(names: list[str]) -> str:
     """A one-phrase description of a checkpoint's key layout (for error messages)."""
     if any(n.startswith(OLD_LAYOUT_PREFIXES) for n in names):
         return "the older vision_encoder.* / text_model.* / region_model.* layout (2024 revisions)"
-    if any(n.startswith(("vision.", "text.", "region.")) for n in names):
-        return "the unwrapped vision.* / text.* / region.* layout (no 'model.' prefix)"
     sample = ", ".join(sorted(names)[:3])
     return f"an unknown layout (first keys: {sample})"
+
+
+def _wrapped(name: str) -> str:
+    """A fine-tuning script's name (no wrapper prefix) as the checkpoint's."""
+    return "model." + name if name.startswith(UNWRAPPED_PREFIXES) else name
 
 
 def load_weights(
@@ -71,7 +83,8 @@ def load_weights(
     expected = MoondreamWeights(config, device="meta")
     shapes = {name: tuple(p.shape) for name, p in expected.state_dict().items()}
     with safe_open(str(path), framework="pt") as file:
-        names = list(file.keys())
+        stored = {_wrapped(n): n for n in file.keys() if not KV_BUFFER.fullmatch(n)}  # noqa: SIM118
+        names = list(stored)
         if not any(n.startswith("model.vision.") for n in names):
             raise ModelLoadError(
                 f"{path} holds Moondream weights in {describe_layout(names)}; foveal supports {SUPPORTED_LAYOUT}. "
@@ -83,20 +96,20 @@ def load_weights(
                 f"{path} lacks {len(missing)} tensor(s) of the Moondream 2 layout, e.g. {missing[:3]}; "
                 "the file is incomplete or of another revision (check config.json's 'config' entry, e.g. text.n_layers)"
             )
-        extra = sorted(set(names) - set(shapes))
+        extra = sorted(stored[n] for n in set(names) - set(shapes))
         if extra:
             raise ModelLoadError(
                 f"{path} has {len(extra)} tensor(s) this Moondream 2 config does not use, e.g. {extra[:3]}; "
                 "check config.json's 'config' entry (layer counts) against the file"
             )
         for name in names:
-            got = tuple(file.get_slice(name).get_shape())
+            got = tuple(file.get_slice(stored[name]).get_shape())
             if got != shapes[name]:
                 raise ModelLoadError(
                     f"{path}: tensor {name} has shape {list(got)} but this config needs {list(shapes[name])}; "
                     "check config.json's 'config' entry (dims) against the file"
                 )
-        state = {name: file.get_tensor(name).to(device=device, dtype=dtype) for name in names}
+        state = {name: file.get_tensor(stored[name]).to(device=device, dtype=dtype) for name in names}
     model = MoondreamWeights(config, device="meta", dtype=dtype)
     model.load_state_dict(state, strict=True, assign=True)
     return model.eval().requires_grad_(False)

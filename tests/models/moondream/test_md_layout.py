@@ -113,3 +113,50 @@ def test_config_json_format_roundtrip(tmp_path):
     assert config.tokenizer.templates["query"]["prefix"] == [1, 21, 2]
     assert config.tokenizer.templates["detect"]["prefix"] == [1, 7235, 476, 2]  # the rest stay real
     assert config.vision.enc_n_layers == 1
+
+
+def _finetuned(state):
+    """As the reference's fine-tuning scripts save it: no wrapper prefix, each block's KV-cache buffers."""
+    out = {k.removeprefix("model."): v for k, v in state.items()}
+    for i in range(TINY["text"]["n_layers"]):
+        for which in ("k_cache", "v_cache"):
+            out[f"text.blocks.{i}.kv_cache.{which}"] = torch.zeros(1, 2, 8, 64, dtype=torch.bfloat16)
+    return out
+
+
+def test_finetuned_checkpoint_loads(tmp_path):
+    """Prefix-less names take the wrapper's prefix; the KV-cache buffers are skipped; values are kept."""
+
+    def edit(state):
+        state = {k: torch.randn(v.shape).to(torch.bfloat16) for k, v in state.items()}
+        edit.original = state
+        return _finetuned(state)
+
+    path, config = _tiny_file(tmp_path, edit)
+    model = load_weights(path, config, torch.device("cpu"), torch.float32)
+    loaded = model.state_dict()
+    assert set(loaded) == set(edit.original)
+    assert all(torch.equal(loaded[k], v.float()) for k, v in edit.original.items())
+
+
+def test_finetuned_checkpoint_still_refuses_by_name(tmp_path):
+    def extra(state):
+        return {**_finetuned(state), "text.blocks.0.lora_scale": torch.zeros(1, dtype=torch.bfloat16)}
+
+    path, config = _tiny_file(tmp_path, extra)
+    with pytest.raises(ModelLoadError, match=r"text\.blocks\.0\.lora_scale"):
+        load_weights(path, config, torch.device("cpu"), torch.float32)
+
+    def missing(state):
+        return {k: v for k, v in _finetuned(state).items() if k != "region.coord_features"}
+
+    path, config = _tiny_file(tmp_path, missing)
+    with pytest.raises(ModelLoadError, match=r"region\.coord_features"):
+        load_weights(path, config, torch.device("cpu"), torch.float32)
+
+    def misshapen(state):
+        return {**_finetuned(state), "text.post_ln.bias": torch.zeros(3, dtype=torch.bfloat16)}
+
+    path, config = _tiny_file(tmp_path, misshapen)
+    with pytest.raises(ModelLoadError, match=r"text\.post_ln\.bias has shape \[3\]"):
+        load_weights(path, config, torch.device("cpu"), torch.float32)
