@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import importlib.util
 import inspect
 import io
 import re
@@ -31,6 +32,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+import yaml
 
 import foveal
 from foveal.server import create_app
@@ -151,6 +153,41 @@ def test_placeholder_paths_are_left_out_and_lines_kept(tmp_path):
     page.write_text('```python\nm = load("/path/to/checkpoint")\nn = 1\n```\n')
     (block,) = blocks(page)
     assert prepared(block).splitlines() == ["", "", "n = 1"]
+
+
+# ---- the site -----------------------------------------------------------------------------------------------
+
+
+def _nav_pages(entries) -> list[str]:
+    pages = []
+    for entry in entries:
+        value = next(iter(entry.values())) if isinstance(entry, dict) else entry
+        pages += _nav_pages(value) if isinstance(value, list) else [value]
+    return pages
+
+
+def test_every_nav_page_exists_and_every_page_of_the_nav_has_examples_run():
+    config = yaml.safe_load((ROOT / "mkdocs.yml").read_text())
+    pages = _nav_pages(config["nav"])
+    assert "architecture.md" in pages and "api/index.md" in pages
+    missing = [page for page in pages if not (ROOT / "docs" / page).is_file()]
+    assert not missing, f"mkdocs.yml's nav names pages that do not exist: {missing}"
+    assert {ROOT / "docs" / page for page in pages} <= set(PAGES)
+
+
+def test_the_api_reference_reads_the_sources_as_the_installed_package():
+    spec = importlib.util.spec_from_file_location("source_tree", ROOT / "docs" / "_hooks" / "source_tree.py")
+    hook = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(hook)
+    package = hook.source_tree(ROOT) / "foveal"
+    for module in (
+        "model.py",
+        "engine/pipeline.py",
+        "grammars/compiler.py",
+        "families/base.py",
+        "batch/runner.py",
+    ):
+        assert (package / module).is_file(), f"the docs' source tree lacks foveal/{module}"
 
 
 # ---- the pages ----------------------------------------------------------------------------------------------
