@@ -234,25 +234,36 @@ class GazeResult(Result):
 
 
 class DetectResult(Result):
-    """`{"objects": [{"x_min", "y_min", "x_max", "y_max"}, ...]}`, floats in [0, 1], origin top-left."""
+    """`{"objects": [{"x_min", "y_min", "x_max", "y_max", "score"}, ...]}`, floats in [0, 1], origin top-left;
+    "score" is the model's confidence in the box (docs/scores.md)."""
 
     __slots__ = ()
     SKILL = "detect"
 
     def __init__(self, objects: list[dict[str, float]], *, image: Any = None) -> None:
         parse_result({"objects": objects})
+        _check_scores(objects, "objects")
         super().__init__(objects=objects, image=image)
 
 
 class PointResult(Result):
-    """`{"points": [{"x", "y"}, ...]}`, floats in [0, 1], origin top-left."""
+    """`{"points": [{"x", "y", "score"}, ...]}`, floats in [0, 1], origin top-left; "score" as detect's."""
 
     __slots__ = ()
     SKILL = "point"
 
     def __init__(self, points: list[dict[str, float]], *, image: Any = None) -> None:
         parse_result({"points": points})
+        _check_scores(points, "points")
         super().__init__(points=points, image=image)
+
+
+def _check_scores(items: list[dict], key: str) -> None:
+    """A score, where an item has one, is a number in [0, 1] (a result made by hand may leave it out)."""
+    for i, item in enumerate(items):
+        score = item.get("score", 0.0)
+        if isinstance(score, bool) or not isinstance(score, int | float) or not 0.0 <= score <= 1.0:
+            raise ValueError(f"{key}[{i}]['score'] = {score!r}; a score is a number in [0, 1]")
 
 
 class GenerateResult(Result):

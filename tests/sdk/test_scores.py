@@ -192,3 +192,15 @@ def test_min_score_out_of_range_is_refused(embedded, scene_images, bad):
 def test_min_score_belongs_to_detect_and_point(embedded, scene_images):
     with pytest.raises(ValueError, match="'min_score' applies to detect, point"):
         embedded.caption(scene_images[0], settings={"min_score": 0.5})
+
+
+def test_results_carry_checked_scores_into_their_notebook_view(embedded, scene_images):
+    from foveal.results import DetectResult, PointResult
+
+    result = embedded.detect(scene_images[0], "shape")
+    assert '"score"' in result._repr_html_()
+    box = {"x_min": 0.1, "y_min": 0.1, "x_max": 0.5, "y_max": 0.5}
+    with pytest.raises(ValueError, match=r"objects\[0\]\['score'\] = 1.5"):
+        DetectResult([{**box, "score": 1.5}])
+    with pytest.raises(ValueError, match=r"points\[0\]\['score'\]"):
+        PointResult([{"x": 0.5, "y": 0.5, "score": float("nan")}])
