@@ -1,14 +1,22 @@
 """Moondream's REST API, as the official `moondream` Python client (`moondream.vl(endpoint=...)`) sends it.
 
     POST /v1/caption {image_url, length?, stream?, settings?, model?}  -> {"caption": str}
-    POST /v1/query   {image_url?, question, stream?, settings?, ...}   -> {"answer": str}
+    POST /v1/query   {image_url?, question, stream?, settings?, reasoning?, spatial_refs?}
+                                                                        -> {"answer": str} ({"reasoning", "answer"})
     POST /v1/detect  {image_url, object, settings?, model?}             -> {"objects": [{x_min, y_min, x_max, y_max}]}
-    POST /v1/point   {image_url, object, settings?, model?}             -> {"points": [{x, y}]}
+    POST /v1/point   {image_url, object, settings?, spatial_refs?}      -> {"points": [{x, y}]}
+    POST /v1/gaze    {image_url, eye: [x, y]}                           -> {"gaze": {x, y} | null}
+    POST /v1/segment (any body)                                          -> 400: segment is not supported
 
 `image_url` is a base64 data URL (images.py). With `stream: true`, caption and query answer
 Server-Sent Events: `data: {"chunk": "..."}` per text chunk, then `data: {"completed": true}` (the
 client stops reading there). Results are the SDK's result dicts, unchanged. `model` is accepted and
-ignored (one model is served); `reasoning` and `spatial_refs` are refused: foveal has neither.
+ignored (one model is served). `reasoning`, `spatial_refs` and gaze go to the SDK's query /
+point / detect_gaze, which answer them on models that have them (Moondream 2) and refuse them, a
+400 naming the model's family and what it supports, on the others; a streamed grounded query
+streams its answer (the reasoning is made first). The official client (2.6.1) has no gaze call;
+`/v1/gaze` takes the SDK's `detect_gaze(image, eye=(x, y))`. `/v1/segment`, which the client calls,
+answers a 400 that says so rather than a 404.
 
 Errors: a 4xx or 5xx status with errors.py's body, `{"error": {"message", "type", "param", "code"}}`,
 on these routes as on every other (the `moondream` client reads only the status and raises
@@ -82,6 +90,11 @@ def _examples(*bodies: dict[str, Any]) -> ConfigDict:
     return ConfigDict(json_schema_extra={"examples": list(bodies)})
 
 
+SPATIAL_REFS = Field(
+    description="points [x, y] and boxes [x1, y1, x2, y2] (normalized) the call refers to, on models that take them"
+)
+
+
 class _Body(BaseModel):
     model_config = ConfigDict(extra="forbid")
     model: str | None = None
@@ -100,8 +113,8 @@ class QueryBody(_Body):
     question: str
     image_url: ImageUrl | None = None
     stream: bool = False
-    reasoning: Annotated[bool, Field(description="foveal's models do not reason: false only")] = False
-    spatial_refs: Annotated[list[Any] | None, Field(description="not supported: leave it out")] = None
+    reasoning: Annotated[bool, Field(description="a grounded reasoning before the answer (models that reason)")] = False
+    spatial_refs: Annotated[list[list[float]] | None, SPATIAL_REFS] = None
     settings: QuerySettings = None
 
 
@@ -117,6 +130,13 @@ class PointBody(_Body):
     image_url: ImageUrl
     object: str
     settings: PointSettings = None
+    spatial_refs: Annotated[list[list[float]] | None, SPATIAL_REFS] = None
+
+
+class GazeBody(_Body):
+    model_config = _examples({"image_url": EXAMPLE_IMAGE_URL, "eye": [0.3, 0.4]})
+    image_url: ImageUrl
+    eye: Annotated[list[float], Field(description="the eye's [x, y], normalized to [0, 1]", min_length=2, max_length=2)]
 
 
 @router.post("/caption")
@@ -132,20 +152,14 @@ async def caption(body: CaptionBody, request: Request) -> Any:
 
 @router.post("/query")
 async def query(body: QueryBody, request: Request) -> Any:
-    if body.reasoning:
-        raise ApiError(
-            400, "reasoning is not supported by foveal's models; send reasoning: false", param="reasoning"
-        )
-    if body.spatial_refs:
-        raise ApiError(
-            400, "spatial_refs are not supported by foveal's models; remove them", param="spatial_refs"
-        )
     image = image_bytes(body.image_url)
     return await _text(
         request,
         "answer",
         body.stream,
-        lambda m, stream: m.aquery(image, body.question, stream, body.settings),
+        lambda m, stream: m.aquery(
+            image, body.question, stream, body.settings, reasoning=body.reasoning, spatial_refs=body.spatial_refs
+        ),
     )
 
 
@@ -158,7 +172,18 @@ async def detect(body: DetectBody, request: Request) -> Any:
 @router.post("/point")
 async def point(body: PointBody, request: Request) -> Any:
     image = image_bytes(body.image_url)
-    return await call(request, lambda m: m.apoint(image, body.object, body.settings))
+    return await call(request, lambda m: m.apoint(image, body.object, body.settings, spatial_refs=body.spatial_refs))
+
+
+@router.post("/gaze")
+async def gaze(body: GazeBody, request: Request) -> Any:
+    image = image_bytes(body.image_url)
+    return await call(request, lambda m: m.adetect_gaze(image, eye=tuple(body.eye)))
+
+
+@router.post("/segment")
+async def segment(request: Request) -> Any:
+    raise ApiError(400, "segment is not supported by this model; use detect or point for its location")
 
 
 async def _text(request: Request, key: str, stream: bool, start: Any) -> Any:
