@@ -398,8 +398,9 @@ class Model:
         self._chat_sampling(job, logprobs)
         handle = self._submit(job)
         if stream:
-            text = chat_tools.ChatTextStream(self._stream(job, handle), chat_plan, handle.logprobs)
-            return ChatResult("", text, image=job.image)
+            logprobs_so_far = chat_tools.LogprobsSoFar(handle.logprobs, self.family.tokenizer)
+            text = chat_tools.ChatTextStream(self._stream(job, handle), chat_plan, logprobs_so_far)
+            return ChatResult.of_answer("", text, job.image)
         return self._chat_result(job, handle.result(), chat_plan, logprobs)
 
     def map(
@@ -489,9 +490,10 @@ class Model:
         job = await asyncio.to_thread(self._prepare, task, images, s, explicit)
         self._chat_sampling(job, logprobs)
         if stream:
-            handles: list[RequestHandle] = []
-            text = chat_tools.AsyncChatStream(self._astream(job, handles.append), chat_plan, handles)
-            return ChatResult("", text, image=job.image)
+            logprobs_so_far = chat_tools.LogprobsSoFar(None, self.family.tokenizer)
+            chunks = self._astream(job, logprobs_so_far.follow)
+            text = chat_tools.AsyncChatStream(chunks, chat_plan, logprobs_so_far)
+            return ChatResult.of_answer("", text, job.image)
         output = await AsyncEngine(self.engine).generate(job.request)
         return self._chat_result(job, output, chat_plan, logprobs)
 
@@ -616,8 +618,6 @@ class Model:
                 f"this {self.family.name} model has no chat template, so it cannot be given tools or tool "
                 "messages; use a checkpoint whose tokenizer has a chat_template"
             )
-        if stream and chat_plan.spec is not None and not isinstance(chat_plan.spec, chat_tools.CFG):
-            raise ValueError("stream=True streams free text; a structured output_type is returned whole")
         talk = chat_tools.attach_tool_fields(talk, fields, chat_plan)
         for where, text in chat_tools.plain_texts(chat_plan, talk):
             self.family.plain(where, text)
@@ -631,7 +631,11 @@ class Model:
 
     def _chat_result(self, job: Job, output: RequestOutput, chat_plan: Any, logprobs: int | None) -> ChatResult:
         """The chat result: the reply read back (thinking, text, tool calls) and the logprobs asked for."""
-        result = self._result(job, output)
+        try:
+            result = self._result(job, output)
+        except IncompleteOutputError as cut:  # what was written before the cut, read back
+            cut.reply = chat_tools.read_reply(chat_plan, cut.text)
+            raise
         if chat_plan.calls_tools or chat_plan.reasoning is not None:
             reply = chat_tools.read_reply(chat_plan, output.text)
             result["text"] = reply.text

@@ -1,17 +1,24 @@
-"""OpenAI chat requests turned into one `Model.chat` call: the conversation, its images, the output type,
-the settings. No HTTP here (openai_api.py does that).
+"""OpenAI chat requests turned into `Model.chat` calls: the conversation, its images, the output type,
+the tools, the settings, the number of choices. No HTTP here (openai_api.py does that).
 
-- messages: roles system (and OpenAI's `developer`, read as system), user and assistant; `content` a
-  string or a list of parts (`{"type": "text", "text"}`, `{"type": "image_url", "image_url": {"url":
-  "data:..."}}`; http(s) URLs are refused: the server fetches nothing). The conversation goes to
-  `model.chat` as it is, images in the user turns where they were, and is rendered by the model's own
-  chat template; what a model cannot take (several images, earlier turns without a template) is
-  refused by the model with a message that says so.
-- response_format: `text` (or none) -> free text (streams); `json_object` -> the schema
-  `{"type": "object"}`; `json_schema` -> the given schema, always enforced by the grammar (`strict`
-  true or false).
+- messages: roles system (and OpenAI's `developer`, read as system), user, assistant (with
+  `tool_calls`) and tool (with the `tool_call_id` it answers); `content` a string or a list of parts
+  (`{"type": "text", "text"}`, `{"type": "image_url", "image_url": {"url": "data:..."}}`; http(s)
+  URLs are refused: the server fetches nothing). The conversation goes to `model.chat` as it is,
+  images in the user turns where they were, and is rendered by the model's own chat template; what
+  a model cannot take (several images, earlier turns without a template) is refused by the model
+  with a message that says so.
+- response_format: `text` (or none) -> free text; `json_object` -> the schema `{"type": "object"}`;
+  `json_schema` -> the given schema, always enforced by the grammar (`strict` true or false).
+- tools / tool_choice / parallel_tool_calls: checked here before any work (foveal.tools: a
+  parameters schema the grammar cannot enforce is a 400 naming it and its keyword; an unknown name
+  in tool_choice is a 400) and passed to `model.chat`, which enforces them by the grammar.
+- n: 1..MAX_CHOICES choices, each its own engine request on the same prompt (the prefix cache shares
+  the prompt's pages); a seeded request gives choice i the seed `seed + i`, so it repeats exactly.
+- logprobs / top_logprobs: k = top_logprobs (0..20) alternatives per token.
 - settings: max_completion_tokens (or max_tokens), temperature, top_p, seed, stop, passed to the SDK,
-  which validates them. n must be 1.
+  which validates them. `user`, `metadata` and `store` (false) are accepted and unused: the server
+  keeps nothing.
 """
 
 from __future__ import annotations
@@ -21,10 +28,14 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict
 
+from foveal import tools as chat_tools
+from foveal.grammars import SchemaError
 from foveal.server.errors import ApiError
 from foveal.server.images import image_bytes
 
-ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
+ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant", "tool": "tool"}
+MAX_CHOICES = 8  # n: choices of one request (each an engine request; the prompt's pages are shared)
+MAX_TOP_LOGPROBS = 20  # OpenAI's bound, and the engine's
 
 
 class ChatRequest(BaseModel):
@@ -43,11 +54,17 @@ class ChatRequest(BaseModel):
     n: int | None = None
     stream: bool = False
     stream_options: dict[str, Any] | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
+    logprobs: bool | None = None
+    top_logprobs: int | None = None
     user: str | None = None  # accepted, unused
+    metadata: dict[str, str] | None = None  # accepted, unused
+    store: bool | None = None  # accepted when not true: the server stores nothing
     # Accepted only at their neutral values (clients send them by default):
     frequency_penalty: float | None = None
     presence_penalty: float | None = None
-    logprobs: bool | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -55,12 +72,35 @@ class ChatCall:
     messages: list[dict[str, Any]]  # foveal's messages (images as bytes), for Model.chat
     output_type: dict[str, Any] | None
     settings: dict[str, Any]
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: Any = None
+    parallel_tool_calls: bool = True
+    n: int = 1
+    logprobs: int | None = None  # alternatives per token; None: no logprobs
+
+    def choice_settings(self, index: int) -> dict[str, Any]:
+        """Choice `index`'s settings: a seeded request's choices get seeds seed, seed + 1, ..."""
+        seed = self.settings.get("seed")
+        if seed is None or index == 0:
+            return self.settings
+        return {**self.settings, "seed": (seed + index) % 2**64}
+
+    def args(self, index: int) -> tuple[tuple, dict[str, Any]]:
+        """`Model.chat`'s arguments for choice `index`: (messages, output_type, settings) and the keywords
+        this request uses beyond those (tools, logprobs), so a plain request is a plain call."""
+        extra: dict[str, Any] = {}
+        if self.tools:
+            extra.update(tools=self.tools, tool_choice=self.tool_choice, parallel_tool_calls=self.parallel_tool_calls)
+        if self.logprobs is not None:
+            extra["logprobs"] = self.logprobs
+        return (self.messages, self.output_type, self.choice_settings(index)), extra
 
 
 def chat_call(body: ChatRequest) -> ChatCall:
     _check_unsupported(body)
     messages = _messages(body.messages)
     output_type = _output_type(body.response_format)
+    _check_tools(body)
     stops = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
     if stops and output_type is not None:
         raise ApiError(
@@ -83,19 +123,44 @@ def chat_call(body: ChatRequest) -> ChatCall:
         )
         if value is not None
     }
-    return ChatCall(messages, output_type, settings)
+    parallel = True if body.parallel_tool_calls is None else body.parallel_tool_calls
+    logprobs = (body.top_logprobs or 0) if body.logprobs else None
+    return ChatCall(messages, output_type, settings, body.tools, body.tool_choice, parallel, body.n or 1, logprobs)
 
 
 def _check_unsupported(body: ChatRequest) -> None:
-    if body.n not in (None, 1):
+    if body.n is not None and not 1 <= body.n <= MAX_CHOICES:
         raise ApiError(
-            400, f"n={body.n} is not supported; foveal answers one choice per request (n=1)", param="n"
+            400, f"n={body.n} is not accepted; ask for 1 to {MAX_CHOICES} choices per request", param="n"
         )
     for name in ("frequency_penalty", "presence_penalty"):
         if getattr(body, name) not in (None, 0, 0.0):
             raise ApiError(400, f"{name} is not supported; leave it out or send 0", param=name)
-    if body.logprobs:
-        raise ApiError(400, "logprobs are not supported; leave logprobs out", param="logprobs")
+    if body.top_logprobs is not None:
+        if not body.logprobs:
+            raise ApiError(400, "top_logprobs needs logprobs: true; send both", param="top_logprobs")
+        if not 0 <= body.top_logprobs <= MAX_TOP_LOGPROBS:
+            raise ApiError(
+                400, f"top_logprobs must be in 0..{MAX_TOP_LOGPROBS}, got {body.top_logprobs}", param="top_logprobs"
+            )
+    if body.store:
+        raise ApiError(400, "store: true is not supported; this server stores no completions", param="store")
+
+
+def _check_tools(body: ChatRequest) -> None:
+    """The tools and tool_choice, checked before any work (the SDK checks them again, cheaply: each
+    parameters schema's compile is cached)."""
+    try:
+        tools = chat_tools.tools_of(body.tools)
+    except SchemaError as error:
+        where = str(error).split(":", 1)[0]
+        raise ApiError(400, f"{error}", "unsupported_schema", param=where) from None
+    except (TypeError, ValueError) as error:
+        raise ApiError(400, str(error), param="tools") from None
+    try:
+        chat_tools.choice_of(body.tool_choice, tools)
+    except ValueError as error:
+        raise ApiError(400, str(error), param="tool_choice") from None
 
 
 def _messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -107,10 +172,15 @@ def _messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
         if role not in ROLES:
             raise ApiError(
                 400,
-                f"messages[{i}].role {role!r} is not supported; use system, user or assistant",
+                f"messages[{i}].role {role!r} is not supported; use system, user, assistant or tool",
                 param=f"messages[{i}].role",
             )
-        out.append({"role": ROLES[role], "content": _content(message.get("content"), i)})
+        content = message.get("content")
+        one = {"role": ROLES[role], "content": "" if content is None else _content(content, i)}
+        for key in ("tool_calls", "tool_call_id"):  # foveal.tools checks them
+            if message.get(key) is not None:
+                one[key] = message[key]
+        out.append(one)
     return out
 
 

@@ -1,16 +1,23 @@
 """OpenAI's chat API: `POST /v1/chat/completions` and `GET /v1/models`, as the `openai` client sends them.
 
-chat.py turns the request into one `Model.chat` call, the conversation passed through as it came.
-Text answers stream from the engine (a `stop` string ends the generation where it appears, in the
-engine); JSON answers (under the schema's grammar) come whole, and streamed they are sent as one
-content chunk. An answer cut by max_tokens is OpenAI's `finish_reason: "length"` with the text so
-far, not an error (the openai client's `parse()` then raises its LengthFinishReasonError). `usage`
-is the engine's own count (usage.py). Streams: `chat.completion.chunk` objects, a last chunk with
-`finish_reason`, a usage chunk when `stream_options.include_usage`, then `data: [DONE]`.
+chat.py turns the request into `Model.chat` calls (one per choice, `n`), the conversation passed
+through as it came. Every answer streams from the engine when asked (`stream`): free text, JSON
+under the schema's grammar, thinking and tool calls alike (a `stop` string ends free text where it
+appears, in the engine). The reply is read back by `foveal.tools.ReplyReader`: the thinking goes out
+as `reasoning_content`, the answer as `content`, each tool call as `tool_calls` (finish_reason
+"tool_calls"); streamed, a call goes out once its text is complete, as OpenAI's deltas (index, id,
+type and name first, then its arguments as JSON text). An answer cut by max_tokens is OpenAI's
+`finish_reason: "length"` with what was written so far, not an error (the openai client's `parse()`
+then raises its LengthFinishReasonError). `usage` is the engine's own count (usage.py), the prompt
+counted once for all choices. Streams: `chat.completion.chunk` objects (each with its choice's
+index), a last chunk per choice with `finish_reason`, a usage chunk when
+`stream_options.include_usage`, then `data: [DONE]`.
 """
 
 from __future__ import annotations
 
+import asyncio
+import json
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -19,12 +26,13 @@ from typing import Any
 import anyio
 from fastapi import APIRouter, Request
 
+from foveal import tools as chat_tools
 from foveal.errors import IncompleteOutputError
 from foveal.results import Usage
 from foveal.server.chat import ChatCall, ChatRequest, chat_call
 from foveal.server.errors import error_event
 from foveal.server.state import ServerState, call, state_of, stream_call
-from foveal.server.streaming import EventStream, sse
+from foveal.server.streaming import sse
 from foveal.server.usage import finish_reason, usage
 
 router = APIRouter(prefix="/v1", tags=["openai"])
@@ -41,49 +49,93 @@ async def models(request: Request) -> dict[str, Any]:
 async def chat_completions(body: ChatRequest, request: Request) -> Any:
     plan = chat_call(body)
     state = state_of(request)
-    if plan.output_type is None and body.stream:
+    if body.stream:
         return await stream_call(
             request,
-            lambda m: m.achat(plan.messages, None, plan.settings, stream=True),
-            lambda result: _chat_events(state, body, result["text"]),
+            lambda m: _start_streams(m, plan),
+            lambda streams: _chat_events(state, body, plan, streams),
         )
-    text, counted = await call(request, lambda m: _answer(m, plan))
-    if body.stream:  # a JSON answer, whole: one content chunk
-        return _one_chunk_stream(state, body, text, counted)
+    answers = await call(request, lambda m: _answers(m, plan))
+    choices = [_choice(i, answer, plan) for i, answer in enumerate(answers)]
     return {
         "id": _id(),
         "object": "chat.completion",
         "created": int(time.time()),
         "model": state.config.model_name,
-        "choices": [
-            {
-                "index": 0,
-                "message": {"role": "assistant", "content": text, "refusal": None},
-                "finish_reason": finish_reason(counted),
-                "logprobs": None,
-            }
-        ],
-        "usage": _usage(state, counted),
+        "choices": choices,
+        "usage": _usage(state, [counted for _, counted in answers]),
     }
 
 
-async def _answer(model: Any, plan: ChatCall) -> tuple[str, Usage]:
+# ---- whole answers ----------------------------------------------------------------------------------------------
+
+
+async def _answers(model: Any, plan: ChatCall) -> list[tuple[Any, Usage]]:
+    """(the result, or the reply read before the cut, and its usage) of each choice."""
+    return list(await asyncio.gather(*(_answer(model, plan, i) for i in range(plan.n))))
+
+
+async def _answer(model: Any, plan: ChatCall, index: int) -> tuple[Any, Usage]:
+    args, extra = plan.args(index)
     try:
-        result = await model.achat(plan.messages, plan.output_type, plan.settings)
+        result = await model.achat(*args, **extra)
     except IncompleteOutputError as cut:  # OpenAI's finish_reason "length", with the text so far
-        return cut.text, cut.usage
-    return result["text"], result.usage
+        return getattr(cut, "reply", None) or chat_tools.Reply(text=cut.text), cut.usage
+    return result, result.usage
 
 
-def _usage(state: ServerState, counted: Usage) -> dict[str, int]:
-    """OpenAI's `usage` of an answer (usage.py), its completion tokens counted in the metrics."""
-    out = usage(counted)
+def _choice(index: int, answer: tuple[Any, Usage], plan: ChatCall) -> dict[str, Any]:
+    result, counted = answer
+    if isinstance(result, chat_tools.Reply):  # cut by max_tokens
+        text, reasoning, calls, logprobs = result.text, result.reasoning, result.tool_calls, None
+    else:
+        text, reasoning, calls = result["text"], result.get("reasoning"), result.get("tool_calls") or []
+        logprobs = result.get("logprobs")
+    message: dict[str, Any] = {"role": "assistant", "content": text, "refusal": None}
+    if calls:
+        message["content"] = text or None
+        message["tool_calls"] = [_tool_call(call) for call in calls]
+    if reasoning is not None:
+        message["reasoning_content"] = reasoning
+    finish = "tool_calls" if calls and counted.finish_reason != "length" else finish_reason(counted)
+    lp = {"content": logprobs or [], "refusal": None} if plan.logprobs is not None else None
+    return {"index": index, "message": message, "finish_reason": finish, "logprobs": lp}
+
+
+def _tool_call(call: dict) -> dict[str, Any]:
+    arguments = json.dumps(call["arguments"], ensure_ascii=False)
+    return {"id": call["id"], "type": "function", "function": {"name": call["name"], "arguments": arguments}}
+
+
+def _usage(state: ServerState, counted: list[Usage]) -> dict[str, int]:
+    """OpenAI's `usage` of all choices (the prompt once), their completion tokens counted in the metrics."""
+    total = Usage(counted[0].prompt_tokens, sum(c.completion_tokens for c in counted), counted[0].finish_reason)
+    out = usage(total)
     state.metrics.completion_tokens += out["completion_tokens"]
     return out
 
 
 def _id() -> str:
     return f"chatcmpl-{uuid.uuid4().hex}"
+
+
+# ---- streams ----------------------------------------------------------------------------------------------------
+
+
+async def _start_streams(model: Any, plan: ChatCall) -> list[Any]:
+    """The choices' streams, started (each one's input checked before the 200 goes out)."""
+    streams: list[Any] = []
+    try:
+        for index in range(plan.n):
+            args, extra = plan.args(index)
+            result = await model.achat(*args, stream=True, **extra)
+            streams.append(result["text"])
+    except BaseException:
+        for stream in streams:
+            with anyio.CancelScope(shield=True):
+                await stream.aclose()
+        raise
+    return streams
 
 
 class _Chunks:
@@ -93,8 +145,11 @@ class _Chunks:
         self.id, self.created, self.model = _id(), int(time.time()), state.config.model_name
         self.include_usage = bool((body.stream_options or {}).get("include_usage"))
 
-    def chunk(self, delta: dict[str, Any], finish: str | None = None) -> dict[str, Any]:
-        choice = {"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}
+    def chunk(
+        self, index: int, delta: dict[str, Any], finish: str | None = None, logprobs: list | None = None
+    ) -> dict[str, Any]:
+        lp = {"content": logprobs, "refusal": None} if logprobs is not None else None
+        choice = {"index": index, "delta": delta, "finish_reason": finish, "logprobs": lp}
         return self._object([choice])
 
     def usage(self, usage: dict[str, int]) -> dict[str, Any]:
@@ -110,35 +165,95 @@ class _Chunks:
         }
 
 
-async def _chat_events(state: ServerState, body: ChatRequest, chunks: Any) -> AsyncIterator[str]:
+async def _chat_events(
+    state: ServerState, body: ChatRequest, plan: ChatCall, streams: list[Any]
+) -> AsyncIterator[str]:
+    """The SSE lines of every choice's stream, merged in the order they come."""
     frames = _Chunks(state, body)
+    counted: list[Usage] = [Usage(0, 0, "stop")] * len(streams)
+    lines: asyncio.Queue[tuple[int, str | None]] = asyncio.Queue()
+
+    async def pump(index: int) -> None:
+        try:
+            async for line in _choice_events(frames, plan, index, streams[index], counted):
+                await lines.put((index, line))
+        finally:
+            lines.put_nowait((index, None))  # ended, either way (an error is raised by task.result())
+
+    tasks = [asyncio.ensure_future(pump(i)) for i in range(len(streams))]
     try:
-        yield sse(frames.chunk({"role": "assistant", "content": ""}))
-        async for chunk in chunks:
-            if chunk:
-                yield sse(frames.chunk({"content": chunk}))
-        counted = chunks.usage
+        open_choices = len(streams)
+        while open_choices:
+            _, line = await lines.get()
+            if line is None:
+                open_choices -= 1
+                continue
+            yield line
+        for task in tasks:
+            task.result()  # an error in a choice's events
         out = _usage(state, counted)
-        yield sse(frames.chunk({}, finish_reason(counted)))
         if frames.include_usage:
             yield sse(frames.usage(out))
         yield sse("[DONE]")
     except Exception as error:  # after the 200 went out, an error can only be an event
         yield sse(error_event(error))
     finally:
+        for task in tasks:
+            task.cancel()
         with anyio.CancelScope(shield=True):
-            await chunks.aclose()  # a disconnect or an error: cancel the generation
+            for stream in streams:
+                await stream.aclose()  # a disconnect or an error: cancel the generations
 
 
-def _one_chunk_stream(state: ServerState, body: ChatRequest, text: str, counted: Usage) -> EventStream:
-    frames = _Chunks(state, body)
-    out = _usage(state, counted)
+async def _choice_events(
+    frames: _Chunks, plan: ChatCall, index: int, stream: Any, counted: list[Usage]
+) -> AsyncIterator[str]:
+    """One choice's chunks: the role, then its reply as it is read (ReplyReader), then its finish."""
+    reader = chat_tools.ReplyReader(getattr(stream, "plan", None) or chat_tools.ChatPlan())
+    state = {"calls": 0, "logprobs": 0}
+    yield sse(frames.chunk(index, {"role": "assistant", "content": ""}))
+    try:
+        async for chunk in stream:
+            for line in _event_lines(frames, plan, index, stream, reader.feed(chunk), state):
+                yield line
+        counted[index] = stream.usage
+    except IncompleteOutputError as cut:  # cut by max_tokens: what was written, then "length"
+        counted[index] = cut.usage
+    for line in _event_lines(frames, plan, index, stream, reader.finish(), state, last=True):
+        yield line
+    cut = counted[index].finish_reason == "length"
+    finish = "tool_calls" if state["calls"] and not cut else finish_reason(counted[index])
+    yield sse(frames.chunk(index, {}, finish))
 
-    async def lines() -> AsyncIterator[str]:
-        yield sse(frames.chunk({"role": "assistant", "content": text}))
-        yield sse(frames.chunk({}, finish_reason(counted)))
-        if frames.include_usage:
-            yield sse(frames.usage(out))
-        yield sse("[DONE]")
 
-    return EventStream(lines())
+def _event_lines(
+    frames: _Chunks, plan: ChatCall, index: int, stream: Any, events: list, state: dict, last: bool = False
+) -> list[str]:
+    lines = []
+    for kind, value in events:
+        if kind in ("reasoning", "content"):
+            delta = {"reasoning_content" if kind == "reasoning" else "content": value}
+            lines.append(sse(frames.chunk(index, delta, logprobs=_new_logprobs(plan, stream, state))))
+            continue
+        k = state["calls"]
+        state["calls"] += 1
+        function = {"name": value["name"], "arguments": ""}
+        head = {"index": k, "id": value["id"], "type": "function", "function": function}
+        lines.append(sse(frames.chunk(index, {"tool_calls": [head]})))
+        arguments = {"index": k, "function": {"arguments": json.dumps(value["arguments"], ensure_ascii=False)}}
+        lp = _new_logprobs(plan, stream, state)
+        lines.append(sse(frames.chunk(index, {"tool_calls": [arguments]}, logprobs=lp)))
+    if last:
+        rest = _new_logprobs(plan, stream, state)
+        if rest:  # tokens whose text went out in no content chunk (markup, a held-back tail)
+            lines.append(sse(frames.chunk(index, {}, logprobs=rest)))
+    return lines
+
+
+def _new_logprobs(plan: ChatCall, stream: Any, state: dict) -> list | None:
+    """The logprobs committed since the last chunk that carried some (None when none were asked for)."""
+    if plan.logprobs is None:
+        return None
+    entries = stream.logprobs() if hasattr(stream, "logprobs") else []
+    new, state["logprobs"] = entries[state["logprobs"] :], len(entries)
+    return new

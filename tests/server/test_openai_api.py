@@ -123,8 +123,8 @@ def test_stop_string_cuts_the_answer(random_server):
 
 
 def test_unsupported_requests_are_400s_naming_the_field(client):
-    with pytest.raises(openai.BadRequestError, match="n=2"):
-        client.chat.completions.create(model="foveal", messages=ask("hi", scene(0)), n=2)
+    with pytest.raises(openai.BadRequestError, match="n=9"):  # above the documented limit (chat.MAX_CHOICES)
+        client.chat.completions.create(model="foveal", messages=ask("hi", scene(0)), n=9)
     with pytest.raises(openai.BadRequestError, match="remote URLs are not fetched"):
         client.chat.completions.create(
             model="foveal",
