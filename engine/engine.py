@@ -33,6 +33,7 @@ from dataclasses import dataclass
 from . import limits, shutdown, switch
 from .detokenizer import Detokenizer
 from .device import make_device
+from .drafts import DraftStats
 from .kv_cache import PagePool, prefix_chain, prefix_seed
 from .lanes import Lanes
 from .matcher import FillMasks, Matcher, conforms, fill_masks_each, require
@@ -66,6 +67,9 @@ class EngineConfig:
     switch_interval: float | None = 1e-4  # GIL hand-off interval while the engine runs
     prefix_cache: bool = True  # share the K/V of full prompt pages across requests (kv_cache.py)
     jump_forward: bool = True  # tokens a grammar forces go into the KV cache in one launch (pipeline.py)
+    # speculative decoding (pipeline.py): None (off) or "ngram", prompt-lookup drafts verified in
+    # one forward; needs a runner with runner.PositionLogits (refused by the constructor otherwise)
+    speculative: str | None = None
     # An idle engine waits this long after the latest arrival (at most 4x in all) before its first
     # launch, so that calls arriving together (threads, a batch) are prefilled in one launch.
     # None: 10 ms on CPU, 2 ms on an accelerator (limits.resolve says why).
@@ -95,6 +99,7 @@ class Engine:
             max_model_len=config.max_model_len,
             fill_masks=config.fill_masks,
             jump_forward=config.jump_forward,
+            speculative=config.speculative,
             debug=config.debug,
             debug_hook=config.debug_hook,
             trace=self.trace,
@@ -172,10 +177,13 @@ class Engine:
 
     def stats(self) -> dict:
         device = self.device
-        return self.pipeline.stats.summary(device.busy_s, dict(device.job_s), dict(device.job_n))
+        summary = self.pipeline.stats.summary(device.busy_s, dict(device.job_s), dict(device.job_n))
+        summary["speculative"] = self.pipeline.draft_stats.summary()
+        return summary
 
     def reset_stats(self) -> None:
         self.pipeline.stats.reset()
+        self.pipeline.draft_stats = DraftStats()
         self.device.busy_s = 0.0
         self.device.job_s.clear()
         self.device.job_n.clear()

@@ -8,9 +8,10 @@ PROBLEM
     matcher that lacks a required method would fail deep inside a step instead of at submit.
 SOLUTION
     Each capability is a `Protocol` here (and `regions.RegionSteps` for non-token steps):
-      - `Matcher` (required): `commit`, `fill_mask`, `is_terminated`. The engine never rolls a
-        matcher back, so it requires no `rollback` (foveal.grammars' matchers have one for their
-        own callers).
+      - `Matcher` (required): `commit`, `fill_mask`, `is_terminated`.
+      - `Rollback` (speculative decoding, pipeline.py): `rollback(n)` undoes the last n commits.
+        Drafts are probed, and the masks of their positions filled, by committing them tentatively
+        and rolling back; a matcher without it gets no drafts (foveal.grammars' matchers have it).
       - `ForcedTokens` (jump-forward, pipeline.py): `forced_tokens()` and `ends_after(tokens)`.
       - `OwnMask`: `fills_own_mask = True`, a matcher whose `fill_mask` is its own code rather
         than a native matcher the step's `FillMasks` understands; the pipeline fills its row by
@@ -31,6 +32,7 @@ INVARIANTS
       choice. `ends_after(tokens)` changes nothing and says whether committing `tokens` completes
       the output; a matcher that cannot tell says False (the run is then carried as a jump).
     - A `FillMasks` call writes row i of `bitmask` from `matchers[i]` and touches no other row.
+    - `rollback(n)` after n commits leaves the matcher as it was before them (same masks, same verdicts).
 """
 
 from __future__ import annotations
@@ -71,6 +73,15 @@ class ForcedTokens(Protocol):
     def ends_after(self, tokens: list[int]) -> bool:
         """Whether committing `tokens` (a prefix of `forced_tokens()`) completes the output; changes
         nothing. False when the matcher cannot tell."""
+        ...
+
+
+@runtime_checkable
+class Rollback(Protocol):
+    """A matcher that can undo commits: speculative decoding probes drafts with it (pipeline.py)."""
+
+    def rollback(self, n: int) -> None:
+        """Undo the last `n` commits."""
         ...
 
 

@@ -61,6 +61,44 @@ FINAL RUNS
     finishes it there. A final run is capped only by max_tokens (F's last token stays below it).
     Should the commit not finish it (a matcher whose `ends_after` was wrong), it ends with ERROR
     rather than wait for a launch that never comes.
+SPECULATIVE DECODING (`speculative="ngram"`; drafts.py)
+    At a few rows a step the forward reads the weights once however many query tokens it carries,
+    so a row may carry k guessed tokens D = d1..dk after its input (a *verify row*, step.py) and
+    have the logits after each of its k + 1 query tokens (`ForwardBatch.logits_index`; a runner
+    declares it with runner.PositionLogits, and speculation is refused without it).
+    Drafts: prompt lookup over the committed context (prompt + output, drafts.py), only in steps
+    with at most `drafts.MAX_DRAFT_ROWS` decode rows, for rows whose matcher can roll back (or that
+    have none) and has no region steps, never for prefill chunks or a jump row of k >= 2 (a forced
+    run is its own multi-token query). k is capped so that the last position samples below
+    max_tokens (its K/V position is then among the pages reserved at admission), and so that the
+    step stays within max_batch logit rows and max_step_tokens.
+    Launch t+1 plans them. In pipelined mode a decode row's step-t sample is still in flight: the
+    lookup's first token g is a guess of it, the row's input is gathered on the device as usual
+    (the real sample), and D is what the lookup continues after g. Before launch the matcher (after
+    commit t-1) is probed with g, D: committed one by one and rolled back; D is cut at the first
+    token it refuses, so a draft the grammar forbids is never launched.
+    Finalize t+1 fills position 0's mask as for any row; position i's mask is the matcher's (after
+    commit t) advanced tentatively through d1..di, then rolled back. If a draft is refused there
+    (the sample differed from g), that position and the later ones allow every token: the sample
+    before them is masked against the refused draft, so none of them can be accepted. Every
+    position is sampled with its own output index as counter (n .. n + k).
+    Commit t+1 accepts the samples s0.. while s(i) = d(i+1), then the first that differs (or the
+    last): a + 1 tokens for a accepted drafts. With counter-based Gumbel noise (sampler.py) the
+    sample at a position is a function of its context and its output index alone, so a position
+    whose context equals decoding's (every draft before it accepted) samples what decoding would:
+    greedy and seeded outputs are token-identical to decoding without drafts, in both modes, and
+    for any distribution this is the rejection sampling of a one-hot proposal (accept d with
+    probability p(d); otherwise a sample of p without d). Accepted tokens are appended and their
+    text done one by one (a stop inside the run ends the output where decoding would have).
+    The launch after a verify step (t+2) cannot know how many drafts commit t+1 accepts: the row
+    sits t+2 out (`Sequence.verifying`; its num_scheduled counts every draft until the commit sets
+    it to what was committed). Commit t+1 leaves its last token, not yet in the KV, as a one-token
+    jump: launch t+3 carries it from the host, with drafts of its own if the lookup finds some
+    (its context is then complete: no guess). Blocking mode commits t+1 before launch t+2, so the
+    row never sits out there; the two modes may draft differently, but tokens are identical.
+    Rejected drafts' K/V lies past the row's context in its own reserved pages, never in a
+    registered prefix page, and is overwritten before any query attends to it: no page is taken
+    or freed per draft. A row whose verify step is in flight when it finishes is a zombie as any.
 INVARIANTS (tests/engine/test_pipeline_steps.py steps ticks one by one and checks each)
     1. Greedy or seeded outputs are token-identical in pipelined and blocking mode.
     2. Nothing is emitted after a stop; a zombie's token is dropped.
@@ -73,6 +111,10 @@ INVARIANTS (tests/engine/test_pipeline_steps.py steps ticks one by one and check
     8. Jump-forward: a pinned row samples exactly f0; the launch after it carries F and nothing
        else for that row (a final run's row: nothing at all); outputs are valid under the grammar
        and equal in both modes.
+    9. Speculative decoding (tests/engine/test_speculative.py): outputs equal decoding without
+       drafts token for token (greedy and seeded, both modes); no launched draft is refused by the
+       grammar at launch; no logit row samples at or past max_tokens and a step has at most
+       max_batch of them; a verify row is not launched again before its commit.
 """
 
 from __future__ import annotations
@@ -86,14 +128,15 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from . import device_jobs, regions
+from . import device_jobs, drafts, regions
 from .device import Device
 from .device_jobs import SampleShape
+from .drafts import Drafter, DraftStats
 from .kv_cache import PagePool, pages_needed
 from .lanes import Lanes
 from .matcher import FillMasks, bitmask_words, conforms, require
 from .request import FinishReason, TokenLogprob
-from .runner import ModelRunner
+from .runner import ModelRunner, position_logits
 from .scheduler import Scheduler, Sequence
 from .sequences import Sequences
 from .slot import POISON, DecodeSlot, SlotState
@@ -122,12 +165,14 @@ class Pipeline:
         max_model_len: int,
         fill_masks: FillMasks,
         jump_forward: bool = False,
+        speculative: str | None = None,
         prefill_chunk: int | None = None,
         debug: bool = False,
         debug_hook: Callable[[str], None] | None = None,
         trace: Trace | None = None,
     ) -> None:
         require(device, Device, "device", "foveal.engine.device.Device")
+        self.speculative = check_speculative(speculative, runner, conforms(runner, regions.RegionHeads))
         self.runner = runner
         self.device = device
         self.pipelined = pipelined
@@ -138,6 +183,8 @@ class Pipeline:
         self.debug_hook = debug_hook
         self.trace = trace or Trace(False)
         self.stats = Stats()
+        self.draft_stats = DraftStats()
+        self.max_batch = max_batch
         self.pool = PagePool(num_pages, page_size)
         max_pages = pages_needed(max_model_len, page_size)
         self.lanes = Lanes(2 * max_batch, max_pages)
@@ -178,10 +225,15 @@ class Pipeline:
         if slot.state is not SlotState.FREE:
             raise AssertionError(f"slot {slot.index} reused before commit read it")
         step = Step(self.step_number, slot, rows)
+        if self.speculative:
+            self._plan_drafts(step)
         prefill_rows = stage(step, self.lanes, self.page_size, self._row_numbers)
         for row, (seq, extra) in enumerate(zip(rows, step.extra.tolist(), strict=True)):
-            seq.num_scheduled += 0 if row in step.partial else 1 + extra  # a partial chunk samples nothing
+            # a partial chunk samples nothing; a verify row counts every draft until its commit says
+            seq.num_scheduled += 0 if row in step.partial else 1 + extra
             seq.inflight_refs += 1
+        for row in step.drafts:
+            rows[row].verifying = True
         previous_slot = self.slots[(self.step_number - 1) % 2]
         threads = self.device.threads_for(step.num_tokens)
         runner, heads = self.runner, self.heads
@@ -197,6 +249,41 @@ class Pipeline:
         if not self.pipelined:  # the baseline overlaps nothing: the forward ends before the masks
             self._wait_device()
         return step
+
+    def _plan_drafts(self, step: Step) -> None:
+        """Speculative decoding (module docstring): give the step's decode rows and one-token jump
+        rows the drafts of their prompt lookup, cut where the grammar refuses one, within the step's
+        room for logit rows and query tokens."""
+        rows = step.rows
+        decoding = [row for row, seq in enumerate(rows) if seq.num_scheduled > 0 and seq.num_prefilled == seq.prompt_len]
+        if not decoding or len(decoding) > drafts.MAX_DRAFT_ROWS:
+            return
+        room = self.max_batch - len(rows)  # logit rows beyond one a row
+        tokens = self.scheduler.max_step_tokens - sum(
+            seq.chunk if seq.num_scheduled == 0 else len(seq.jump or (0,)) for seq in rows
+        )
+        for row in decoding:
+            seq = rows[row]
+            if not seq.can_draft or (seq.jump is not None and len(seq.jump) > 1):
+                continue  # a forced run is its own multi-token query: no drafts after it
+            # the drafts' last sample must stay below max_tokens (its K/V position is then reserved)
+            cap = min(drafts.MAX_DRAFT, seq.max_tokens - 1 - seq.num_scheduled, room, tokens)
+            if cap < 1:
+                continue
+            # Pipelined, a decode row's previous sample is still in flight: the lookup's first token
+            # is its guess, and only what follows it is drafted (the gathered input is the real sample).
+            guessed = seq.num_scheduled - seq.num_committed
+            if seq.drafter is None:
+                seq.drafter = Drafter(seq.request.prompt_ids)
+            proposal = seq.drafter.propose(seq.token_ids, cap + guessed)
+            if seq.matcher is not None and len(proposal) > guessed:
+                proposal = proposal[: drafts.probe(seq.matcher.commit, seq.rollback, proposal)]
+            if len(proposal) > guessed:
+                step.drafts[row] = proposal[guessed:]
+                room -= len(proposal) - guessed
+                tokens -= len(proposal) - guessed
+                self.draft_stats.verify_rows += 1
+                self.draft_stats.drafted += len(proposal) - guessed
 
     # ---- 2. commit ----------------------------------------------------------------------------
     def commit_previous(self, launched: Step | None) -> Committed:
@@ -217,15 +304,21 @@ class Pipeline:
         self.stats.phase_s["wait"] += started - waited
         self.trace.span("wait", "scheduler", waited, started)
         self._hook("commit")
-        tokens = slot.read_sampled(step.num_rows, self.debug)
-        logprobs = self._read_logprobs(step, tokens)
+        samples = slot.read_sampled(step.num_logits, self.debug)
+        logprobs = self._read_logprobs(step, samples)
         slot.state, slot.step, slot.event = SlotState.FREE, None, None
         committed = []
-        for row, (seq, token) in enumerate(zip(step.rows, tokens, strict=True)):
+        starts = step.logit_start.tolist() if step.drafts else None
+        for row, seq in enumerate(step.rows):
             seq.inflight_refs -= 1
+            last = starts[row + 1] - 1 if starts is not None else row  # the row's last logit row
+            token = samples[last]
             if row in step.partial and not seq.finalized:  # a prompt chunk that is not its last: no token
                 continue
-            if not seq.finalized:
+            if not seq.finalized and row in step.drafts:
+                first = starts[row]
+                self._commit_verified(seq, step.drafts[row], samples[first : last + 1], logprobs, first)
+            elif not seq.finalized:
                 if seq.num_committed == 0 and seq.prefix_chain:  # its prompt's K/V is written now
                     self.scheduler.register_prefix(seq)
                 forced = step.pinned.get(row)
@@ -234,7 +327,7 @@ class Pipeline:
                         seq, FinishReason.ERROR, f"jump-forward: sampled {token} where the mask allowed only {forced[0]}"
                     )
                     continue
-                logprob = logprobs[row] if logprobs is not None else None
+                logprob = logprobs[last] if logprobs is not None else None
                 if forced is not None:
                     self._append_forced(seq, forced, logprob)
                     if seq.final_run and not seq.finalized:  # never left running with no launch to come
@@ -248,14 +341,39 @@ class Pipeline:
         self._span("commit", started)
         return committed
 
+    def _commit_verified(
+        self, seq: Sequence, guesses: list[int], samples: list[int], logprobs: list | None, first: int
+    ) -> None:
+        """A verify row's commit: the samples while they equal the drafts, then the first that does not.
+
+        Their text is done token by token, as a forced run's is (`_append_forced`): a stop inside
+        the accepted run must end the output exactly where decoding without drafts would have.
+        The next launch carries the last of them from the host (a one-token jump).
+        """
+        accepted = 0
+        while accepted < len(guesses) and samples[accepted] == guesses[accepted]:
+            accepted += 1
+        seq.verifying = False
+        seq.drafter.verdict(accepted)
+        self.draft_stats.accepted += accepted
+        for index, token in enumerate(samples[: accepted + 1]):
+            logprob = logprobs[first + index] if logprobs is not None else None
+            if self.sequences.append(seq, token, logprob):
+                self.sequences.stream([(seq, token)])
+            if seq.finalized:
+                return
+        seq.num_scheduled = seq.num_committed  # it counted every draft at launch
+        seq.jump = [samples[accepted]]
+
     def _read_logprobs(self, step: Step, tokens: list[int]) -> list[TokenLogprob | None] | None:
-        """Per row, the sampled token's TokenLogprob when its sequence asked for logprobs."""
+        """Per logit row, the sampled token's TokenLogprob when its sequence asked for logprobs."""
         if step.top_logprobs < 0:
             return None
-        chosen, top_ids, top_values = step.slot.read_logprobs(step.num_rows, step.top_logprobs)
+        chosen, top_ids, top_values = step.slot.read_logprobs(step.num_logits, step.top_logprobs)
         kinds = step.slot.np.kinds if self.heads is not None else None
         out: list[TokenLogprob | None] = []
-        for row, seq in enumerate(step.rows):
+        for row, row_of in enumerate(step.row_of_logit.tolist()):  # rows: logit rows
+            seq = step.rows[row_of]
             k = seq.logprobs_k
             if k < 0:
                 out.append(None)
@@ -285,11 +403,13 @@ class Pipeline:
         """Masks from the current matchers, then queue the sampler and the copy of its ids to the host."""
         started = time.perf_counter()
         self._hook("finalize")
-        slot, host, num_rows = step.slot, step.slot.np, step.num_rows
-        num_masked = self._fill_masks(step)
-        if self.jump_forward and num_masked:
-            self._pin_forced(step, num_masked)
+        slot, host, num_rows = step.slot, step.slot.np, step.num_logits  # rows here: logit rows
+        num_first, num_masked = self._fill_masks(step)
+        if self.jump_forward and num_first:
+            self._pin_forced(step, num_first)
         lane = step.lane_of_row  # sampling parameters were written into the lanes at admission
+        if step.drafts:
+            lane = lane[step.row_of_logit]
         host.temperature[:num_rows], host.top_p[:num_rows] = self.lanes.temperature[lane], self.lanes.top_p[lane]
         host.top_k[:num_rows], host.seeds[:num_rows] = self.lanes.top_k[lane], self.lanes.seed[lane]
         random_rows = np.flatnonzero(host.temperature[:num_rows] > 0)
@@ -307,8 +427,9 @@ class Pipeline:
         slot.state = SlotState.FINALIZED
         self._span("finalize", started)
 
-    def _fill_masks(self, step: Step) -> int:
-        """Fill the masks of the step's live constrained rows; returns how many rows were filled.
+    def _fill_masks(self, step: Step) -> tuple[int, int]:
+        """Fill the masks of the step's live constrained rows; returns how many rows' first logit
+        rows were filled, and how many mask rows in all (a verify row's drafts come after them all).
 
         One batched call normally, over the rows whose matcher does not fill its own mask; those
         come last in the mask buffers and fill their own rows (MASKS). If that raises, each matcher
@@ -322,11 +443,11 @@ class Pipeline:
             if seq.matcher is not None and not seq.finalized and row not in step.partial:
                 (own if seq.own_mask else batched).append((row, seq))
         if not batched and not own:
-            return 0
+            return 0, 0
         rows, seqs = zip(*(batched + own), strict=True)
         host, bitmask = step.slot.np, step.slot.host.bitmask
         host.bitmask[: len(rows)] = 0
-        host.mask_rows[: len(rows)] = rows
+        host.mask_rows[: len(rows)] = step.logit_start[list(rows)]
         try:
             if batched:
                 self.fill_masks([seq.matcher for _, seq in batched], bitmask[: len(batched)])
@@ -339,7 +460,40 @@ class Pipeline:
                 except Exception as error:
                     host.bitmask[index] = -1
                     self.sequences.finish(seq, FinishReason.ERROR, f"the grammar failed to give a mask: {error}")
-        return len(rows)
+        num_masked = len(rows)
+        for row, seq in zip(rows, seqs, strict=True):
+            if row in step.drafts and not seq.finalized:
+                num_masked = self._fill_draft_masks(step, row, seq, num_masked)
+        return len(rows), num_masked
+
+    def _fill_draft_masks(self, step: Step, row: int, seq: Sequence, index: int) -> int:
+        """The masks of a verify row's draft positions, from mask row `index` on; returns the next.
+
+        Position i's mask is the matcher's after the drafts d1..di, committed tentatively and rolled
+        back. Past a draft the grammar refuses (the committed sample differed from the guess the
+        drafts followed), positions allow every token: the sample before them cannot equal the
+        refused draft, so none of them is ever accepted.
+        """
+        host, bitmask, matcher = step.slot.np, step.slot.host.bitmask, seq.matcher
+        guesses = step.drafts[row]
+        first, end = int(step.logit_start[row]), index + len(guesses)
+        host.mask_rows[index:end] = np.arange(first + 1, first + 1 + len(guesses))
+        host.bitmask[index:end] = -1
+        committed = 0
+        try:
+            for position, token in enumerate(guesses):
+                matcher.commit(token)
+                committed += 1
+                host.bitmask[index + position] = 0
+                self._fill_one(seq, bitmask, index + position)
+        except Exception as error:
+            if committed == position + 1:  # the commit went through: the mask failed
+                host.bitmask[index + position] = -1
+                self.sequences.finish(seq, FinishReason.ERROR, f"the grammar failed to give a mask: {error}")
+        finally:
+            if committed:
+                seq.rollback(committed)
+        return end
 
     def _fill_one(self, seq: Sequence, bitmask: torch.Tensor, index: int) -> None:
         if seq.own_mask:
@@ -354,9 +508,9 @@ class Pipeline:
         host = step.slot.np
         budget = self.scheduler.max_step_tokens - step.num_rows  # the next step's running rows need one token each
         for index in range(num_masked):
-            row = int(host.mask_rows[index])
+            row = int(step.row_of_logit[host.mask_rows[index]])
             seq = step.rows[row]
-            if seq.finalized or seq.forced_tokens is None:  # resolved at submit (ForcedTokens)
+            if seq.finalized or seq.forced_tokens is None or row in step.drafts:  # a verify row: no pin
                 continue
             # F starts at this step's output index, num_scheduled - 1, and must end below max_tokens
             forced = seq.forced_tokens()[: min(seq.max_tokens - seq.num_scheduled + 1, MAX_JUMP)]
@@ -411,6 +565,21 @@ class Pipeline:
         ended = time.perf_counter()
         self.stats.phase_s[name] += ended - started
         self.trace.span(name, "scheduler", started, ended)
+
+
+def check_speculative(speculative: str | None, runner: ModelRunner, region_heads: bool) -> str | None:
+    """The validated `speculative` setting; raises ValueError, saying what to do, for one this runner cannot run."""
+    if speculative is None:
+        return None
+    if speculative != "ngram":
+        raise ValueError(f"speculative must be None (off) or 'ngram' (prompt-lookup drafts), got {speculative!r}")
+    if region_heads or not position_logits(runner):
+        raise ValueError(
+            f"speculative='ngram' needs a runner that returns logits at several positions of a sequence "
+            f"(runner.PositionLogits) and samples no region values; {type(runner).__name__} does not: "
+            "load it with speculative=None"
+        )
+    return speculative
 
 
 def _narrow(mask: np.ndarray, token: int) -> bool:

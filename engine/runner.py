@@ -12,7 +12,8 @@ SOLUTION
     DecodeSlot's preallocated buffers; for decode steps `input_ids` is gathered on the device from
     the previous step's sampled ids, so it never visits the host. The runner writes the new tokens'
     K/V into its own KV tensors at `kv_index`, attends over `block_tables`/`context_lens`, and
-    returns the logits of each sequence's last query token.
+    returns the logits of each sequence's last query token, or, when the batch names them
+    (`logits_index`: a speculative verify step, pipeline.py), of the query tokens it names.
 
     What the engine calls on a runner is declared here, and checked once, when the Engine is built
     (matcher.require: a TypeError naming what is missing), never probed per step:
@@ -20,6 +21,8 @@ SOLUTION
         `allocate_kv`, `forward`;
       - `Quiesce` (optional): `quiesce()`, called by `Engine.close()` for a runner with work of its
         own (background traces, say);
+      - `PositionLogits` (optional): `logits_at_positions = True`, a runner that honours
+        `ForwardBatch.logits_index`; speculative decoding needs it (and is refused without it);
       - `regions.RegionHeads` (optional): region values sampled on the device (regions.py).
 
 INVARIANTS
@@ -37,6 +40,7 @@ from typing import Protocol, runtime_checkable
 
 import torch
 
+from .matcher import conforms
 from .request import PrefillInputs
 
 
@@ -54,6 +58,10 @@ class ForwardBatch:
     max_context_len: the longest context in the batch; a host int.
     prefill:       per sequence, its `PrefillInputs` (images, prefix length) or None; an empty list
                    when no sequence has any (always for decode steps).
+    logits_index:  [L] int64 flat indices (into input_ids) of the query tokens whose logits are
+                   returned, in order, each sequence's in ascending order and including its last
+                   token; None (the default): each sequence's last query token. Only runners that
+                   declare `PositionLogits` are given one.
     """
 
     input_ids: torch.Tensor
@@ -65,6 +73,7 @@ class ForwardBatch:
     max_query_len: int
     max_context_len: int
     prefill: list[PrefillInputs | None] = field(default_factory=list)
+    logits_index: torch.Tensor | None = None
 
     @property
     def num_seqs(self) -> int:
@@ -93,7 +102,8 @@ class ModelRunner(Protocol):
         ...
 
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
-        """Run one launch; return [num_seqs, vocab_size] float logits at each sequence's last query token."""
+        """Run one launch; return [num_seqs, vocab_size] float logits at each sequence's last query token
+        ([L, vocab_size] at the tokens `batch.logits_index` names, when it is set)."""
         ...
 
 
@@ -104,3 +114,17 @@ class Quiesce(Protocol):
     def quiesce(self) -> None:
         """Block until the runner's own background work has ended; the runner stays usable."""
         ...
+
+
+@runtime_checkable
+class PositionLogits(Protocol):
+    """A runner whose `forward` returns the logits of the query tokens `ForwardBatch.logits_index`
+    names (several per sequence): `logits_at_positions = True`. Speculative decoding verifies drafts
+    with such launches (pipeline.py, SPECULATIVE DECODING); a runner without it gets none."""
+
+    logits_at_positions: bool
+
+
+def position_logits(runner: ModelRunner) -> bool:
+    """Whether `runner` declares `PositionLogits` (checked once, when the engine is built)."""
+    return conforms(runner, PositionLogits) and bool(runner.logits_at_positions)

@@ -11,7 +11,8 @@ SOLUTION
     further tokens are dropped), and its matcher's optional capabilities, resolved when it is made
     (at submit), so that no step looks for them on the matcher. `schedule()` takes, within the
     step's token budget (`max_step_tokens`): running sequences that decode (num_scheduled <
-    max_tokens and no final run pinned; one token, or a jump-forward's k), then the next chunk of
+    max_tokens, no final run pinned, no verify step in flight; one token, or a jump-forward's k;
+    drafts are added by the pipeline within the room left), then the next chunk of
     running sequences still prefilling, then waiting ones in FIFO order; a request that does not
     fit the free pages waits (head of line, so a big one is not starved). Admission also gives the
     sequence a lane (lanes.py): its fixed per-step inputs, written once into host arrays.
@@ -36,9 +37,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from .detokenizer import Detokenizer
+from .drafts import Drafter
 from .kv_cache import PagePool, pages_needed
 from .lanes import Lanes
-from .matcher import ForcedTokens, Matcher, conforms, own_mask
+from .matcher import ForcedTokens, Matcher, Rollback, conforms, own_mask
 from .regions import RegionSteps
 from .request import FinishReason, Request, RequestHandle, TokenLogprob
 
@@ -61,6 +63,8 @@ class Sequence:
     ends_after: Callable[[list[int]], bool] | None = field(init=False, default=None)  # ForcedTokens
     step_kind: Callable[[], int] | None = field(init=False, default=None)  # RegionSteps
     own_mask: bool = field(init=False, default=False)  # OwnMask: the pipeline fills its rows itself
+    rollback: Callable[[int], None] | None = field(init=False, default=None)  # Rollback
+    can_draft: bool = field(init=False, default=True)  # no region steps; no matcher, or one with Rollback
     pages: list[int] | None = None
     lane: int = -1  # its row in the Lanes arrays, from admission to release
     token_ids: list[int] = field(default_factory=list)
@@ -77,6 +81,10 @@ class Sequence:
     # forced tokens pinned at finalize (pipeline.py, jump-forward) that the next launch carries as its query
     jump: list[int] | None = None
     final_run: bool = False  # its pinned forced tokens complete the output: no launch after them (pipeline.py)
+    # speculative decoding (pipeline.py): its drafts and back-off, made at its first draft; and
+    # whether a verify step of it is in flight, which the next launch cannot plan for (it sits out)
+    drafter: Drafter | None = None
+    verifying: bool = False
     logprobs_k: int = field(init=False, default=-1)  # SamplingParams.logprobs; -1: none recorded
     logprobs: list[TokenLogprob] | None = field(init=False, default=None)  # one per token_ids entry
 
@@ -94,6 +102,9 @@ class Sequence:
         if conforms(matcher, RegionSteps):
             self.step_kind = matcher.step_kind
         self.own_mask = own_mask(matcher)
+        if conforms(matcher, Rollback):
+            self.rollback = matcher.rollback
+        self.can_draft = self.step_kind is None and self.rollback is not None
 
     def pages_to_reserve(self, page_size: int) -> int:
         # the last output token is never fed back, so it needs no KV position
@@ -119,7 +130,7 @@ class Scheduler:
 
     def schedule(self) -> list[Sequence]:
         decoding = [s for s in self.running if s.num_prefilled == s.prompt_len]
-        rows = [s for s in decoding if s.num_scheduled < s.max_tokens and not s.final_run]
+        rows = [s for s in decoding if s.num_scheduled < s.max_tokens and not s.final_run and not s.verifying]
         tokens = len(rows) + sum(len(s.jump) - 1 for s in rows if s.jump)
         for seq in self.running:  # the next chunk of prompts still prefilling, while the budget lasts
             if seq.num_prefilled < seq.prompt_len and tokens < self.max_step_tokens and len(rows) < self.max_batch:

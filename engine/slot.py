@@ -5,7 +5,7 @@ PROBLEM
     allocating them per step would cost the host time the pipeline is meant to hide.
 SOLUTION
     Two slots, allocated once at the engine's largest step (max_batch rows, max_step_tokens tokens,
-    max_pages per row). Host-side staging tensors (pinned on CUDA) are written by the scheduler and
+    max_pages per row; per-row sampling buffers hold max_batch logit rows, step.py). Host-side staging tensors (pinned on CUDA) are written by the scheduler and
     copied to device tensors by the launched work; on CPU both sides are the same tensors (the
     scheduler writes them through numpy views, the cheapest way in from Python lists). Sampled
     ids are written on the device, copied to `sampled_host`, and read by commit.
@@ -57,6 +57,7 @@ class StepTensors:
     bitmask: torch.Tensor  # [B, W] int32
     kinds: torch.Tensor  # [B] int64 step kind per row (regions.py; 0 = token)
     region_rows: torch.Tensor  # [B] int64 rows whose kind is not 0
+    logits_index: torch.Tensor  # [B] int64 flat token index of each logit row (steps with drafts; step.py)
 
     @staticmethod
     def allocate(max_batch: int, max_tokens: int, max_pages: int, mask_words: int) -> StepTensors:
@@ -82,6 +83,7 @@ class StepTensors:
             bitmask=ints(max_batch, mask_words, dtype=torch.int32),
             kinds=ints(max_batch),
             region_rows=ints(max_batch),
+            logits_index=ints(max_batch),
         )
 
     def map(self, fn: Any) -> StepTensors:

@@ -15,9 +15,19 @@ SOLUTION
       - jump (jump-forward, pipeline.py): the k tokens the grammar forced after the previous step's
         context, from the host. The first of them is also what the previous step sampled (its mask
         allowed nothing else), so no id is gathered; the row's logits are those after the k-th, and
-        its output index moves k on (k - 1 forced tokens, then the sampled one).
+        its output index moves k on (k - 1 forced tokens, then the sampled one). The row after a
+        verify step is a jump of one token: the token that step sampled last, known to the host
+        once it has been committed.
+    A decode row or a one-token jump row may carry drafts (`Step.drafts`, speculative decoding,
+    pipeline.py): its query is then its input followed by the k drafts, and it has k + 1 *logit
+    rows*, the logits after each query token, sampled with output indices n .. n + k. Logit rows
+    are numbered across the step (`logit_start`), and every per-row sampling buffer of the slot
+    (counters, temperatures, masks, sampled ids) is indexed by them; a step without drafts has
+    exactly one logit row per row, and its runner is asked for the default logits.
 INVARIANTS
-    - A decode or jump row was carried by the step right before this one (it never skips a step).
+    - A decode row was carried by the step right before this one (it never skips a step); a row
+      that sits a step out (after a verify step) comes back as a jump row, its input from the host.
+    - A step has at most max_batch logit rows (pipeline.py caps the drafts to the room left).
     - The block table covers the pages that hold the step's context, not every page reserved at
       admission (attention gathers, and traced decode pads, the table's width).
 """
@@ -51,6 +61,10 @@ class Step:
     pinned: dict[int, list[int]] = field(default_factory=dict)  # row -> forced tokens, set at finalize
     partial: set[int] = field(default_factory=set)  # prefill rows whose chunk does not end the prompt
     top_logprobs: int = -1  # alternatives the step records per row; -1: no logprobs (set at finalize)
+    drafts: dict[int, list[int]] = field(default_factory=dict)  # row -> draft tokens it verifies (launch)
+    logit_start: np.ndarray | None = None  # [B + 1] each row's first logit row (by stage())
+    row_of_logit: np.ndarray | None = None  # [L] the row of each logit row (by stage())
+    num_logits: int = 0  # logit rows: rows + drafts (by stage())
 
     @property
     def num_rows(self) -> int:
@@ -70,6 +84,8 @@ def stage(step: Step, lanes: Lanes, page_size: int, row_numbers: np.ndarray) -> 
     extra = step.extra = np.zeros(step.num_rows, dtype=np.int64)
     for row in jump_rows:
         extra[row] = len(step.rows[row].jump) - 1
+    for row, drafts in step.drafts.items():
+        extra[row] += len(drafts)
     context = lanes.prompt_len[step.lane_of_row] + output_index + extra
     query_len = 1 + extra
     chunk_start = {}  # prefill row -> its chunk's first prompt token
@@ -119,12 +135,32 @@ def _stage_positions(
     host.kv_index[:num_tokens] = pages * page_size + positions % page_size
     host.query_start[: num_rows + 1] = query_starts
     host.context_lens[:num_rows] = context
-    host.counters[:num_rows] = output_index
+    _stage_logit_rows(step, output_index, query_starts, row_numbers)
     step.max_context_len = int(context.max())
     step.table_width = pages_needed(step.max_context_len, page_size)
     host.block_tables[:num_rows, : step.table_width] = lanes.block_table[lane, : step.table_width]
     step.num_tokens = num_tokens
     return query_starts
+
+
+def _stage_logit_rows(step: Step, output_index: np.ndarray, query_starts: np.ndarray, row_numbers: np.ndarray) -> None:
+    """Logit rows and their counters (output indices); with drafts, the flat indices of their tokens."""
+    host, num_rows = step.slot.np, step.num_rows
+    if not step.drafts:
+        step.logit_start, step.row_of_logit = row_numbers[: num_rows + 1], row_numbers[:num_rows]
+        step.num_logits = num_rows
+        host.counters[:num_rows] = output_index
+        return
+    per_row = np.ones(num_rows, dtype=np.int64)
+    for row, drafts in step.drafts.items():
+        per_row[row] += len(drafts)
+    start = step.logit_start = np.zeros(num_rows + 1, dtype=np.int64)
+    np.cumsum(per_row, out=start[1:])
+    num_logits = step.num_logits = int(start[num_rows])
+    row = step.row_of_logit = np.repeat(np.arange(num_rows), per_row)
+    back = start[row + 1] - 1 - np.arange(num_logits)  # logit rows before the row's last one
+    host.counters[:num_logits] = output_index[row] - back  # the last one samples output_index
+    host.logits_index[:num_logits] = query_starts[row + 1] - 1 - back
 
 
 def _stage_input_sources(
@@ -139,18 +175,22 @@ def _stage_input_sources(
     host, lane, num_rows = step.slot.np, step.lane_of_row, step.num_rows
     prefill_rows = list(chunk_start)
     running = np.setdiff1d(row_numbers[:num_rows], prefill_rows) if prefill_rows else row_numbers[:num_rows]
-    if not (lanes.last_step[lane[running]] == step.number - 1).all():
-        raise AssertionError("a running sequence skipped a step")
     for row in jump_rows:
         seq = step.rows[row]
-        host.input_ids[query_starts[row] : query_starts[row + 1]] = seq.jump
+        start = query_starts[row]
+        host.input_ids[start : start + len(seq.jump)] = seq.jump
         seq.jump = None
     decode_rows = np.setdiff1d(running, jump_rows) if jump_rows else running
     decode_lanes = lane[decode_rows]
+    if not (lanes.last_step[decode_lanes] == step.number - 1).all():
+        raise AssertionError("a decoding sequence skipped a step")
+    for row, drafts in step.drafts.items():  # after the input (gathered, or the jump's one token)
+        host.input_ids[query_starts[row + 1] - len(drafts) : query_starts[row + 1]] = drafts
     num_decode = len(decode_rows)
     host.gather_dst[:num_decode] = query_starts[decode_rows]
     host.gather_src[:num_decode] = lanes.last_row[decode_lanes]
-    lanes.last_step[lane], lanes.last_row[lane] = step.number, row_numbers[:num_rows]
+    # where each row's next input is sampled: its last logit row
+    lanes.last_step[lane], lanes.last_row[lane] = step.number, step.logit_start[1:] - 1
     step.num_decode = num_decode
     for row in prefill_rows:
         seq = step.rows[row]

@@ -17,8 +17,12 @@ SOLUTION
     accelerator time and releases the GIL, like a real native forward would. On a CUDA device the
     tensors live on the GPU and the delay is a queued GPU spin (`torch.cuda._sleep`), so the host
     returns at once, as it does from a real launch.
+    With `window=w` the logits depend on the last w tokens only, so greedy text soon repeats
+    itself (a stand-in for copying, which prompt-lookup drafts feed on). It returns the logits at
+    the positions `ForwardBatch.logits_index` names (runner.PositionLogits), each from its own prefix.
 INVARIANTS
-    - Logits are a pure function of the sequence's tokens (prompt + generated so far).
+    - Logits are a pure function of the sequence's tokens (prompt + generated so far; the last
+      `window` of them when set).
     - A forward takes at least `delay_s`; the fake's own work runs inside that time.
 """
 
@@ -48,6 +52,8 @@ def _mix(terms_sum: torch.Tensor) -> torch.Tensor:
 
 
 class FakeRunner:
+    logits_at_positions = True  # runner.PositionLogits: honours ForwardBatch.logits_index
+
     def __init__(
         self,
         vocab_size: int = 256,
@@ -57,8 +63,10 @@ class FakeRunner:
         table_rows: int = 4096,
         boost: dict[int, float] | None = None,
         device: str | torch.device = "cpu",
+        window: int | None = None,
     ) -> None:
         self.vocab_size = vocab_size
+        self.window = window
         self.device = torch.device(device)
         self.max_positions: int | None = None
         self.delay_s = delay_s
@@ -79,15 +87,28 @@ class FakeRunner:
 
     def allocate_kv(self, num_pages: int, page_size: int) -> None:
         self.kv = torch.full((num_pages * page_size,), -1, dtype=torch.int64, device=self.device)
+        self.ids = torch.full_like(self.kv, -1)  # the token at each position (for `window`)
         self.page_size = page_size
 
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
         start, ps = time.perf_counter(), self.page_size
         self.kv.index_copy_(0, batch.kv_index, _term(batch.input_ids, batch.positions))
-        offsets = torch.arange(batch.block_tables.shape[1] * ps, device=self.device)
-        valid = offsets[None, :] < batch.context_lens.long()[:, None]
-        slots = batch.block_tables.long().repeat_interleave(ps, dim=1) * ps + offsets % ps
-        terms = self.kv.index_select(0, torch.where(valid, slots, 0).view(-1)).view(slots.shape)
+        self.ids.index_copy_(0, batch.kv_index, batch.input_ids)
+        tables, lens = batch.block_tables, batch.context_lens.long()
+        if batch.logits_index is not None:  # several positions of a sequence: each sees its own prefix
+            index = batch.logits_index
+            seq = torch.searchsorted(batch.query_start[1:].long(), index, right=True)
+            tables, lens = tables[seq], batch.positions[index] + 1
+        offsets = torch.arange(tables.shape[1] * ps, device=self.device)
+        valid = offsets[None, :] < lens[:, None]
+        slots = tables.long().repeat_interleave(ps, dim=1) * ps + offsets % ps
+        if self.window is None:
+            terms = self.kv.index_select(0, torch.where(valid, slots, 0).view(-1)).view(slots.shape)
+        else:  # the last `window` tokens, weighted by their place in the window
+            first = (lens - self.window).clamp(min=0)[:, None]
+            valid &= offsets[None, :] >= first
+            ids = self.ids.index_select(0, torch.where(valid, slots, 0).view(-1)).view(slots.shape)
+            terms = _term(ids, offsets[None, :] - first)
         rows = _mix(torch.where(valid, terms, 0).sum(dim=1)) % self.table.shape[0]
         logits = self.table.index_select(0, rows)
         self.forwards += 1
@@ -101,6 +122,8 @@ class FakeRunner:
 
     def reference_logits(self, tokens: list[int]) -> torch.Tensor:
         """The logits `forward` gives after a sequence of `tokens`, computed without any cache."""
+        if self.window is not None:
+            tokens = tokens[-self.window :]
         t = torch.tensor(tokens, device=self.device)
         terms = _term(t, torch.arange(len(tokens), device=self.device))
         return self.table[_mix(terms.sum()) % self.table.shape[0]]

@@ -1,0 +1,143 @@
+"""Drafts for speculative decoding: prompt lookup over a sequence's own context, and when to draft.
+
+PROBLEM
+    At a few rows a step a forward is bound by reading the weights, so checking several guessed
+    tokens in one forward costs little more than producing one (pipeline.py, SPECULATIVE
+    DECODING). Structured answers copy from their input (a name, an address, an order number from
+    a document) and free text repeats itself; guesses must come from there, with no draft model,
+    and cost the host microseconds. A wrong guess is not free: its verify step sits one launch out
+    of the pipeline, so a sequence whose guesses keep failing must stop guessing.
+SOLUTION
+    `PromptLookup` indexes a sequence's context (prompt + committed output) by bigram as tokens are
+    committed. `propose(n)` takes the latest earlier occurrences of the context's last two tokens,
+    extends each match backwards, and returns the continuation (at most n tokens) of the longest
+    match, if that match is at least `min_match` tokens long (ties: the most recent).
+    `Drafter` wraps it with a per-sequence back-off: a verify step that accepts no draft doubles
+    the number of later launches that carry none (1, 2, 4, ... up to `MAX_BACKOFF`); one that
+    accepts any resets it.
+INVARIANTS
+    - A proposal is a pure function of the context and the sequence's past verdicts: never of the
+      batch it rides in, the sampling seed or the device.
+    - `propose` returns [] or tokens that follow an earlier occurrence of the context's last
+      `min_match` (or more) tokens; the index only ever grows with the context.
+    - `probe` leaves the matcher exactly as it found it (commits are rolled back).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+# Tokens one verify row guesses at most: acceptance of copied text runs long (a whole name or
+# number), and a rejected draft costs only its share of one forward.
+MAX_DRAFT = 8
+# The shortest match that may propose: two tokens match by chance too often in free text.
+MIN_MATCH = 3
+MAX_CANDIDATES = 8  # latest occurrences of the last bigram that are extended per proposal
+MAX_MATCH_SCAN = 32  # a match longer than this is as good as any longer one
+MAX_BACKOFF = 32  # launches without drafts after repeated rejections, at most
+# A step with more decode rows than this carries no drafts: its forward reads the weights once
+# for many rows already, so extra query tokens cost compute rather than ride along for free.
+MAX_DRAFT_ROWS = 4
+
+
+class PromptLookup:
+    """One sequence's context, indexed by bigram: position of the second token of each occurrence."""
+
+    __slots__ = ("tokens", "index", "num_prompt")
+
+    def __init__(self, prompt: list[int]) -> None:
+        self.tokens: list[int] = []
+        self.index: dict[tuple[int, int], list[int]] = {}
+        self.num_prompt = len(prompt)
+        self.extend(prompt)
+
+    def extend(self, tokens: list[int]) -> None:
+        context, index = self.tokens, self.index
+        for token in tokens:
+            if context:
+                index.setdefault((context[-1], token), []).append(len(context))
+            context.append(token)
+
+    def sync(self, output: list[int]) -> None:
+        """Take in the output tokens committed since the last call (`output`: all of them so far)."""
+        seen = len(self.tokens) - self.num_prompt
+        if len(output) > seen:
+            self.extend(output[seen:])
+
+    def propose(self, n: int, min_match: int = MIN_MATCH) -> list[int]:
+        """The continuation (<= n tokens) of the longest earlier match of the context's end; [] if none."""
+        context = self.tokens
+        last = len(context) - 1
+        if n < 1 or last < 1:
+            return []
+        ends = self.index.get((context[-2], context[-1]))
+        if not ends:
+            return []
+        best, best_len = -1, 0
+        for end in reversed(ends[-MAX_CANDIDATES - 1 :]):
+            if end >= last:  # the context's own end
+                continue
+            length = 2
+            while length < MAX_MATCH_SCAN and end - length >= 0 and context[end - length] == context[last - length]:
+                length += 1
+            if length > best_len:
+                best, best_len = end, length
+        if best < 0 or best_len < min_match:
+            return []
+        return context[best + 1 : best + 1 + n]
+
+
+class Drafter:
+    """A sequence's drafts: prompt lookup plus its back-off after rejections."""
+
+    __slots__ = ("lookup", "failures", "skip")
+
+    def __init__(self, prompt: list[int]) -> None:
+        self.lookup = PromptLookup(prompt)
+        self.failures = 0
+        self.skip = 0  # launches left that carry no drafts
+
+    def propose(self, output: list[int], n: int) -> list[int]:
+        """Up to n draft tokens after the context prompt + `output`, or [] (none found, or backing off)."""
+        if self.skip:
+            self.skip -= 1
+            return []
+        self.lookup.sync(output)
+        return self.lookup.propose(n)
+
+    def verdict(self, accepted: int) -> None:
+        """A verify step accepted `accepted` of its drafts."""
+        if accepted:
+            self.failures = 0
+            return
+        self.skip = min(1 << self.failures, MAX_BACKOFF)
+        self.failures += 1
+
+
+def probe(commit: Callable[[int], None], rollback: Callable[[int], None], tokens: list[int]) -> int:
+    """How many leading `tokens` a matcher accepts, committed one by one and then rolled back."""
+    count = 0
+    try:
+        for token in tokens:
+            commit(token)
+            count += 1
+    except Exception:  # the first token the grammar refuses ends the draft
+        pass
+    finally:
+        if count:
+            rollback(count)
+    return count
+
+
+@dataclass(slots=True)
+class DraftStats:
+    """Counts of the pipeline's speculative work since the last reset."""
+
+    verify_rows: int = 0  # rows that carried drafts
+    drafted: int = 0  # draft tokens launched
+    accepted: int = 0  # of those, accepted
+
+    def summary(self) -> dict[str, float]:
+        rate = self.accepted / self.drafted if self.drafted else 0.0
+        return {"verify_rows": self.verify_rows, "drafted": self.drafted, "accepted": self.accepted, "rate": rate}
