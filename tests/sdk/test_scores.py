@@ -198,7 +198,7 @@ def test_results_carry_checked_scores_into_their_notebook_view(embedded, scene_i
     from foveal.results import DetectResult, PointResult
 
     result = embedded.detect(scene_images[0], "shape")
-    assert '"score"' in result._repr_html_()
+    assert "&quot;score&quot;" in result._repr_html_()  # the dict's text under the drawn image
     box = {"x_min": 0.1, "y_min": 0.1, "x_max": 0.5, "y_max": 0.5}
     with pytest.raises(ValueError, match=r"objects\[0\]\['score'\] = 1.5"):
         DetectResult([{**box, "score": 1.5}])
