@@ -223,7 +223,7 @@ def coco_ap(case_list: list[Case], detections: list[list[dict]], ranking: str) -
         evaluation.summarize()
     precision = evaluation.eval["precision"][0, :, 0, 0, -1]  # IoU 0.5, every recall, all areas, 100 dets
     recall = evaluation.params.recThrs
-    keep = precision >= 0
+    keep = precision > 0  # pycocotools writes 0 at recalls the detections never reach
     return {
         "ap": float(evaluation.stats[0]),
         "ap50": float(evaluation.stats[1]),
