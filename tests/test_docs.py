@@ -6,8 +6,8 @@ A block fenced as ```python skip is not run (it needs a real checkpoint or a clu
 under docs/ later are picked up by the glob.
 
 What a reader would fill in is filled in:
-- images: `a.png`, `b.png`, a `photos/` folder (two scenes), and the names `image`, `img1`, `img2`,
-  `images` (generated scenes);
+- images: `a.png`, `b.png`, `photo.png`, a `photos/` folder (two scenes), and the names `image`, `img1`,
+  `img2`, `images` (generated scenes);
 - models: `foveal.load()` with no path (and load's default options) returns one embedded model
   shared by every page (loading it takes seconds; its `close()` is deferred to the end of the module). Lines that name a placeholder
   path (`/path/to/...`) are left out; `chat_model`, "a model with a chat template", is a tiny random
@@ -235,6 +235,7 @@ def test_every_python_example_runs(page, shared, tmp_path, monkeypatch):
     img1, img2 = _scene(1), _scene(2)
     img1.save("a.png")
     img2.save("b.png")
+    _scene(3).save("photo.png")
     Path("photos").mkdir()
     img1.save("photos/one.png")
     img2.save("photos/two.png")
