@@ -143,6 +143,7 @@ def load(
     prefix_cache: bool = True,
     max_step_tokens: int | None = None,
     jump_forward: bool = True,
+    speculative: str | None = None,
     image_options: dict | None = None,
     quantize: str | None = None,
     pixel_budget: int = DEFAULT_PIXEL_BUDGET,
@@ -168,6 +169,11 @@ def load(
     are the grammar's canonical tokenization of its forced text: where the model would have spelled
     that text with other tokens, the answer's ids, and then possibly what follows, can differ
     (SmolLM2, greedy: none of 80 answers did; benchmarks/jump_forward.py).
+    `speculative`: None (off) or "ngram": each call's next tokens are guessed from its own prompt
+    and output (prompt lookup, cut where the grammar forbids one) and checked in one forward;
+    answers are token-identical to decoding without it, faster where answers copy from the prompt
+    (docs/speculative.md has the figures). Families whose runner cannot return logits at several
+    positions (Moondream) refuse it.
     `image_options`: the image processor's resolution bounds where the family has them (families
     of dynamic resolution: {"min_pixels": .., "max_pixels": ..}, pixels of the resized image).
     `quantize`: None (the checkpoint's own weights), "int8", "int4" or "fp16" (CPU only): "int8" /
@@ -187,6 +193,8 @@ def load(
     for name, flag in (("prefix_cache", prefix_cache), ("jump_forward", jump_forward)):
         if not isinstance(flag, bool):
             raise TypeError(f"{name} must be True or False, got {flag!r}")
+    if speculative not in (None, "ngram"):
+        raise ValueError(f"speculative must be None (off) or 'ngram' (prompt-lookup drafts), got {speculative!r}")
     family = families.load(
         _model_source(path),
         device=device,
@@ -197,7 +205,8 @@ def load(
     )
     pixels = PixelBudget(pixel_budget)  # checks the value before the engine starts
     config = engine_config(
-        family, pipelined, max_batch_size, max_model_len, kv_cache_bytes, prefix_cache, max_step_tokens, jump_forward
+        family, pipelined, max_batch_size, max_model_len, kv_cache_bytes, prefix_cache, max_step_tokens, jump_forward,
+        speculative,
     )
     return Model(family, config, pixels)
 
@@ -240,6 +249,7 @@ def engine_config(
     prefix_cache: bool = True,
     max_step_tokens: int | None = None,
     jump_forward: bool = True,
+    speculative: str | None = None,
 ) -> EngineConfig:
     """The engine configuration of a family's model; sizes left None are derived from its runner by the
     engine (foveal.engine.limits: the model's positions, at most 4096 tokens; a quarter of free memory)."""
@@ -251,6 +261,7 @@ def engine_config(
         prefix_cache=prefix_cache,
         max_step_tokens=max_step_tokens,
         jump_forward=jump_forward,
+        speculative=speculative,
         eos_token_ids=tuple(family.eos_token_ids),
         fill_masks=family.fill_masks,  # the family's mask policy
     )
