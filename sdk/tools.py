@@ -42,9 +42,12 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+import llguidance
+
 from foveal.families.conversation import Conversation, ToolCall, with_tools
 from foveal.families.template import THINK_CLOSE, THINK_OPEN, TOOL_CALL_CLOSE, TOOL_CALL_OPEN
 from foveal.grammars import CFG, SchemaError
+from foveal.grammars.errors import schema_refusal
 from foveal.grammars.specs import JSON_OPTIONS, grammar_source, json_schema_source
 from foveal.grammars.tokenizer import tokenizer_handle
 from foveal.results import AsyncTextStream, TextStream
@@ -130,9 +133,13 @@ def _tool(tool: Any, where: str) -> Tool:
     if not isinstance(parameters, Mapping) or parameters.get("type", "object") != "object":
         raise ValueError(f'{where}.function.parameters must be a JSON schema of an object ({{"type": "object", ..}})')
     try:
-        enforced = json_schema_source(dict(parameters)).schema
+        source = json_schema_source(dict(parameters))
+        refused, problems = llguidance.LLMatcher.validate_grammar_with_warnings(source.grammar)
+        if refused:  # what compile would refuse, found without a tokenizer
+            raise schema_refusal("; ".join(problems), source.schema)
     except SchemaError as error:
         raise SchemaError(f"{where}.function.parameters: {error}", keyword=error.keyword, path=error.path) from None
+    enforced = source.schema
     definition = {"type": "function", "function": {k: v for k, v in function.items() if k != "strict"}}
     return Tool(name, definition, enforced)
 
