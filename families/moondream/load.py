@@ -16,6 +16,7 @@ import torch
 from foveal.engine.models.arch import Architecture, ModelLoadError
 from foveal.engine.models.loader import LoadedModel
 
+from . import revisions
 from .config import MoondreamConfig
 from .processor import MoondreamProcessor
 from .runner import MoondreamRunner
@@ -34,6 +35,7 @@ def load_folder(
     path: Path, device: torch.device, dtype: torch.dtype, source: str, image_cache_bytes: int
 ) -> tuple[LoadedModel, MoondreamConfig]:
     raw = json.loads((path / "config.json").read_text())
+    revisions.check(path, raw.get("config"))  # before anything else: never the wrong revision's rules
     config = MoondreamConfig.from_dict(raw.get("config"))
     weights_file = path / "model.safetensors"
     if not weights_file.is_file():
