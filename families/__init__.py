@@ -14,7 +14,7 @@ the skills it declares), and one line in `FAMILIES`. Order matters where two fam
 folder: the more specific comes first (the shapes model is a PaliGemma folder with a foveal.json).
 
 Families: Moondream 2 (`moondream/`, foveal's own implementation), the embedded shapes model
-(`shapes/`), PaliGemma (`paligemma/`), Qwen2.5-VL and Qwen3-VL (`qwen_vl/`), Gemma 4 (`gemma4/`), and chat / instruct
+(`shapes/`), PaliGemma (`paligemma/`), Qwen2.5-VL and Qwen3-VL (`qwen_vl/`), Gemma 4 (`gemma4/`), Molmo 2 (`molmo2/`), and chat / instruct
 models on transformers' modules: Llama-style and Gemma text models, Idefics3 / SmolVLM, LLaVA
 (`chat/`, also llama .gguf files).
 """
@@ -35,6 +35,7 @@ from foveal.engine.models.loader import LoadOptions, read_config, resolve_option
 from foveal.families.base import Capabilities, Family, UnsupportedSkill  # noqa: E402
 from foveal.families.chat import ChatFamily  # noqa: E402
 from foveal.families.gemma4 import Gemma4Family  # noqa: E402
+from foveal.families.molmo2 import Molmo2Family  # noqa: E402
 from foveal.families.moondream import MoondreamFamily  # noqa: E402
 from foveal.families.paligemma import PaliGemmaFamily  # noqa: E402
 from foveal.families.qwen_vl import QwenVLFamily  # noqa: E402
@@ -46,6 +47,7 @@ FAMILIES: tuple[type[Family], ...] = (
     PaliGemmaFamily,
     QwenVLFamily,
     Gemma4Family,
+    Molmo2Family,
     ChatFamily,
 )
 

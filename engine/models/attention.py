@@ -26,6 +26,8 @@ INVARIANTS
       so a PaliGemma prompt must be prefilled in one launch (the engine does not split prompts).
     - A sliding layer's query at position p sees keys p - window + 1 .. p of its own sequence, as
       transformers' `sliding_window_overlay` does (the window counts the query's own position).
+    - With `blocks` (build_context), a block token sees every block token of its sequence in the
+      launch, before or after it; everything else stays causal.
     - Padded query rows always see key 0, so SDPA never produces NaN rows (they are dropped anyway).
     - No host synchronisation: every index is derived on the device from the batch tensors.
 """
@@ -109,9 +111,17 @@ def prefix_lens(batch: ForwardBatch, device: torch.device) -> torch.Tensor | Non
 
 
 def build_context(
-    batch: ForwardBatch, kv: PagedKV, prefix_lens: torch.Tensor | None, dtype: torch.dtype = torch.float32
+    batch: ForwardBatch,
+    kv: PagedKV,
+    prefix_lens: torch.Tensor | None,
+    dtype: torch.dtype = torch.float32,
+    blocks: torch.Tensor | None = None,
 ) -> PagedContext:
     """Derive the gather indices and the attention mask of one launch (device ops only).
+
+    `blocks`: [T] bool, the query tokens of one bidirectional block per sequence (Molmo-style image
+    tokens: each sees every other block token of its sequence in the launch, later ones too); None:
+    causal (and the prefix, where `prefix_lens` gives one).
 
     The mask is additive and in the compute dtype so that no layer converts a boolean mask again
     (SDPA turns a bool mask into a float one on every call). A decode launch (one query token per
@@ -128,7 +138,7 @@ def build_context(
     key_pos = torch.arange(num_keys, device=device)
     in_context = key_pos[None, None, :] < batch.context_lens.to(torch.int64)[:, None, None]  # [B, 1, L]
     query_seq = query_row = None
-    if max_q == 1 and prefix_lens is None and not batch.prefill:  # prefill inputs: runners place rows by query_seq
+    if max_q == 1 and prefix_lens is None and blocks is None and not batch.prefill:  # prefill: rows by query_seq
         visible = in_context
         query_pos = (batch.context_lens.to(torch.int64) - 1)[:, None]
     else:
@@ -143,6 +153,12 @@ def build_context(
         visible = key_pos[None, None, :] <= query_pos[:, :, None]
         if prefix_lens is not None:
             visible |= key_pos[None, None, :] < prefix_lens.to(device)[:, None, None]
+        if blocks is not None:  # a block's tokens are all in this launch (prompts with images are not split)
+            query_block = torch.zeros(num_seqs, max_q, dtype=torch.bool, device=device)
+            query_block[query_seq, query_row] = blocks
+            key_block = torch.zeros(num_seqs, num_keys, dtype=torch.bool, device=device)
+            key_block[query_seq, batch.positions] = blocks
+            visible |= query_block[:, :, None] & key_block[:, None, :]
         visible &= in_context
         visible[:, :, 0] |= ~real_row  # padded query rows: keep SDPA finite
     mask = torch.zeros(visible.shape, dtype=dtype, device=device).masked_fill_(~visible, float("-inf"))

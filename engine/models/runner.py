@@ -145,7 +145,7 @@ class HFRunner:
     def _eager(self, batch: ForwardBatch, ks: list[torch.Tensor], vs: list[torch.Tensor]) -> torch.Tensor:
         kv = PagedKV(ks, vs, self.kv.page_size, self.kv.scratch_page)
         prefix = prefix_lens(batch, self.device) if self.arch.prefix_attention else None
-        context = build_context(batch, kv, prefix, self.dtype)
+        context = build_context(batch, kv, prefix, self.dtype, self.attention_blocks(batch))
         # images whose tokens the prefix cache held entirely need no features (nor an encoder run)
         images = [p for p in batch.prefill if p is not None and p.num_image_tokens > p.cached_image_tokens]
         if batch.logits_index is not None:  # a verify step: the logits of the tokens it names
@@ -163,6 +163,11 @@ class HFRunner:
             **self._image_inputs(images),
         )
         return out.logits[0].float()
+
+    def attention_blocks(self, batch: ForwardBatch) -> torch.Tensor | None:
+        """[T] bool: the launch's tokens that attend bidirectionally within their sequence (build_context's
+        `blocks`); None: causal. Families whose image tokens see each other override it."""
+        return None
 
     def position_ids(self, batch: ForwardBatch) -> torch.Tensor:
         """The model's `position_ids`: [1, T], the batch's positions shifted by the family's offset.
