@@ -13,7 +13,10 @@
    ignored, through foveal's engine (pipelined, blocking, pipelined with eager decode) and
    transformers' `generate` one prompt at
    a time (their images differ in size); tok/s median and best of `--reps`.
-4. Decode throughput at batch 1 and 16 (the same prompts, `--new-tokens` each, EOS ignored), median
+4. Gemma 4 and Molmo 2 (tiny random checkpoints, their own prompts: images of three sizes, one
+   prompt with two, one text-only): parity as in 1, and tok/s of the engine (pipelined, blocking)
+   beside transformers' `generate` one prompt at a time, EOS ignored.
+5. Decode throughput at batch 1 and 16 (the same prompts, `--new-tokens` each, EOS ignored), median
    and best of `--reps` timed runs after an untimed one: transformers `generate` (batch 16
    left-padded) and foveal's engine: pipelined, blocking, and pipelined with eager (untraced)
    decode. All measured in this one run; the load average is recorded, since the CPU is shared.
@@ -33,7 +36,7 @@ import transformers
 from benchmarks import write_json
 from foveal.engine import Engine, EngineConfig, Request, SamplingParams
 from foveal.families import load
-from foveal.testing import parity, tiny, tiny_qwen
+from foveal.testing import parity, tiny, tiny_gemma4, tiny_molmo2, tiny_qwen
 from foveal.testing.smollm2 import smollm2_folder, smollm2_gguf
 
 QUESTIONS = [
@@ -225,13 +228,57 @@ def qwen_throughput(new_tokens: int, reps: int) -> list[dict]:
     return rows
 
 
-def hf_generate_prompt(model, prompt, new_tokens: int) -> None:
+# Families with their own tiny builders and prompts (testing/tiny_<family>.py): parity and tok/s rows.
+NEW_FAMILIES = {"gemma4": tiny_gemma4, "molmo2": tiny_molmo2}
+
+
+def new_family_rows(new_tokens: int, reps: int) -> list[dict]:
+    """Per family: parity with transformers (logits compared over the LM head's columns) and tok/s of the
+    engine (pipelined, blocking) beside transformers' generate one prompt at a time, EOS ignored."""
+    rows = []
+    sampling = SamplingParams(max_tokens=new_tokens, ignore_eos=True)
+    with tempfile.TemporaryDirectory() as tmp:
+        for family, module in NEW_FAMILIES.items():
+            folder = getattr(module, f"build_{family}")(Path(tmp) / family)
+            loaded = load(folder, device="cpu")
+            prompts = module.prompts(loaded)
+            reference = parity.reference_model(folder)
+            ours = parity.greedy(loaded.runner, prompts, 8, loaded.eos_token_ids)
+            worst, equal = 0.0, True
+            for seq, prompt in enumerate(prompts):
+                tokens, logits = parity.reference_greedy(reference, prompt, loaded.runner.arch, 8)
+                equal &= tokens == ours.tokens[seq]
+                for a, b in zip(ours.logits[seq], logits, strict=False):
+                    worst = max(worst, float((a[: b.shape[0]] - b).abs().max()))
+            base = {"family": family, "prompts": len(prompts), "max_logit_diff": worst, "tokens_equal": equal}
+            hf = []
+            for rep in range(reps + 1):
+                start = time.perf_counter()
+                for prompt in prompts:
+                    hf_generate_prompt(reference, prompt, new_tokens, loaded.runner.arch.image_keys)
+                if rep:
+                    hf.append(time.perf_counter() - start)
+            tokens = len(prompts) * new_tokens
+            rows.append({**base, **row(len(prompts), "transformers generate, one at a time", tokens, hf)})
+            for name, pipelined in (("foveal engine, pipelined", True), ("foveal engine, blocking", False)):
+                times = []
+                with Engine(loaded.runner, loaded.tokenizer, engine_config(loaded, pipelined)) as engine:
+                    for rep in range(reps + 1):
+                        start = time.perf_counter()
+                        engine.generate([Request(p.token_ids, sampling, prefill=p.prefill) for p in prompts])
+                        if rep:
+                            times.append(time.perf_counter() - start)
+                rows.append({**base, **row(len(prompts), name, tokens, times)})
+    return rows
+
+
+def hf_generate_prompt(model, prompt, new_tokens: int, keys=("pixel_values", "image_grid_thw")) -> None:
     """transformers' generate on one prompt (with its images and the token types its M-RoPE reads), EOS ignored."""
     ids = torch.tensor([prompt.token_ids])
     kwargs = {}
     if prompt.prefill is not None:
-        keys = ("pixel_values", "image_grid_thw", "mm_token_type_ids")
-        kwargs = {key: prompt.prefill.image_tensors[key] for key in keys}
+        tensors = prompt.prefill.image_tensors
+        kwargs = {key: tensors[key] for key in (*keys, "mm_token_type_ids") if key in tensors}
     with torch.inference_mode():
         model.generate(
             ids,
@@ -271,6 +318,14 @@ def main() -> None:
     for r in report["qwen_vl"]:
         print(
             f"{r['family']:<11} {r['batch']:>7} {r['runner']:<38} {r['tok_s_median']:>12.1f} {r['tok_s_best']:>10.1f}"
+        )
+    report["new_families"] = new_family_rows(args.new_tokens, args.reps)
+    print(f"\n{'family':<8} {'max |logit diff|':>17} {'equal':>6} {'runner':<38}", end="")
+    print(f" {'tok/s median':>12} {'tok/s best':>10}")
+    for r in report["new_families"]:
+        print(
+            f"{r['family']:<8} {r['max_logit_diff']:>17.2e} {r['tokens_equal']!s:>6} {r['runner']:<38}"
+            f" {r['tok_s_median']:>12.1f} {r['tok_s_best']:>10.1f}"
         )
     if not args.skip_gguf:
         report["smollm2"] = s = smollm2(args.new_tokens, args.reps)
