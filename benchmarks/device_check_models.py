@@ -7,6 +7,8 @@ Checks, each printed as PASS/FAIL and written to DIR/device_check_models.json:
    gives the same greedy tokens as transformers' `generate` on CUDA, logits within 1e-3 (TF32/SDPA
    kernels differ from CPU's), five prompts in one batch.
 2. bf16 on CUDA: tokens of the first greedy step agree with fp32 for most prompts (reported, not asserted).
+   Gemma 4 and Molmo 2 the same way on their own tiny builders and prompts (`new_family_parity`;
+   `--dry-run-cpu` runs that part on CPU, where no device is lent).
 3. `forward` never synchronises with the host: a decode step runs under
    `torch.cuda.set_sync_debug_mode("error")`.
 4. Decode throughput of a SmolLM2-135M-shaped random Llama (bf16, batch 1/16/64) through the engine.
@@ -27,7 +29,7 @@ import transformers
 
 from foveal.engine import Engine, EngineConfig, Request, SamplingParams
 from foveal.families import load
-from foveal.testing import parity, tiny
+from foveal.testing import parity, tiny, tiny_gemma4, tiny_molmo2
 
 
 def cuda_parity(tmp: Path) -> list[dict]:
@@ -75,6 +77,53 @@ def cuda_parity(tmp: Path) -> list[dict]:
                 "bf16_first_token_agree": agree,
                 "default_dtype": str(bf16.runner.dtype),
                 "ok": equal and worst < 1e-3,
+            }
+        )
+    return rows
+
+
+NEW_FAMILIES = {"gemma4": tiny_gemma4, "molmo2": tiny_molmo2}
+
+
+def new_family_parity(tmp: Path, device: str = "cuda") -> list[dict]:
+    """Gemma 4 and Molmo 2 (their own tiny builders and prompts) on `device`: fp32 greedy parity with
+    transformers on the same device (logits over the LM head's columns, within 1e-3), the default dtype's
+    load, and a decode step without a host sync (CUDA). `device="cpu"` dry-runs the same code here."""
+    rows = []
+    for family, module in NEW_FAMILIES.items():
+        folder = getattr(module, f"build_{family}")(tmp / family)
+        loaded = load(folder, device=device, dtype="float32")
+        reference = parity.reference_model(folder).to(device)
+        prompts = module.prompts(loaded)
+        ours = parity.greedy(loaded.runner, prompts, 8, loaded.eos_token_ids)
+        worst, equal = 0.0, True
+        for seq, prompt in enumerate(prompts):
+            tokens, logits = parity.reference_greedy(reference, prompt, loaded.runner.arch, 8)
+            equal &= tokens == ours.tokens[seq]
+            for a, b in zip(ours.logits[seq], logits, strict=False):
+                worst = max(worst, float((a[: b.shape[0]] - b).abs().max()))
+        default = load(folder, device=device)
+        synced = True
+        if device == "cuda":
+            batch = parity.make_batch([([5], 3, [0, 1], None), ([6], 7, [2, 3], None)], 4, device)
+            torch.cuda.synchronize()
+            torch.cuda.set_sync_debug_mode("error")
+            try:
+                loaded.runner.forward(batch)
+            except RuntimeError as exc:
+                print(f"{family}: host sync in forward:", exc)
+                synced = False
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+        rows.append(
+            {
+                "family": family,
+                "device": device,
+                "max_logit_diff": worst,
+                "tokens_equal": equal,
+                "default_dtype": str(default.runner.dtype),
+                "no_host_sync": synced,
+                "ok": equal and worst < 1e-3 and synced,
             }
         )
     return rows
@@ -131,17 +180,25 @@ def throughput(tmp: Path) -> list[dict]:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default="out/benchmarks")
+    parser.add_argument("--dry-run-cpu", action="store_true", help="run the new families' check on CPU only")
     args = parser.parse_args()
+    if args.dry_run_cpu:
+        with tempfile.TemporaryDirectory() as tmp:
+            rows = new_family_parity(Path(tmp), "cpu")
+        for row in rows:
+            print(f"{'PASS' if row['ok'] else 'FAIL'} {row}")
+        return 0 if all(row["ok"] for row in rows) else 1
     if not torch.cuda.is_available():
         print("no CUDA device: this check runs on a GPU machine")
         return 2
     report: dict = {"device": torch.cuda.get_device_name(0)}
     with tempfile.TemporaryDirectory() as tmp:
         report["parity"] = cuda_parity(Path(tmp))
+        report["new_families"] = new_family_parity(Path(tmp))
         report["no_host_sync"] = no_host_sync(Path(tmp))
         report["throughput"] = throughput(Path(tmp))
-    ok = all(r["ok"] for r in report["parity"]) and report["no_host_sync"]
-    for row in report["parity"]:
+    ok = all(r["ok"] for r in report["parity"] + report["new_families"]) and report["no_host_sync"]
+    for row in report["parity"] + report["new_families"]:
         print(f"{'PASS' if row['ok'] else 'FAIL'} {row}")
     print(f"{'PASS' if report['no_host_sync'] else 'FAIL'} forward without host sync")
     for row in report["throughput"]:
