@@ -23,6 +23,9 @@ import json
 from dataclasses import dataclass
 
 ROLES = ("system", "user", "assistant", "tool")
+# The markers of the thinking section and of tool calls where a chat template writes them (Qwen's).
+THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
+TOOL_CALL_OPEN, TOOL_CALL_CLOSE = "<tool_call>", "</tool_call>"
 
 
 @dataclass(frozen=True, slots=True)

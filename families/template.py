@@ -35,10 +35,17 @@ import functools
 import json
 from typing import Any
 
-from foveal.families.conversation import Conversation, Message, single_user_message, to_hf, tools_of
+from foveal.families.conversation import (
+    THINK_CLOSE,
+    THINK_OPEN,
+    TOOL_CALL_OPEN,
+    Conversation,
+    Message,
+    single_user_message,
+    to_hf,
+    tools_of,
+)
 
-THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
-TOOL_CALL_OPEN, TOOL_CALL_CLOSE = "<tool_call>", "</tool_call>"
 JSON_FORMAT_PROMPT = (
     "You can call these tools (JSON definitions, one per line):\n{tools}\n\n"
     "To call tools, answer with JSON only, in this form: "

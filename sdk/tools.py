@@ -44,8 +44,15 @@ from typing import Any
 
 import llguidance
 
-from foveal.families.conversation import Conversation, ToolCall, with_tools
-from foveal.families.template import THINK_CLOSE, THINK_OPEN, TOOL_CALL_CLOSE, TOOL_CALL_OPEN
+from foveal.families.conversation import (
+    THINK_CLOSE,
+    THINK_OPEN,
+    TOOL_CALL_CLOSE,
+    TOOL_CALL_OPEN,
+    Conversation,
+    ToolCall,
+    with_tools,
+)
 from foveal.grammars import CFG, SchemaError
 from foveal.grammars.errors import schema_refusal
 from foveal.grammars.specs import JSON_OPTIONS, grammar_source, json_schema_source
