@@ -65,6 +65,7 @@ CHOICES = ("none", "auto", "required")
 THINKING = "(?s:.*)"  # what the thinking section may hold: anything (a test may bound it)
 _CALL_START = TOOL_CALL_OPEN + "\n"
 _CALL_END = "\n" + TOOL_CALL_CLOSE
+_CALL_HEAD = re.compile(r'\{"name": "([A-Za-z0-9_-]{1,64})", "arguments": ')
 
 
 @dataclass(frozen=True, slots=True)
@@ -363,16 +364,20 @@ def new_call_id() -> str:
 
 
 class ReplyReader:
-    """Reads a reply's text delta by delta into events (the module docstring):
-    ("reasoning", text), ("content", text), ("tool_call", {"id", "name", "arguments": dict}).
-    Text that could still be the start of a marker (`</think>`, `<tool_call>`) is held back until
-    the next delta decides it; `finish()` flushes what is left."""
+    """Reads a reply's text delta by delta into events (the module docstring): ("reasoning", text),
+    ("content", text), and per tool call ("call_start", {"id", "name"}), ("call_arguments", text)
+    pieces of its arguments' JSON as written (hermes: as they come; json format: whole, at the end),
+    then ("tool_call", {"id", "name", "arguments": dict}). Text that could still be the start of a
+    marker (`</think>`, `<tool_call>`, a call's closing text) is held back until the next delta
+    decides it; `finish()` flushes what is left."""
 
     def __init__(self, plan: ChatPlan) -> None:
         self.plan = plan
         self.buffer = ""
         self.state = {"section": "think_start", "open": "think"}.get(plan.reasoning or "", "answer_start")
         self.json_calls = plan.calls_tools and plan.tool_format == "json"
+        self.call: dict = {}  # the hermes call being read: its id and name
+        self.arguments = ""  # its arguments' text read so far
 
     def feed(self, delta: str) -> list[tuple[str, Any]]:
         self.buffer += delta
@@ -431,7 +436,7 @@ class ReplyReader:
                 calls = json.loads(text)["tool_calls"]
             except (json.JSONDecodeError, KeyError, TypeError):  # cut by max_tokens: the text so far
                 return _event("content", text)
-            return [("tool_call", _call(c)) for c in calls]
+            return [event for c in calls for event in _whole_call(c)]
         if state == "answer":
             if not (self.plan.calls_tools and self.plan.tool_format == "hermes"):
                 self.buffer = ""
@@ -443,13 +448,25 @@ class ReplyReader:
             keep = 0 if final else _partial_suffix(text, _CALL_START)
             self.buffer = text[len(text) - keep :]
             return _event("content", text[: len(text) - keep])
-        if state == "hermes_call":
+        if state == "hermes_call":  # the grammar fixes the head: {"name": "<name>", "arguments": ...}
+            head = _CALL_HEAD.match(text)
+            if head is None:
+                return []
+            self.call = {"id": new_call_id(), "name": head[1]}
+            self.arguments, self.buffer, self.state = "", text[head.end() :], "hermes_arguments"
+            return [("call_start", dict(self.call))]
+        if state == "hermes_arguments":  # the arguments as written, up to the call's closing "}\n</tool_call>"
             cut = text.find(_CALL_END)
             if cut < 0:
-                return []
-            rest = text[cut + len(_CALL_END) :]
-            self.buffer, self.state = rest, "between_calls"
-            return [("tool_call", _call(json.loads(text[:cut])))]
+                keep = len(text) if final else min(len(text), len(_CALL_END) + 1)
+                piece, self.buffer = text[: len(text) - keep], text[len(text) - keep :]
+                self.arguments += piece
+                return _event("call_arguments", piece)
+            piece = text[: cut - 1]  # without the call object's own "}"
+            self.arguments += piece
+            self.buffer, self.state = text[cut + len(_CALL_END) :], "between_calls"
+            done = {**self.call, "arguments": json.loads(self.arguments)}
+            return [*_event("call_arguments", piece), ("tool_call", done)]
         if state == "between_calls":
             nxt = "\n" + _CALL_START
             if text.startswith(nxt):
@@ -472,7 +489,7 @@ def read_reply(plan: ChatPlan, text: str) -> Reply:
             reply.reasoning = (reply.reasoning or "") + value
         elif kind == "content":
             reply.text += value
-        else:
+        elif kind == "tool_call":
             reply.tool_calls.append(value)
     if reply.reasoning is not None:
         reply.reasoning = reply.reasoning.strip("\n")
@@ -483,8 +500,11 @@ def _event(kind: str, text: str) -> list[tuple[str, Any]]:
     return [(kind, text)] if text else []
 
 
-def _call(call: dict) -> dict:
-    return {"id": new_call_id(), "name": call["name"], "arguments": call["arguments"]}
+def _whole_call(call: dict) -> list[tuple[str, Any]]:
+    """The events of a call read whole (foveal's JSON format): its start, its arguments, its end."""
+    done = {"id": new_call_id(), "name": call["name"], "arguments": call["arguments"]}
+    arguments = json.dumps(call["arguments"], ensure_ascii=False)
+    return [("call_start", {"id": done["id"], "name": done["name"]}), ("call_arguments", arguments), ("tool_call", done)]
 
 
 def _partial_suffix(text: str, marker: str) -> int:

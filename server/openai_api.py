@@ -5,8 +5,9 @@ through as it came. Every answer streams from the engine when asked (`stream`): 
 under the schema's grammar, thinking and tool calls alike (a `stop` string ends free text where it
 appears, in the engine). The reply is read back by `foveal.tools.ReplyReader`: the thinking goes out
 as `reasoning_content`, the answer as `content`, each tool call as `tool_calls` (finish_reason
-"tool_calls"); streamed, a call goes out once its text is complete, as OpenAI's deltas (index, id,
-type and name first, then its arguments as JSON text). An answer cut by max_tokens is OpenAI's
+"tool_calls"); streamed, a call goes out as OpenAI's deltas: its index, id, type and name first, then
+pieces of its arguments' JSON text (as the model writes them in Qwen's format; whole, once the reply
+is complete, in foveal's JSON format). An answer cut by max_tokens is OpenAI's
 `finish_reason: "length"` with what was written so far, not an error (the openai client's `parse()`
 then raises its LengthFinishReasonError). `usage` is the engine's own count (usage.py), the prompt
 counted once for all choices. Streams: `chat.completion.chunk` objects (each with its choice's
@@ -235,14 +236,15 @@ def _event_lines(
             delta = {"reasoning_content" if kind == "reasoning" else "content": value}
             lines.append(sse(frames.chunk(index, delta, logprobs=_new_logprobs(plan, stream, state))))
             continue
-        k = state["calls"]
-        state["calls"] += 1
-        function = {"name": value["name"], "arguments": ""}
-        head = {"index": k, "id": value["id"], "type": "function", "function": function}
-        lines.append(sse(frames.chunk(index, {"tool_calls": [head]})))
-        arguments = {"index": k, "function": {"arguments": json.dumps(value["arguments"], ensure_ascii=False)}}
-        lp = _new_logprobs(plan, stream, state)
-        lines.append(sse(frames.chunk(index, {"tool_calls": [arguments]}, logprobs=lp)))
+        if kind == "call_start":  # OpenAI's first delta of a call: its index, id, type and name
+            state["calls"] += 1
+            function = {"name": value["name"], "arguments": ""}
+            head = {"index": state["calls"] - 1, "id": value["id"], "type": "function", "function": function}
+            lines.append(sse(frames.chunk(index, {"tool_calls": [head]})))
+        elif kind == "call_arguments":  # then pieces of its arguments' JSON text
+            arguments = {"index": state["calls"] - 1, "function": {"arguments": value}}
+            lp = _new_logprobs(plan, stream, state)
+            lines.append(sse(frames.chunk(index, {"tool_calls": [arguments]}, logprobs=lp)))
     if last:
         rest = _new_logprobs(plan, stream, state)
         if rest:  # tokens whose text went out in no content chunk (markup, a held-back tail)

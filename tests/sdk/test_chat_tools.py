@@ -235,13 +235,22 @@ READ_CASES = [
 @pytest.mark.parametrize("plan, text", READ_CASES)
 def test_a_reply_streamed_in_any_pieces_reads_as_the_whole(plan, text):
     whole = chat_tools.read_reply(plan, text)
-    for pieces in ([text[:i], text[i:]] for i in range(len(text) + 1)):
+    splits = [[text[:i], text[i:]] for i in range(len(text) + 1)] + [list(text)]
+    for pieces in splits:
         reader = chat_tools.ReplyReader(plan)
         events = [e for piece in pieces for e in reader.feed(piece)] + reader.finish()
         joined = {kind: "".join(v for k, v in events if k == kind) for kind in ("reasoning", "content")}
-        calls = [v for k, v in events if k == "tool_call"]
         assert joined["content"] == whole.text and joined["reasoning"].strip("\n") == (whole.reasoning or "")
-        assert [(c["name"], c["arguments"]) for c in calls] == [(c["name"], c["arguments"]) for c in whole.tool_calls]
+        calls, arguments = [], []  # as a client joins the deltas: a start, then argument pieces
+        for kind, value in events:
+            if kind == "call_start":
+                calls.append(value["name"])
+                arguments.append("")
+            elif kind == "call_arguments":
+                arguments[-1] += value
+        assert [(n, json.loads(a)) for n, a in zip(calls, arguments, strict=True)] == [
+            (c["name"], c["arguments"]) for c in whole.tool_calls
+        ]
 
 
 def test_logprobs_are_those_of_the_masked_distribution(models):
