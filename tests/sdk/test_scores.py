@@ -104,6 +104,25 @@ def test_grounding_digits_score_each_token_by_the_number_it_would_have_written()
     assert scores == pytest.approx([0.75 * (0.5 + 0.3) * 0.9, 0.5])
 
 
+def test_json_decimals_score_the_numbers_each_token_would_have_written():
+    pieces = ['{"points": [', '{"x": ', ', "y": ', "}", "]}", ".", *"0123456789"]
+    vocab = Vocabulary(["<eos>", *pieces], {"<eos>"})
+    steps = [
+        vocab.forced('{"points": ['),
+        vocab.step('{"x": ', ("]}", 0.2), p=0.8),  # "]}" would have answered no point
+        vocab.forced("0"),
+        vocab.forced("."),
+        vocab.forced("5"),
+        vocab.step("2", ("3", 0.3), ("9", 0.1), p=0.6),  # 0.53 is within 0.05 of 0.52, 0.59 is not
+        vocab.forced(', "y": '),
+        vocab.forced("1"),
+        vocab.forced("}"),
+        vocab.forced("]}"),
+    ]
+    scores = scoring.spatial_scores(spatial.points("json", 3), decoded(vocab, steps))
+    assert scores == pytest.approx([0.8 * (0.6 + 0.3)])
+
+
 @pytest.mark.parametrize("seed", range(5))
 def test_scores_are_probabilities_whatever_the_distributions(seed):
     rng = np.random.default_rng(seed)
@@ -204,3 +223,32 @@ def test_results_carry_checked_scores_into_their_notebook_view(embedded, scene_i
         DetectResult([{**box, "score": 1.5}])
     with pytest.raises(ValueError, match=r"points\[0\]\['score'\]"):
         PointResult([{"x": 0.5, "y": 0.5, "score": float("nan")}])
+
+
+@pytest.fixture(scope="module")
+def digit_models(tmp_path_factory):
+    """Families that write coordinates in digits: Qwen's grounding JSON (pixels, thousandths)."""
+    from foveal.testing import tiny
+
+    root = tmp_path_factory.mktemp("digit_models")
+    loaded = {
+        f: foveal.load(tiny.build(f, root / f), device="cpu") for f in ("qwen2_5_vl", "qwen3_vl", "idefics3")
+    }
+    yield loaded
+    for model in loaded.values():
+        model.close()
+
+
+@pytest.mark.parametrize("family", ["qwen2_5_vl", "qwen3_vl"])
+def test_digit_coordinates_are_scored_item_by_item(digit_models, family, skill="detect", key="objects"):
+    """(The tiny random models answer points with no item under most seeds: boxes only.)"""
+    model, items = digit_models[family], 0
+    image = scenes.render(scenes.generate_scene(1, 96))
+    for seed in range(40):  # random weights: sampled answers, some with items
+        if items >= 2:
+            break
+        settings = {"max_objects": 3, "temperature": 1.0, "seed": seed}
+        found = getattr(model, skill)(image, "red circle", settings=settings)[key]
+        assert all(0.0 <= item["score"] <= 1.0 for item in found)
+        items += len(found)
+    assert items  # the scorer read as many items as the parser
