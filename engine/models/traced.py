@@ -8,15 +8,21 @@ PROBLEM
 
 SOLUTION
     The CPU twin of CUDA-graph replay: the eager decode forward is traced with `torch.jit.trace`
-    once per bucket (num_seqs and block-table width, in pages, each padded up to the next 2^k or
-    3 * 2^k: `bucket`) and replayed; the TorchScript interpreter runs the whole step without the
-    GIL. Shapes are the only thing a trace fixes, so a batch is padded into its bucket: padding
-    rows decode token 0 at position 0 into the runner's scratch page (never one of the engine's),
-    and their logits are dropped. Prefill (variable query lengths, images) stays eager.
+    once per rows bucket (num_seqs padded up to the next 2^k or 3 * 2^k: `bucket`) and replayed;
+    the TorchScript interpreter runs the whole step without the GIL. The block table's width (in
+    pages, padded to its bucket too) reaches the forward as a traced shape, not a host int, so one
+    graph serves every width and a call's growing context never waits for a new trace. The rows
+    are fixed by the trace, so a batch is padded into its bucket: padding rows decode token 0 at
+    position 0 into the runner's scratch page (never one of the engine's), and their logits are
+    dropped. Prefill (variable query lengths, images) stays eager. Buckets named in `prepare` are
+    traced in the background as soon as the runner allocates its KV (a fresh process's first
+    calls then replay graphs instead of running eager), and a trace scripts only the step, not
+    the model's module tree (what made a trace of a 30-layer model take seconds).
 
 INVARIANTS
-    - A replay gives the same logits as the eager forward on the same batch (tested per family
-      through multi-step greedy parity, where every decode launch is a replay).
+    - A replay gives the same logits as the eager forward on the same batch, at every table width
+      (tests/models/test_traced.py; per family through multi-step greedy parity, where every
+      decode launch is a replay).
     - Padding rows write only the scratch page; real rows' KV indices are the batch's own.
     - The KV tensors are inputs of the graph, never constants baked into it, so replays write the
       live cache. A trace made in the background runs on an all-padding batch: it writes only the
@@ -40,6 +46,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import torch
 import torch.jit._state
 
+from foveal.engine.models.attention import PagedKV
 from foveal.engine.runner import ForwardBatch
 
 
@@ -74,32 +81,45 @@ def own_compilation_unit() -> Iterator[torch.jit.CompilationUnit]:
             torch.jit._state._python_cu = saved
 
 
+def script_objects(model: torch.nn.Module | None) -> list[torch.ScriptObject]:
+    """The TorchScript objects held as attributes of the model's modules, each once."""
+    found: dict[int, torch.ScriptObject] = {}
+    for module in [] if model is None else model.modules():
+        for value in vars(module).values():
+            if isinstance(value, torch.ScriptObject):
+                found.setdefault(id(value), value)
+    return list(found.values())
+
+
+def _replay(graph: torch.jit.ScriptModule, args: tuple) -> torch.Tensor:
+    with torch.jit.optimized_execution(False):  # thread-local: this replay only
+        return graph(*args)
+
+
 class _Step(torch.nn.Module):
     """The traced unit: batch tensors and KV tensors in, last-token logits out."""
 
     def __init__(
         self,
         eager: Callable[[ForwardBatch, list, list], torch.Tensor],
-        max_context_len: int,
+        page_size: int,
         model: torch.nn.Module | None,
     ) -> None:
         super().__init__()
         self.eager = eager
-        self.max_context_len = max_context_len
-        # Registered so the trace can reach TorchScript objects held by the model's modules
-        # (quant.HalfLinear's fbgemm pack): a trace records only those of its own submodules.
-        self.model = model
+        self.page_size = page_size
+        # The TorchScript objects the model's modules hold (quant.HalfLinear's fbgemm packs), as
+        # attributes of this module: a trace records only objects of its own module tree. The model
+        # itself is not a submodule: scripting its few hundred modules was most of a trace's time.
+        for index, packed in enumerate(script_objects(model)):
+            setattr(self, f"packed_{index}", packed)
 
     def forward(self, input_ids, positions, query_start, context_lens, block_tables, kv_index, ks, vs):
+        # Read from the table's shape, not a host int: under the tracer a shape is a traced value,
+        # so the graph's key count follows the width of the table it is given (any width).
+        max_context_len = block_tables.shape[1] * self.page_size
         batch = ForwardBatch(
-            input_ids,
-            positions,
-            query_start,
-            context_lens,
-            block_tables,
-            kv_index,
-            1,
-            self.max_context_len,
+            input_ids, positions, query_start, context_lens, block_tables, kv_index, 1, max_context_len
         )
         return self.eager(batch, list(ks), list(vs))
 
@@ -107,12 +127,22 @@ class _Step(torch.nn.Module):
 class DecodeGraphs:
     """Pads a decode batch into its bucket and replays that bucket's graph, tracing it on first use.
 
-    `background=True`: a bucket seen for the first time runs eager, and its graph is traced on a
-    thread of its own from an all-padding batch (every row in the scratch page), to be replayed
+    One graph serves every width of its rows bucket: the trace reads the table's width as a traced
+    shape, so a call that meets a new (rows, width) bucket reuses the rows bucket's graph (`graphs`
+    lists every bucket met, several naming one graph). Graphs are replayed with TorchScript's
+    optimizing passes off: they bought nothing measurable for these graphs and cost two slow replays
+    (a profiling run and an optimization) after every trace.
+
+    `background=True`: a rows bucket seen for the first time runs eager, and its graph is traced on
+    a thread of its own from an all-padding batch (every row in the scratch page), to be replayed
     once ready. Tracing a deep model takes seconds, many decode steps' worth, and a batch that met
-    a new (rows, width) bucket would stall every request in it for that long; in the background it
-    costs one eager step instead, not much slower than a replay. `background=False` traces in the
-    launch itself.
+    a new bucket would stall every request in it for that long; in the background it costs eager
+    steps instead, not much slower than replays. `background=False` traces in the launch itself.
+
+    `kv` and `prepare`: where the runner's KV tensors are (a callable returning its `PagedKV`) and
+    the rows buckets to trace as soon as they exist: `clear()`, which the runner calls when it
+    allocates its KV, starts those traces in the background, so that the first calls find their
+    graphs ready (a fresh process's first calls are otherwise eager).
     """
 
     def __init__(
@@ -120,13 +150,21 @@ class DecodeGraphs:
         eager: Callable[[ForwardBatch, list, list], torch.Tensor],
         model: torch.nn.Module | None = None,
         background: bool = True,
+        kv: Callable[[], PagedKV | None] | None = None,
+        prepare: tuple[int, ...] = (),
     ) -> None:
         self.eager = eager
         self.model = model
         self.graphs: dict[tuple[int, int], torch.jit.ScriptModule] = {}
-        self._pending: dict[tuple[int, int], Future] = {}
-        self._tracer = ThreadPoolExecutor(1, thread_name_prefix="foveal-trace") if background else None
+        self._by_rows: dict[int, torch.jit.ScriptModule] = {}  # one width-generic graph per rows bucket
+        self._pending: dict[int, Future] = {}
+        self._tracer = (
+            ThreadPoolExecutor(1, thread_name_prefix="foveal-trace") if background or prepare else None
+        )
+        self._background = background
         self._generation = 0  # bumped by clear(): a trace of an older KV cache is dropped
+        self._kv = kv
+        self.prepare = tuple(bucket(rows) for rows in prepare)
 
     def __call__(
         self, batch: ForwardBatch, ks: list, vs: list, page_size: int, scratch_page: int
@@ -134,19 +172,28 @@ class DecodeGraphs:
         n, width = batch.num_seqs, batch.block_tables.shape[1]
         key = (bucket(n), bucket(width))
         args = (*self._pad(batch, *key, page_size, scratch_page), tuple(ks), tuple(vs))
-        graph = self.graphs.get(key)
-        if graph is None and self._tracer is None:
-            graph = self.graphs[key] = self._trace(key, args, page_size)
+        graph = self.graphs.get(key) or self._by_rows.get(key[0])
+        if graph is None and not self._background:
+            graph = self._by_rows[key[0]] = self._trace(args, page_size)
         elif graph is None:
             self._trace_later(key, args, page_size, scratch_page)
             return self.eager(batch, ks, vs)
-        return graph(*args)[:n]
+        self.graphs[key] = graph
+        return _replay(graph, args)[:n]
 
     def clear(self) -> None:
-        """Forget every graph (the KV tensors they were traced with are gone)."""
+        """Forget every graph (the KV tensors they were traced with are gone), then start the
+        traces of the `prepare` buckets on the runner's current KV tensors, if it has them."""
         self._generation += 1
         self.graphs.clear()
+        self._by_rows.clear()
         self._pending.clear()
+        kv = self._kv() if self._kv is not None else None
+        if kv is None:
+            return
+        for rows in self.prepare:
+            args = self._idle_batch(rows, kv)
+            self._trace_later((rows, 1), args, kv.page_size, kv.scratch_page)
 
     def wait(self) -> None:
         """Block until the traces started so far have ended (each holds the runner, hence the
@@ -154,27 +201,45 @@ class DecodeGraphs:
         futures.wait(list(self._pending.values()))
 
     def _trace_later(self, key: tuple[int, int], args: tuple, page_size: int, scratch_page: int) -> None:
-        started = self._pending.get(key)
+        rows = key[0]
+        started = self._pending.get(rows)
         if started is not None:
             if started.done() and started.exception() is not None:
-                raise RuntimeError(f"tracing the decode step of bucket {key} failed") from started.exception()
+                raise RuntimeError(f"tracing the decode step of {rows} rows failed") from started.exception()
             return
         idle = self._idle_args(args, page_size, scratch_page)
         generation = self._generation
 
         def trace() -> None:
             with torch.inference_mode():
-                graph = self._trace(key, idle, page_size)
+                graph = self._trace(idle, page_size)
+                _replay(graph, idle)  # a graph's first run is slower than the others: not in a call
             if generation == self._generation:
+                self._by_rows[rows] = graph
                 self.graphs[key] = graph
 
-        self._pending[key] = self._tracer.submit(trace)
+        self._pending[rows] = self._tracer.submit(trace)
 
-    def _trace(self, key: tuple[int, int], args: tuple, page_size: int) -> torch.jit.ScriptModule:
+    def _trace(self, args: tuple, page_size: int) -> torch.jit.ScriptModule:
         with warnings.catch_warnings(), own_compilation_unit():
-            # TracerWarnings about Python ints: shapes are fixed per bucket
+            # TracerWarnings about Python ints: the rows are fixed per bucket
             warnings.simplefilter("ignore")
-            return torch.jit.trace(_Step(self.eager, key[1] * page_size, self.model), args, check_trace=False)
+            return torch.jit.trace(_Step(self.eager, page_size, self.model), args, check_trace=False)
+
+    @staticmethod
+    def _idle_batch(rows: int, kv: PagedKV) -> tuple:
+        """Inputs of a decode launch of `rows` padding rows on the KV tensors `kv`."""
+        device = kv.k[0].device
+        return (
+            torch.zeros(rows, dtype=torch.int64, device=device),
+            torch.zeros(rows, dtype=torch.int64, device=device),
+            torch.arange(rows + 1, dtype=torch.int32, device=device),
+            torch.ones(rows, dtype=torch.int32, device=device),
+            torch.full((rows, 1), kv.scratch_page, dtype=torch.int32, device=device),
+            torch.full((rows,), kv.scratch_page * kv.page_size, dtype=torch.int64, device=device),
+            tuple(kv.k),
+            tuple(kv.v),
+        )
 
     @staticmethod
     def _idle_args(args: tuple, page_size: int, scratch_page: int) -> tuple:
