@@ -13,8 +13,8 @@
    ignored, through foveal's engine (pipelined, blocking, pipelined with eager decode) and
    transformers' `generate` one prompt at
    a time (their images differ in size); tok/s median and best of `--reps`.
-4. Gemma 4 and Molmo 2 (tiny random checkpoints, their own prompts: images of three sizes, one
-   prompt with two, one text-only): parity as in 1, and tok/s of the engine (pipelined, blocking)
+4. Gemma 4, Molmo 2 and Qwen3.5 (tiny random checkpoints, their own prompts: images of several
+   sizes, one prompt with two, one text-only): parity as in 1, and tok/s of the engine (pipelined, blocking)
    beside transformers' `generate` one prompt at a time, EOS ignored.
 5. Decode throughput at batch 1 and 16 (the same prompts, `--new-tokens` each, EOS ignored), median
    and best of `--reps` timed runs after an untimed one: transformers `generate` (batch 16
@@ -36,7 +36,7 @@ import transformers
 from benchmarks import write_json
 from foveal.engine import Engine, EngineConfig, Request, SamplingParams
 from foveal.families import load
-from foveal.testing import parity, tiny, tiny_gemma4, tiny_molmo2, tiny_qwen
+from foveal.testing import parity, tiny, tiny_gemma4, tiny_molmo2, tiny_qwen, tiny_qwen3_5
 from foveal.testing.smollm2 import smollm2_folder, smollm2_gguf
 
 QUESTIONS = [
@@ -229,7 +229,7 @@ def qwen_throughput(new_tokens: int, reps: int) -> list[dict]:
 
 
 # Families with their own tiny builders and prompts (testing/tiny_<family>.py): parity and tok/s rows.
-NEW_FAMILIES = {"gemma4": tiny_gemma4, "molmo2": tiny_molmo2}
+NEW_FAMILIES = {"gemma4": tiny_gemma4, "molmo2": tiny_molmo2, "qwen3_5": tiny_qwen3_5}
 
 
 def new_family_rows(new_tokens: int, reps: int) -> list[dict]:

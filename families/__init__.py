@@ -14,8 +14,8 @@ the skills it declares), and one line in `FAMILIES`. Order matters where two fam
 folder: the more specific comes first (the shapes model is a PaliGemma folder with a foveal.json).
 
 Families: Moondream 2 (`moondream/`, foveal's own implementation), the embedded shapes model
-(`shapes/`), PaliGemma (`paligemma/`), Qwen2.5-VL and Qwen3-VL (`qwen_vl/`), Gemma 4 (`gemma4/`), Molmo 2 (`molmo2/`), and chat / instruct
-models on transformers' modules: Llama-style and Gemma text models, Idefics3 / SmolVLM, LLaVA
+(`shapes/`), PaliGemma (`paligemma/`), Qwen2.5-VL and Qwen3-VL (`qwen_vl/`), Qwen3.5 (`qwen3_5/`),
+Gemma 4 (`gemma4/`), Molmo 2 (`molmo2/`), and chat / instruct models on transformers' modules: Llama-style and Gemma text models, Idefics3 / SmolVLM, LLaVA
 (`chat/`, also llama .gguf files).
 """
 
@@ -38,6 +38,7 @@ from foveal.families.gemma4 import Gemma4Family  # noqa: E402
 from foveal.families.molmo2 import Molmo2Family  # noqa: E402
 from foveal.families.moondream import MoondreamFamily  # noqa: E402
 from foveal.families.paligemma import PaliGemmaFamily  # noqa: E402
+from foveal.families.qwen3_5 import Qwen35Family  # noqa: E402
 from foveal.families.qwen_vl import QwenVLFamily  # noqa: E402
 from foveal.families.shapes import ShapesFamily  # noqa: E402
 
@@ -46,6 +47,7 @@ FAMILIES: tuple[type[Family], ...] = (
     ShapesFamily,
     PaliGemmaFamily,
     QwenVLFamily,
+    Qwen35Family,
     Gemma4Family,
     Molmo2Family,
     ChatFamily,
@@ -75,17 +77,25 @@ def load(
     image_cache_bytes: int = DEFAULT_IMAGE_CACHE_BYTES,
     quantize: str | None = None,
     image_options: dict[str, Any] | None = None,
+    revision: str | None = None,
 ) -> Family:
     """Load a checkpoint as its family's plugin. `source`: a local Hugging Face folder (safetensors), a hub id
     already in the local cache, or a .gguf file. Options as `foveal.load`'s; all are checked before any
-    weights are read."""
+    weights are read. `revision` pins a hub id's snapshot; on a local folder only a family that can
+    tell a folder's revision (`Family.checks_revision`) takes it, and checks it."""
     gguf = Path(str(source)).suffix == ".gguf"
-    options = resolve_options(device, dtype, image_cache_bytes, quantize, image_options, gguf=gguf)
-    path = resolve_source(source)
+    options = resolve_options(device, dtype, image_cache_bytes, quantize, image_options, gguf=gguf, revision=revision)
+    path = resolve_source(source, revision)
     if gguf:
         return ChatFamily.load_gguf(path, options)
     raw = read_config(path)
-    family = family_for(raw, path).load(path, raw, options)
+    kind = family_for(raw, path)
+    if revision is not None and Path(str(source)).exists() and not kind.checks_revision:
+        raise ModelLoadError(
+            f"revision={revision!r} cannot be checked on the local folder {source} ({kind.name} folders do not "
+            "say their revision); pass the hub id with revision=, or load the folder without it"
+        )
+    family = kind.load(path, raw, options)
     family.source = str(source)  # as the caller named it (a hub id stays a hub id)
     return family
 

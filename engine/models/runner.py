@@ -59,7 +59,7 @@ from foveal.engine.runner import ForwardBatch
 class KVLayout:
     """Which KV tensors each decoder layer attends over, and each tensor's shape per token."""
 
-    index: tuple[int, ...]  # per decoder layer: its KV tensor (a sharing layer: its producer's)
+    index: tuple[int, ...]  # per decoder layer: its KV tensor (a sharing layer: its producer's; -1: none)
     shared: tuple[bool, ...]  # per decoder layer: it reads the producer's K/V and writes none
     shapes: tuple[tuple[int, int], ...]  # per KV tensor: (kv_heads, head_dim)
 
@@ -101,6 +101,8 @@ class HFRunner:
         for layer, index, shared in zip(
             model.get_decoder().layers, self.kv_layout.index, self.kv_layout.shared, strict=True
         ):
+            if index < 0:  # a layer without K/V (a hybrid model's linear attention: the family runs it)
+                continue
             layer.self_attn.foveal_kv_index = index
             layer.self_attn.foveal_kv_shared = shared
         # lean=False keeps transformers' forward for every launch (the reference the lean one is tested against).
