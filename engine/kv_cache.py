@@ -125,12 +125,14 @@ def prefix_chain(token_ids: list[int], page_size: int, seed: bytes = b"") -> lis
 def prefix_seed(token_ids: list[int], prefill: PrefillInputs | None) -> bytes | None:
     """The seed of a prompt's page chain, or None when its pages must never be shared.
 
-    Text only: no seed. With an image: its content key, so that pages are shared only between
+    Text only: an empty seed (pages shared by their ids). With an image: its content key, so that pages are shared only between
     prompts of the same image (all of a prompt's pages, those before the image too: simpler, and
     in every supported template the image comes first or after a few tokens). An image without a
     key, or without the placeholder id by which the engine counts its cached tokens, is never shared. A bidirectional prefix (PaliGemma's image + prompt, Moondream's BOS +
     image) makes a page's K/V depend on the prefix tokens after it, so its seed also covers the
     whole prefix: such pages are shared only between prompts with the same image and prefix.
+    A `cache_salt` (a LoRA variant, region values in the prompt) is folded in last, text-only
+    prompts included: pages are shared only between prompts with the same salt.
     """
     if prefill is None or not prefill.num_image_tokens:
         seed = b""
@@ -141,4 +143,6 @@ def prefix_seed(token_ids: list[int], prefill: PrefillInputs | None) -> bytes | 
     if prefill is not None and prefill.prefix_len:
         prefix = array("q", token_ids[: prefill.prefix_len]).tobytes()
         seed = hashlib.blake2b(seed + prefix, digest_size=16).digest()
+    if prefill is not None and prefill.cache_salt is not None:
+        seed = hashlib.blake2b(seed + b"salt:" + prefill.cache_salt.encode(), digest_size=16).digest()
     return seed

@@ -103,6 +103,9 @@ class PrefillInputs:
     cached_image_tokens: set by the engine at launch (never by a processor): the leading image tokens
                       whose K/V came from the prefix cache. The runner scatters features only over
                       the rest, and encodes nothing when that is none.
+    cache_salt:       what neither the ids nor the image say about the prompt's K/V (a LoRA variant,
+                      region values embedded in the prompt): the prefix cache shares pages only
+                      between prompts with the same salt. None: nothing beyond ids and image.
     """
 
     image_tensors: Mapping[str, torch.Tensor] = field(default_factory=dict)
@@ -111,6 +114,7 @@ class PrefillInputs:
     prefix_len: int = 0
     image_token_id: int | None = None
     cached_image_tokens: int = 0
+    cache_salt: str | None = None
 
 
 @dataclass(slots=True)

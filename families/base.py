@@ -68,6 +68,8 @@ class Family:
 
     name: str = "base"  # the family's name, for messages (a class attribute, or set per instance)
     architectures: ClassVar[tuple[str, ...]] = ()  # config.json architectures this family loads
+    # whether `load` can tell a local folder's revision and check a pinned one (LoadOptions.revision)
+    checks_revision: ClassVar[bool] = False
 
     def __init__(self, loaded: LoadedModel, capabilities: Capabilities) -> None:
         self.runner = loaded.runner

@@ -147,6 +147,7 @@ def load(
     image_options: dict | None = None,
     quantize: str | None = None,
     pixel_budget: int = DEFAULT_PIXEL_BUDGET,
+    revision: str | None = None,
 ) -> Model:
     """Load a model and start its engine.
 
@@ -188,6 +189,9 @@ def load(
     (`foveal.vision.PixelBudget`; about 4-8 bytes a pixel): a call beyond it waits, and raises
     `PixelBudgetTimeout` after 10 s. Where the family's processor shrinks every image to a fixed
     size, images are decoded reduced (JPEG DCT scaling, `Image.reduce`) down to a few times that size.
+    `revision`: a hub id's branch, tag or commit (None: the default branch), read from the local
+    cache. Moondream 2 also checks it on a local folder and refuses a revision it does not implement;
+    other families refuse it on a local folder (they cannot tell a folder's revision).
     """
     _check_load_args(pipelined, max_batch_size, max_model_len, kv_cache_bytes, max_step_tokens)
     for name, flag in (("prefix_cache", prefix_cache), ("jump_forward", jump_forward)):
@@ -202,6 +206,7 @@ def load(
         image_cache_bytes=image_cache_bytes,
         image_options=image_options,
         quantize=quantize,
+        revision=revision,
     )
     pixels = PixelBudget(pixel_budget)  # checks the value before the engine starts
     config = engine_config(

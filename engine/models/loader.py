@@ -62,6 +62,9 @@ class LoadOptions:
     image_cache_bytes: int = DEFAULT_IMAGE_CACHE_BYTES
     quantize: str | None = None
     image_options: dict[str, Any] | None = None
+    # the revision the caller pinned (a hub branch, tag or commit); families that can tell a folder's
+    # revision check it (Moondream 2), the others refuse a pin on a local folder (families.load)
+    revision: str | None = None
 
 
 def resolve_options(
@@ -71,6 +74,7 @@ def resolve_options(
     quantize: str | None = None,
     image_options: dict[str, Any] | None = None,
     gguf: bool = False,
+    revision: str | None = None,
 ) -> LoadOptions:
     """Check and resolve load options. device "auto": CUDA when available; dtype None: bf16 on CUDA, fp32
     on CPU (bf16 under quantize "int8" / "int4", whose kernels want bf16 activations; fp32 under "fp16").
@@ -101,13 +105,17 @@ def resolve_options(
         )
     if gguf and image_options:
         raise ModelLoadError("image_options apply to Qwen-VL folders; a .gguf file has no image processor")
+    if revision is not None and (not isinstance(revision, str) or not revision.strip()):
+        raise ModelLoadError(f"revision must be a branch, tag or commit name (a non-empty str), got {revision!r}")
+    if revision is not None and gguf:
+        raise ModelLoadError("revision= pins a hub repository's snapshot; a .gguf file is read as it is")
     return LoadOptions(
-        dev, torch_dtype, image_cache_bytes, quantize, dict(image_options) if image_options else None
+        dev, torch_dtype, image_cache_bytes, quantize, dict(image_options) if image_options else None, revision
     )
 
 
-def resolve_source(source: str | os.PathLike) -> Path:
-    """The local path of a checkpoint: a .gguf file, a folder, or a hub id already in the local cache."""
+def resolve_source(source: str | os.PathLike, revision: str | None = None) -> Path:
+    """The local path of a checkpoint: a .gguf file, a folder, or a hub id (at `revision`) in the local cache."""
     text = str(source)
     path = Path(text)
     if path.suffix == ".gguf":
@@ -118,7 +126,7 @@ def resolve_source(source: str | os.PathLike) -> Path:
         return path
     if not looks_like_hub_id(text):
         raise ModelLoadError(f"{text!r} is neither a folder nor a hub id of the form 'org/name'")
-    return resolve_hub_id(text)
+    return resolve_hub_id(text, revision=revision)
 
 
 def read_config(path: Path) -> dict:

@@ -154,6 +154,7 @@ def parse_reasoning(ids: list[int], decode: Any, tokens: Any, vocab_size: int) -
 class MoondreamFamily(Family):
     name = "moondream"
     architectures = ("HfMoondream",)
+    checks_revision = True  # revisions.py tells a folder's revision from its cache refs or config.py
 
     def __init__(self, loaded: LoadedModel, config: MoondreamConfig, folder: Path | None = None) -> None:
         capabilities = Capabilities(
@@ -180,7 +181,9 @@ class MoondreamFamily(Family):
         for name, value in (("quantize", options.quantize), ("image_options", options.image_options)):
             if value:
                 raise ModelLoadError(f"{name} is not supported for Moondream 2 (its own implementation); leave it unset")
-        loaded, config = load_folder(folder, options.device, options.dtype, str(folder), options.image_cache_bytes)
+        loaded, config = load_folder(
+            folder, options.device, options.dtype, str(folder), options.image_cache_bytes, options.revision
+        )
         return cls(loaded, config, folder)
 
     def compile(self, spec: Any) -> grammars.Automaton | None:

@@ -32,10 +32,16 @@ def is_moondream(raw: dict) -> bool:
 
 
 def load_folder(
-    path: Path, device: torch.device, dtype: torch.dtype, source: str, image_cache_bytes: int
+    path: Path,
+    device: torch.device,
+    dtype: torch.dtype,
+    source: str,
+    image_cache_bytes: int,
+    revision: str | None = None,
 ) -> tuple[LoadedModel, MoondreamConfig]:
     raw = json.loads((path / "config.json").read_text())
-    revisions.check(path, raw.get("config"))  # before anything else: never the wrong revision's rules
+    # before anything else: never the wrong revision's rules, nor another revision than the pinned one
+    revisions.check(path, raw.get("config"), pinned=revision)
     config = MoondreamConfig.from_dict(raw.get("config"))
     weights_file = path / "model.safetensors"
     if not weights_file.is_file():

@@ -11,18 +11,17 @@ With an image the prompt is BOS, 729 placeholder ids (their embeddings are repla
 rows in the prefill launch), then the template; BOS and the image rows are the bidirectional prefix
 (`prefix_len` 730). Without an image it is BOS then the template, causal from position 0.
 
-The prefix cache keys pages by the image key and the token ids (kv_cache.prefix_seed). What the ids
-do not say about the K/V, the region values and the LoRA variant (whose delta applies to the image
-prefix too), is folded into the key: `image_key` becomes `<image key>#<digest>`, so such pages are
-shared only between prompts with the same image, values and variant. The runner's image-embedding
-cache reads the part before `#` (the embeddings depend on the image alone).
+The prefix cache keys pages by the image key and the token ids (kv_cache.prefix_seed). What neither
+says about the K/V, the region values and the LoRA variant (whose delta applies to the image prefix
+too), is the prompt's `PrefillInputs.cache_salt`, a digest of them: such pages are shared only
+between prompts with the same image, values and variant, text-only prompts included. The image key
+itself stays the image's, so the runner's image-embedding cache is shared across values and variants.
 The crops are cut and normalized here, on the caller's thread (PIL resizes are the slow part),
 and moved to the runner's device and dtype; the tiling travels as a CPU tensor (the runner needs
 it as host ints to stitch, and must not read the device for it).
 INVARIANTS
-    - A prompt with region values or a variant and no image is refused: its pages would be shared
-      by token ids alone (text-only prompts have no key to fold them into).
-    - The key suffix is derived from the values and the variant themselves, never given.
+    - A prompt with region values or a variant carries a cache salt, with an image or without.
+    - The salt is derived from the values and the variant themselves, never given.
 """
 
 from __future__ import annotations
@@ -38,8 +37,6 @@ from foveal.engine.request import PrefillInputs
 
 from . import vision
 from .config import MoondreamConfig
-
-KEY_SALT = "#"  # image_key = <image key> + KEY_SALT + <digest of values and variant>
 
 
 @dataclass(frozen=True, slots=True)
@@ -110,29 +107,26 @@ class MoondreamProcessor:
     ) -> PromptInputs:
         bos = self.config.tokenizer.bos_id
         ids, values = self.ids_and_values(prompt)
+        cache_salt = salt(values, prompt.variant_name) if values or prompt.variant else None
+        tensors: dict[str, torch.Tensor] = {"variant": torch.tensor(prompt.variant)} if prompt.variant else {}
         if image is None:
-            if values or prompt.variant:
-                what = "a LoRA variant" if prompt.variant else "spatial references or coordinates"
-                raise ValueError(f"{what} on Moondream need an image on foveal's engine; pass image=...")
-            # Empty inputs, not None: the runner tells a prompt's prefill rows from decode rows by them
-            # (lora.py's per-sequence variant); text-only pages are shared by their ids, as without them.
-            return PromptInputs([bos, *ids], PrefillInputs())
+            # Inputs even when empty, not None: the runner tells a prompt's prefill rows from decode
+            # rows by them (lora.py's per-sequence variant). The template starts after BOS.
+            tensors.update(self._values(values, 1))
+            return PromptInputs([bos, *ids], PrefillInputs(tensors, cache_salt=cache_salt))
         v = self.config.vision
         crops, tiling = vision.crops(to_pil(image), v.max_crops, v.overlap_margin)
         pixels = vision.normalize(crops).to(self.device, self.dtype)
-        tensors: dict[str, torch.Tensor] = {"pixels": pixels, "tiling": torch.tensor(tiling)}
-        start = self.config.prefix_len  # the template starts after BOS + the image rows
-        tensors.update(self._values(values, start))
-        if prompt.variant:
-            tensors["variant"] = torch.tensor(prompt.variant)
-        if image_key is not None and (values or prompt.variant):
-            image_key = image_key + KEY_SALT + salt(values, prompt.variant_name)
+        tensors.update({"pixels": pixels, "tiling": torch.tensor(tiling)})
+        tensors.update(self._values(values, self.config.prefix_len))  # after BOS + the image rows
         n = self.config.image_tokens
         # The prefix cache keys the pages by the image and the bidirectional prefix (BOS + image:
         # the same ids for every image), so calls on one image share them (kv_cache.prefix_seed). The
         # placeholders are BOS ids; the runner places image rows by position, so it has no use for
         # the engine's count of cached placeholders (`cached_image_tokens`, which counts BOS too).
-        prefill = PrefillInputs(tensors, n, image_key, self.config.prefix_len, image_token_id=bos)
+        prefill = PrefillInputs(
+            tensors, n, image_key, self.config.prefix_len, image_token_id=bos, cache_salt=cache_salt
+        )
         return PromptInputs([bos, *([bos] * n), *ids], prefill)
 
     def _values(self, values: list[tuple[int, Coord | Size]], start: int) -> dict[str, torch.Tensor]:
@@ -149,7 +143,7 @@ class MoondreamProcessor:
 
 
 def salt(values: list[tuple[int, Coord | Size]], variant: str | None) -> str:
-    """A digest of a prompt's region values (their float32 bits) and variant, for its cache key."""
+    """A digest of a prompt's region values (their float32 bits) and variant: its cache salt."""
     digest = hashlib.blake2b(digest_size=16)
     for at, value in values:
         numbers = (value.value,) if isinstance(value, Coord) else (value.w, value.h)

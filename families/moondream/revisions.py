@@ -41,6 +41,12 @@ def cache_refs(folder: Path) -> list[str]:
     )
 
 
+def _is_dated(name: str) -> bool:
+    """A revision named as the model's releases are (YYYY-MM-DD)."""
+    parts = name.split("-")
+    return len(parts) == 3 and all(p.isdigit() for p in parts) and len(parts[0]) == 4
+
+
 def detect(folder: Path) -> tuple[str | None, str]:
     """(the revision's name if the folder says it, what was found, for messages)."""
     refs = [ref for ref in cache_refs(folder) if ref != "main"]
@@ -59,11 +65,14 @@ def check(folder: Path, config_entry: dict | None, pinned: str | None = None) ->
     """The folder's revision (None when it does not say), after refusing one foveal does not implement,
     or one that differs from `pinned`."""
     revision, found = detect(folder)
-    if pinned is not None and pinned not in SUPPORTED:
+    dated = pinned is not None and _is_dated(pinned)
+    if dated and pinned not in SUPPORTED:
         raise ModelLoadError(
             f"Moondream 2 revision {pinned!r} is not implemented; foveal supports {', '.join(SUPPORTED)}"
         )
-    if pinned is not None and revision is not None and revision != pinned:
+    # a pinned commit or branch selected the snapshot (hub.resolve_hub_id); its own refs say which dated
+    # revision it is, and the rules below refuse one foveal does not implement
+    if dated and revision is not None and revision != pinned:
         raise ModelLoadError(f"{folder} holds Moondream 2 revision {revision} ({found}), not the pinned {pinned!r}")
     if config_entry:  # the folder states its own ids and templates
         return revision

@@ -30,8 +30,6 @@ INVARIANTS
 
 from __future__ import annotations
 
-from dataclasses import replace
-
 import torch
 import torch.nn.functional as F
 
@@ -46,7 +44,6 @@ from . import region
 from .answers import COORD, GATE, SIZE, THINK
 from .config import HEAD_DIM, MoondreamConfig
 from .lora import VariantBank, selector
-from .processor import KEY_SALT
 from .text import rotary_table
 from .weights import MoondreamWeights
 
@@ -150,10 +147,12 @@ class MoondreamRunner:
         kv = PagedKV(ks, vs, self.kv.page_size, self.kv.scratch_page)
         ctx = build_context(batch, kv, prefix_lens(batch, self.device), self.dtype)
         x = self.embed(batch.input_ids)
-        images = [(row, p) for row, p in enumerate(batch.prefill) if p is not None and p.num_image_tokens]
+        prompts = [(row, p) for row, p in enumerate(batch.prefill) if p is not None]
+        images = [(row, p) for row, p in prompts if p.num_image_tokens]
         if images:
             x = self._scatter_images(x, batch, ctx.query_seq, images)
-            x = self._scatter_values(x, batch, ctx.query_seq, images)
+        if prompts:
+            x = self._scatter_values(x, batch, ctx.query_seq, prompts)
         if lora is not None:
             stacks, seq_variant = lora
             token_variant = seq_variant if ctx.query_seq is None else seq_variant[ctx.query_seq]  # None: decode
@@ -190,14 +189,14 @@ class MoondreamRunner:
         x: torch.Tensor,
         batch: ForwardBatch,
         query_seq: torch.Tensor,
-        images: list[tuple[int, PrefillInputs]],
+        prompts: list[tuple[int, PrefillInputs]],
     ) -> torch.Tensor:
         """Rows at a prompt's region-value positions (processor.py) take the values' encodings; a value
         whose position is not in this launch (its page came from the prefix cache) matches no row."""
         for values, where, encode in (("coords", "coord_pos", self.region.encode_coord),
                                       ("sizes", "size_pos", self.region.encode_size)):
             found = [(row, p.image_tensors[values], p.image_tensors[where])
-                     for row, p in images if values in p.image_tensors]
+                     for row, p in prompts if values in p.image_tensors]
             if not found:
                 continue
             encoded = encode(torch.cat([v for _, v, _ in found]).to(x.dtype))
@@ -232,12 +231,8 @@ class MoondreamRunner:
 
     def image_features(self, images: list[PrefillInputs]) -> list[torch.Tensor]:
         """Each image's [729, dim] embeddings: cached ones by key, misses encoded in one call (a key
-        seen twice in the launch is encoded once). The key's salt (values, variant) is dropped: the
-        embeddings depend on the image alone."""
-        unsalted = [
-            p if p.image_key is None else replace(p, image_key=p.image_key.split(KEY_SALT, 1)[0]) for p in images
-        ]
-        return cached_or_encoded(self.image_cache, unsalted, self.encode_images)
+        seen twice in the launch is encoded once)."""
+        return cached_or_encoded(self.image_cache, images, self.encode_images)
 
     def encode_images(self, images: list[PrefillInputs]) -> list[torch.Tensor]:
         pixels = [image.image_tensors["pixels"] for image in images]

@@ -60,3 +60,37 @@ def test_pinned_revisions(tmp_path):
     assert revisions.check(folder, {}, pinned="2025-06-21") == "2025-06-21"
     with pytest.raises(ModelLoadError, match=r"revision '2025-04-14' is not implemented; foveal supports 2025-06-21"):
         revisions.check(folder, {}, pinned="2025-04-14")
+
+
+def _cache_with_two_revisions(tmp_path, monkeypatch):
+    """A hub cache where `main` and the tag 2025-01-09 are two snapshots of vikhyatk/moondream2."""
+    repo = tmp_path / "models--vikhyatk--moondream2"
+    for commit, ref in (("aaaa1111", "main"), ("bbbb2222", "2025-01-09")):
+        folder = repo / "snapshots" / commit
+        folder.mkdir(parents=True)
+        _files(folder)
+        (repo / "refs").mkdir(exist_ok=True)
+        (repo / "refs" / ref).write_text(commit)
+    monkeypatch.setattr("huggingface_hub.constants.HF_HUB_CACHE", str(tmp_path))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    return repo
+
+
+def test_a_pinned_revision_selects_its_snapshot_and_an_unimplemented_one_is_refused(tmp_path, monkeypatch):
+    from foveal.engine.models.loader import resolve_source
+
+    repo = _cache_with_two_revisions(tmp_path, monkeypatch)
+    assert resolve_source("vikhyatk/moondream2") == repo / "snapshots" / "aaaa1111"
+    assert resolve_source("vikhyatk/moondream2", "2025-01-09") == repo / "snapshots" / "bbbb2222"
+    with pytest.raises(ModelLoadError, match=r"revision '2025-01-09' is not implemented; foveal supports 2025-06-21"):
+        foveal.load("vikhyatk/moondream2", revision="2025-01-09", device="cpu")
+    with pytest.raises(ModelLoadError, match=r"at revision '2025-06-21' is not in the Hugging Face cache.*--revision"):
+        foveal.load("vikhyatk/moondream2", revision="2025-06-21", device="cpu")
+
+
+def test_a_revision_other_families_cannot_check_is_refused_on_a_local_folder(tmp_path):
+    with pytest.raises(ModelLoadError, match=r"revision='v1' cannot be checked on the local folder .*shapes"):
+        foveal.load(revision="v1", device="cpu")  # the embedded shapes model's folder
+    for bad in ("", 3):
+        with pytest.raises(ModelLoadError, match="revision must be"):
+            foveal.load(revision=bad, device="cpu")
