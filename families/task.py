@@ -44,6 +44,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from foveal.grammars import spatial
+from foveal.grammars.grounding import XmlPointsSpec
 from foveal.grammars.locations import COORDINATES
 
 if TYPE_CHECKING:
@@ -140,15 +141,15 @@ def spatial_scores(spec: spatial.SpatialSpec, decoded: Decoded) -> list[float]:
     coordinates = reader(spec, decoded, pieces, starts, text)
     per_item = COORDINATES[spec.kind]
     layout = spec.layout()
-    tail = _item_tail(layout).encode()
+    tail, head = _item_tail(layout).encode(), _item_head(layout).encode()
     scores, previous_end, after = [], None, 0  # previous_end: byte offset where the previous item ended
     for k in range(len(coordinates) // per_item):
         item = coordinates[k * per_item : (k + 1) * per_item]
         if previous_end is None:
-            stopped, going_on = layout.empty.encode(), layout.start.encode()
+            stopped, going_on = layout.empty.encode(), layout.start.encode() + head
         else:
             stopped = text[:previous_end] + layout.end.encode()
-            going_on = text[:previous_end] + layout.separator.encode()
+            going_on = text[:previous_end] + layout.separator.encode() + head
         first = item[0].steps[0][0]
         going = 1.0
         for j in range(after, first + 1):
@@ -167,6 +168,16 @@ def _item_tail(layout: spatial.AnswerLayout) -> str:
             return tail
         tail = piece + tail
     return tail
+
+
+def _item_head(layout: spatial.AnswerLayout) -> str:
+    """The fixed text of an item before its first coordinate (what going on writes after the separator)."""
+    head = ""
+    for piece in layout.item:
+        if isinstance(piece, spatial.Coordinate):
+            return head
+        head += piece
+    return head
 
 
 def _candidates(step: TokenLogprob) -> dict[int, float]:
@@ -245,6 +256,7 @@ _NUMBER = re.compile(rb"\d+(?:\.\d+)?")
 _SPANS = {
     "json": re.compile(rb'": (\d+(?:\.\d+)?)'),
     "grounding": re.compile(rb"(?<=_2d\": \[)[0-9, ]*(?=\])"),
+    "xml": re.compile(rb' [xy]\d+="(\d+)"'),
 }
 
 
@@ -252,8 +264,9 @@ def _text_coordinates(spec, decoded: Decoded, pieces, starts, text) -> list[_Coo
     """Coordinates written as digits: the tokens over each number and the token that ends it; an
     alternative's value is the number read with that token in place of the sampled one."""
     spans = []
-    for match in _SPANS[spec.encoding].finditer(text):
-        if spec.encoding == "json":
+    style = "xml" if isinstance(spec, XmlPointsSpec) else spec.encoding
+    for match in _SPANS[style].finditer(text):
+        if style != "grounding":
             spans.append(match.span(1))
         else:
             spans += [

@@ -348,3 +348,92 @@ class GroundingBoxMatcher(Matcher):
 def grounding(kind: str, **fields: Any) -> GroundingSpec:
     """A GroundingSpec of `kind` ("boxes" or "points"): max_objects, label, width, height."""
     return GroundingSpec(kind, **fields)
+
+
+# ---- Qwen2.5-VL's XML points ------------------------------------------------------------------------------------
+
+XML_OPEN, XML_CLOSE = "```xml\n<points", "</points>\n```"
+XML_WIDEST_INDEX = 1000  # token budgets take every item as wide as the widest attribute name (x1000)
+_XML_UNSAFE = '"<>&'
+
+
+@dataclass(frozen=True, slots=True)
+class XmlPointsSpec(GroundingSpec):
+    """Qwen2.5-VL's point answer, as its cookbook documents it: one element with numbered attributes,
+
+        ```xml
+        <points x1="X" y1="Y" x2="X" y2="Y" alt="LABEL">LABEL</points>
+        ```
+
+    (no attribute pairs when nothing matches), integers on the width x height scale. `parse_answer`
+    maps it to `{"points": [{"x": X / width, "y": Y / height}, ...]}`. The attribute names differ by
+    item (x1, x2, ...), so `layout()`, which token budgets are sized from, writes each item with the
+    widest name (x1000): an upper bound of what any item takes, not a text the grammar accepts.
+    """
+
+    def __post_init__(self) -> None:
+        GroundingSpec.__post_init__(self)
+        if self.kind != "points":
+            raise SchemaError("an XmlPointsSpec answers points; use GroundingSpec('boxes', ...) for boxes")
+        if any(c in self.label for c in _XML_UNSAFE):
+            raise SchemaError(
+                f"object phrase {self.label!r} holds one of {_XML_UNSAFE}, which the XML answer cannot carry "
+                "unescaped; describe the object without them"
+            )
+
+    def _attributes(self, index: int) -> tuple[str, str]:
+        return f' x{index}="', f'" y{index}="'
+
+    def _close(self) -> str:
+        return f' alt="{self.label}">{self.label}{XML_CLOSE}'
+
+    def example_answer(self, items: int) -> str:
+        w, h = self.width or 1000, self.height or 1000
+        pairs = "".join(
+            f'{self._attributes(i)[0]}{w}{self._attributes(i)[1]}{h}"' for i in range(1, items + 1)
+        )
+        return XML_OPEN + pairs + self._close()
+
+    def cache_key(self) -> str:
+        return f"grounding-xml:{self.max_objects}:{self.width}x{self.height}:{json.dumps(self.label)}"
+
+    def layout(self) -> AnswerLayout:
+        self._require_scale("size a token budget")
+        x_name, y_name = self._attributes(XML_WIDEST_INDEX)
+        item = (x_name, Coordinate(len(str(self.width))), y_name, Coordinate(len(str(self.height))), '"')
+        return AnswerLayout(XML_OPEN + self._close(), XML_OPEN, item, "", self._close())
+
+    def lark(self) -> str:
+        rules = [f"start: {json.dumps(XML_OPEN)} pts1? {json.dumps(self._close())}"]
+        for i in range(1, self.max_objects + 1):
+            x_name, y_name = self._attributes(i)
+            more = f" pts{i + 1}?" if i < self.max_objects else ""
+            rules.append(f'pts{i}: {json.dumps(x_name)} X {json.dumps(y_name)} Y "\\""{more}')
+        rules += [f"X: /{int_range(0, self.width)}/", f"Y: /{int_range(0, self.height)}/"]
+        return "\n".join(rules)
+
+    def build(self, handle: TokenizerHandle, key: str) -> Automaton:
+        self._require_scale("compile")
+        check_spellable(self, handle)
+        lark = self.lark()
+        source = GrammarSource("lark", key, llguidance.LLMatcher.grammar_from_lark(lark))
+        return Automaton(
+            key=key,
+            kind="grounding-xml-points",
+            grammar=lark,
+            tokenizer=handle,
+            template=compile_template(handle, source),
+        )
+
+    def parse_answer(self, text: str) -> dict:
+        import xml.etree.ElementTree as ElementTree
+
+        if not self.bound:
+            raise SchemaError("cannot parse a grounding answer without its coordinate scale (width/height)")
+        body = text.strip()
+        if not (body.startswith("```xml") and body.endswith("```")):
+            raise ValueError(f"not a fenced XML answer: {text[:80]!r}")
+        element = ElementTree.fromstring(body[len("```xml") : -len("```")].strip())
+        count = (len(element.attrib) - 1) // 2
+        points = [(element.attrib[f"x{i}"], element.attrib[f"y{i}"]) for i in range(1, count + 1)]
+        return {"points": [_point([int(x), int(y)], self.width, self.height) for x, y in points]}

@@ -8,6 +8,9 @@ but on different scales:
   the picture: image_grid_thw x patch size), so the answer's grammar and its conversion depend on the
   image: `encode` binds the task to the processed prompt once the processor has run.
 - Qwen3-VL: relative coordinates in 0..1000 whatever the image.
+Qwen2.5-VL points, as its cookbook asks for them ("point to the X, output its coordinates in XML format
+<points x y>object</points>"), answer one fenced element `<points x1=".." y1=".." alt="X">X</points>`
+in pixels of the resized input (grammars.grounding.XmlPointsSpec); Qwen3-VL points stay JSON.
 The answer is decoded under `foveal.grammars.grounding` (format, ranges, x1 < x2, y1 < y2,
 max_objects) and converted to foveal's `{"objects": [{x_min, ..}]}` / `{"points": [{x, y}]}`, fractions
 of the image (the resize maps the whole picture onto the whole input, so fractions of the input are
@@ -27,7 +30,7 @@ from foveal.engine.models.loader import LoadOptions, assemble, load_transformers
 from foveal.families.chat import ChatFamily, architecture_for
 from foveal.families.qwen_vl import model as qwen
 from foveal.families.task import Task, spatial_task
-from foveal.grammars.grounding import GroundingSpec
+from foveal.grammars.grounding import GroundingSpec, XmlPointsSpec
 
 RELATIVE_SCALE = 1000  # Qwen3-VL's coordinates: thousandths of the image
 
@@ -56,6 +59,8 @@ class QwenVLFamily(ChatFamily):
         "boxes": "Locate every {} in the image and output the bbox coordinates in JSON format.",
         "points": "Locate every {} in the image and output the point coordinates in JSON format.",
     }
+    # the Qwen2.5-VL cookbook's pointing prompt (spatial_understanding.ipynb)
+    XML_POINTS_ASK: ClassVar[str] = "point to the {}, output its coordinates in XML format <points x y>object</points>"
 
     @property
     def image_min_size(self) -> None:
@@ -93,6 +98,9 @@ class QwenVLFamily(ChatFamily):
 
     def _grounding(self, skill: str, kind: str, phrase: str, max_objects: int) -> Task:
         label = self.plain("object", phrase)
+        if self.absolute and kind == "points":  # Qwen2.5-VL was trained to point in XML (module docstring)
+            spec = XmlPointsSpec("points", max_objects=max_objects, label=label)
+            return spatial_task(skill, self.XML_POINTS_ASK.format(label), spec)
         scale = None if self.absolute else RELATIVE_SCALE
         spec = GroundingSpec(kind, max_objects=max_objects, label=label, width=scale, height=scale)
         return spatial_task(skill, self.ASK[kind].format(label), spec)
