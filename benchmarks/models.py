@@ -15,7 +15,8 @@
    a time (their images differ in size); tok/s median and best of `--reps`.
 4. Gemma 4, Molmo 2 and Qwen3.5 (tiny random checkpoints, their own prompts: images of several
    sizes, one prompt with two, one text-only): parity as in 1, and tok/s of the engine (pipelined, blocking)
-   beside transformers' `generate` one prompt at a time, EOS ignored.
+   beside transformers' `generate` one prompt at a time, EOS ignored; Qwen3.5's prompts asked again
+   with the prefix cache on (recurrent-state snapshots per page) and off, and its state bytes per page.
 5. Decode throughput at batch 1 and 16 (the same prompts, `--new-tokens` each, EOS ignored), median
    and best of `--reps` timed runs after an untimed one: transformers `generate` (batch 16
    left-padded) and foveal's engine: pipelined, blocking, and pipelined with eager (untraced)
@@ -25,6 +26,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import tempfile
 import time
@@ -35,6 +37,7 @@ import transformers
 
 from benchmarks import write_json
 from foveal.engine import Engine, EngineConfig, Request, SamplingParams
+from foveal.engine.models.recurrent import RecurrentStates
 from foveal.families import load
 from foveal.testing import parity, tiny, tiny_gemma4, tiny_molmo2, tiny_qwen, tiny_qwen3_5
 from foveal.testing.smollm2 import smollm2_folder, smollm2_gguf
@@ -272,6 +275,34 @@ def new_family_rows(new_tokens: int, reps: int) -> list[dict]:
     return rows
 
 
+def hybrid_prefix_cache(new_tokens: int, reps: int) -> list[dict]:
+    """Qwen3.5's recurrent state with the prefix cache on (state snapshots per page) and off: seconds of
+    a round of the parity prompts asked again (their pages and snapshots cached), and the state bytes."""
+    rows = []
+    sampling = SamplingParams(max_tokens=new_tokens, ignore_eos=True)
+    with tempfile.TemporaryDirectory() as tmp:
+        loaded = load(tiny_qwen3_5.build_qwen3_5(Path(tmp) / "qwen3_5"), device="cpu")
+        prompts = tiny_qwen3_5.prompts(loaded)
+        keyed = [  # images keyed as the SDK keys them, so image prompts' pages are shared too
+            dataclasses.replace(p.prefill, image_key=f"image{i}") if p.prefill else None for i, p in enumerate(prompts)
+        ]
+        for cached in (True, False):
+            config = dataclasses.replace(engine_config(loaded, True), prefix_cache=cached)
+            times = []
+            with Engine(loaded.runner, loaded.tokenizer, config) as engine:
+                for rep in range(reps + 1):
+                    start = time.perf_counter()
+                    requests = [Request(p.token_ids, sampling, prefill=k) for p, k in zip(prompts, keyed, strict=True)]
+                    engine.generate(requests)
+                    if rep:
+                        times.append(time.perf_counter() - start)
+                hits = engine.stats()["prefix_hit_rate"]
+            name = f"foveal engine, prefix cache {'on' if cached else 'off'}"
+            rows.append({**row(len(prompts), name, len(prompts) * new_tokens, times), "prefix_hit_rate": hits})
+        rows.append({"state_bytes_per_page": RecurrentStates.bytes_per_row(loaded.runner.linear, loaded.runner.dtype)})
+    return rows
+
+
 def hf_generate_prompt(model, prompt, new_tokens: int, keys=("pixel_values", "image_grid_thw")) -> None:
     """transformers' generate on one prompt (with its images and the token types its M-RoPE reads), EOS ignored."""
     ids = torch.tensor([prompt.token_ids])
@@ -327,6 +358,10 @@ def main() -> None:
             f"{r['family']:<8} {r['max_logit_diff']:>17.2e} {r['tokens_equal']!s:>6} {r['runner']:<38}"
             f" {r['tok_s_median']:>12.1f} {r['tok_s_best']:>10.1f}"
         )
+    report["hybrid_prefix_cache"] = hybrid = hybrid_prefix_cache(args.new_tokens, args.reps)
+    for r in hybrid[:-1]:
+        print(f"qwen3_5  {r['runner']:<38} {r['tok_s_median']:>12.1f} tok/s, prefix hit rate {r['prefix_hit_rate']:.2f}")
+    print(f"qwen3_5  recurrent state bytes per page: {hybrid[-1]['state_bytes_per_page']}")
     if not args.skip_gguf:
         report["smollm2"] = s = smollm2(args.new_tokens, args.reps)
         print("\nSmolLM2-135M-Instruct (GGUF Q4_1, dequantized to fp32), load seconds:")
