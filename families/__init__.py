@@ -15,8 +15,8 @@ folder: the more specific comes first (the shapes model is a PaliGemma folder wi
 
 Families: Moondream 2 (`moondream/`, foveal's own implementation), the embedded shapes model
 (`shapes/`), PaliGemma (`paligemma/`), Qwen2.5-VL and Qwen3-VL (`qwen_vl/`), Qwen3.5 (`qwen3_5/`),
-Gemma 4 (`gemma4/`), Molmo 2 (`molmo2/`), and chat / instruct models on transformers' modules: Llama-style and Gemma text models, Idefics3 / SmolVLM, LLaVA
-(`chat/`, also llama .gguf files).
+Gemma 4 (`gemma4/`), Molmo 2 (`molmo2/`), and chat / instruct models on transformers' modules:
+Llama-style and Gemma text models, Idefics3 / SmolVLM, LLaVA (`chat/`, also llama .gguf files).
 """
 
 from __future__ import annotations

