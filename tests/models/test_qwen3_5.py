@@ -168,3 +168,34 @@ def test_a_shared_prefix_resumes_from_its_page_snapshot(folder):
         assert engine.stats()["prefix_hit_rate"] > 0
     theirs, _ = parity.reference_greedy(reference, parity.PromptInputs(other, None), family.runner.arch, MAX_NEW)
     assert out.token_ids == [t for t in theirs if t not in family.eos_token_ids]
+
+
+@pytest.mark.parametrize("pipelined", [True, False])
+def test_reused_pages_never_carry_an_old_state(pipelined, folder):
+    """A pool that holds two sequences at a time: every page, and its state row, is reused by later
+    requests (some finishing early, as zombies in the pipeline); each answer is still transformers'."""
+    family = load(folder, device="cpu")
+    reference = parity.reference_model(folder)
+    base = tiny_qwen3_5.prompts(family)[4].token_ids
+    prompts = [base[k:] + base[:k] for k in range(0, 10, 2)]
+    limits = [3, 8, 1, 6, 8]
+    config = EngineConfig(
+        pipelined=pipelined, page_size=4, num_pages=14, max_model_len=32, max_batch=2, eos_token_ids=()
+    )
+    with Engine(family.runner, family.tokenizer, config) as engine:
+        outs = engine.generate(
+            [Request(p, SamplingParams(max_tokens=n, ignore_eos=True)) for p, n in zip(prompts, limits, strict=True)],
+            timeout=60,
+        )
+        engine.wait_idle(10)
+        assert engine.free_pages() == config.num_pages
+    for prompt, n, out in zip(prompts, limits, outs, strict=True):
+        theirs, _ = parity.reference_greedy(reference, parity.PromptInputs(prompt, None), family.runner.arch, n)
+        assert out.token_ids == theirs
+
+
+def test_a_folder_without_its_image_processor_is_refused(folder, tmp_path):
+    out = _copy(folder, tmp_path)
+    (out / "preprocessor_config.json").unlink()
+    with pytest.raises(ModelLoadError, match="no preprocessor_config.json"):
+        load(out, device="cpu")
