@@ -53,6 +53,9 @@ if TYPE_CHECKING:
 SCORE_ALTERNATIVES = 20  # alternatives per token the scores read (the engine records at most 20)
 BOX_TOLERANCE = 0.25  # of the box's extent along the coordinate's axis
 POINT_TOLERANCE = 0.05  # of the image's side
+# Scores are given to 4 decimals: the same answer decoded in another batch gets the same tokens but
+# logits that differ in their last bits (batched matrix products), which moves a score by ~1e-6.
+SCORE_DECIMALS = 4
 
 
 @dataclass(frozen=True, slots=True)
@@ -101,13 +104,14 @@ def box_centres(result: dict) -> list[dict[str, float]]:
 
 
 def with_scores(items: list[dict], scores: Sequence[float], min_score: float = 0.0) -> list[dict]:
-    """The items with their `"score"`, those below `min_score` left out (order kept)."""
+    """The items with their `"score"` to SCORE_DECIMALS, those below `min_score` left out (order kept)."""
     if len(items) != len(scores):
         raise ValueError(
             f"{len(items)} items but {len(scores)} scores: the scorer and the parser read the answer "
             "differently, please report it"
         )
-    return [{**item, "score": score} for item, score in zip(items, scores, strict=True) if score >= min_score]
+    rounded = [round(score, SCORE_DECIMALS) for score in scores]
+    return [{**item, "score": score} for item, score in zip(items, rounded, strict=True) if score >= min_score]
 
 
 # ---- scores of spatial answers (module docstring) ----------------------------------------------------
