@@ -19,7 +19,8 @@ SCORES
       token whose text starts the answer's closing text and not the separator) take probability
       away from going on; their mass is removed, step by step.
     - A coordinate's mass: for a location token, the probability of the location tokens within the
-      tolerance of the chosen bin; for a coordinate written as digits, the same at each of its
+      tolerance of the chosen bin; for a coordinate written as digits (foveal's JSON, Qwen's
+      grounding JSON and Qwen2.5-VL's XML points), the same at each of its
       tokens (and at the token that ends it), where an alternative's value is the number read with
       that one token replaced and the others kept, the product over its tokens.
     - The tolerance is `BOX_TOLERANCE` (a quarter) of the box's own extent along the coordinate's
@@ -86,7 +87,8 @@ class Task:
 
 
 def spatial_task(skill: str, prompt: Any, spec: spatial.SpatialSpec) -> Task:
-    """A detect / point task whose answer is `spec`, whose value is its boxes or points, each scored."""
+    """A detect / point task whose answer is `spec`, whose value is its boxes or points, each scored.
+    (max_objects plays no part in a score: a task refitted to its token budget keeps its scorer.)"""
     key = "objects" if spec.kind == "boxes" else "points"
     parse = lambda text: spatial.parse(spec, text)[key]  # noqa: E731
     return Task(skill, prompt, spec, parse, is_loc(spec), score=lambda decoded: spatial_scores(spec, decoded))
