@@ -16,6 +16,11 @@ the tools, the settings, the number of choices. No HTTP here (openai_api.py does
 - n: 1..MAX_CHOICES choices, each its own engine request on the same prompt (the prefix cache shares
   the prompt's pages); a seeded request gives choice i the seed `seed + i`, so it repeats exactly.
 - logprobs / top_logprobs: k = top_logprobs (0..20) alternatives per token.
+- reasoning (the `moondream` client's `chat(reasoning=True)`): on a model with grounded reasoning
+  (Moondream 2) the chat is one user question, with at most one image, answered by
+  `query(image, question, reasoning=True)`: the reasoning's text goes out as `reasoning` (the client's
+  field) and `reasoning_content`, its groundings as `reasoning_details.grounding`. On a model whose
+  template has a thinking section it changes nothing (the thinking is always returned); elsewhere 400.
 - settings: max_completion_tokens (or max_tokens), temperature, top_p, seed, stop, passed to the SDK,
   which validates them. `user`, `metadata` and `store` (false) are accepted and unused: the server
   keeps nothing.
@@ -62,6 +67,7 @@ class ChatRequest(BaseModel):
     user: str | None = None  # accepted, unused
     metadata: dict[str, str] | None = None  # accepted, unused
     store: bool | None = None  # accepted when not true: the server stores nothing
+    reasoning: bool | None = None  # the moondream client's chat(reasoning=...): see the module docstring
     # Accepted only at their neutral values (clients send them by default):
     frequency_penalty: float | None = None
     presence_penalty: float | None = None
@@ -77,6 +83,26 @@ class ChatCall:
     parallel_tool_calls: bool = True
     n: int = 1
     logprobs: int | None = None  # alternatives per token; None: no logprobs
+    reasoning: bool = False  # a grounded reasoning before the answer (`question` holds the question)
+
+    def question(self) -> tuple[Any, str]:
+        """(the image or None, the question) of a chat that is one user question, for query(reasoning=True)."""
+        turns = [m for m in self.messages if m["role"] != "system" or m["content"]]
+        if len(turns) != 1 or turns[0]["role"] != "user":
+            raise ApiError(
+                400,
+                "reasoning: true answers one user question (Moondream's query); send a single user message",
+                param="messages",
+            )
+        content = turns[0]["content"]
+        parts = [{"type": "text", "text": content}] if isinstance(content, str) else content
+        images = [p["image"] for p in parts if p["type"] == "image"]
+        if len(images) > 1:
+            raise ApiError(400, "reasoning: true takes at most one image", param="messages")
+        text = "".join(p["text"] for p in parts if p["type"] == "text").strip()
+        if not text:
+            raise ApiError(400, "reasoning: true needs a question in the user message", param="messages")
+        return (images[0] if images else None), text
 
     def choice_settings(self, index: int) -> dict[str, Any]:
         """Choice `index`'s settings: a seeded request's choices get seeds seed, seed + 1, ..."""
@@ -125,7 +151,16 @@ def chat_call(body: ChatRequest) -> ChatCall:
     }
     parallel = True if body.parallel_tool_calls is None else body.parallel_tool_calls
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
-    return ChatCall(messages, output_type, settings, body.tools, body.tool_choice, parallel, body.n or 1, logprobs)
+    if body.reasoning and (output_type is not None or body.tools or logprobs is not None):
+        raise ApiError(
+            400,
+            "reasoning: true answers in text; it cannot be combined with response_format, tools or logprobs",
+            param="reasoning",
+        )
+    return ChatCall(
+        messages, output_type, settings, body.tools, body.tool_choice, parallel, body.n or 1, logprobs,
+        bool(body.reasoning),
+    )
 
 
 def _check_unsupported(body: ChatRequest) -> None:

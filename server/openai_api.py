@@ -31,7 +31,7 @@ from foveal import tools as chat_tools
 from foveal.errors import IncompleteOutputError
 from foveal.results import Usage
 from foveal.server.chat import ChatCall, ChatRequest, chat_call
-from foveal.server.errors import error_event
+from foveal.server.errors import ApiError, error_event
 from foveal.server.state import ServerState, call, state_of, stream_call
 from foveal.server.streaming import sse
 from foveal.server.usage import finish_reason, usage
@@ -77,6 +77,12 @@ async def _answers(model: Any, plan: ChatCall) -> list[tuple[Any, Usage]]:
 
 
 async def _answer(model: Any, plan: ChatCall, index: int) -> tuple[Any, Usage]:
+    if _grounded(model, plan):
+        image, question = plan.question()
+        result = await model.aquery(image, question, settings=plan.choice_settings(index), reasoning=True)
+        reasoning = result.get("reasoning") or {}
+        reply = {"text": result["answer"], "reasoning": reasoning.get("text"), "grounding": reasoning.get("grounding")}
+        return reply, result.usage
     args, extra = plan.args(index)
     try:
         result = await model.achat(*args, **extra)
@@ -98,9 +104,29 @@ def _choice(index: int, answer: tuple[Any, Usage], plan: ChatCall) -> dict[str, 
         message["tool_calls"] = [_tool_call(call) for call in calls]
     if reasoning is not None:
         message["reasoning_content"] = reasoning
+    grounding = result.get("grounding") if isinstance(result, dict) else None
+    if grounding is not None:  # the moondream client's fields of a grounded reasoning
+        message["reasoning"] = reasoning
+        message["reasoning_details"] = {"grounding": grounding}
     finish = "tool_calls" if calls and counted.finish_reason != "length" else finish_reason(counted)
     lp = {"content": logprobs or [], "refusal": None} if plan.logprobs is not None else None
     return {"index": index, "message": message, "finish_reason": finish, "logprobs": lp}
+
+
+def _grounded(model: Any, plan: ChatCall) -> bool:
+    """Whether the call is a grounded reasoning (query(reasoning=True)); 400 where the model has none."""
+    if not plan.reasoning:
+        return False
+    if model.capabilities.reasoning:
+        return True
+    if getattr(getattr(model.family, "template", None), "reasoning", None) is not None:
+        return False  # its template's thinking section: returned as reasoning_content anyway
+    raise ApiError(
+        400,
+        f"reasoning is not supported by this model ({model.family.name}): it has no grounded reasoning and "
+        "its chat template no thinking section; leave reasoning out",
+        param="reasoning",
+    )
 
 
 def _tool_call(call: dict) -> dict[str, Any]:
@@ -128,6 +154,12 @@ async def _start_streams(model: Any, plan: ChatCall) -> list[Any]:
     streams: list[Any] = []
     try:
         for index in range(plan.n):
+            if _grounded(model, plan):
+                image, question = plan.question()
+                settings = plan.choice_settings(index)
+                result = await model.aquery(image, question, stream=True, settings=settings, reasoning=True)
+                streams.append(_ReasonedStream(result["answer"], (result.get("reasoning") or {}).get("text")))
+                continue
             args, extra = plan.args(index)
             result = await model.achat(*args, stream=True, **extra)
             streams.append(result["text"])
@@ -137,6 +169,24 @@ async def _start_streams(model: Any, plan: ChatCall) -> list[Any]:
                 await stream.aclose()
         raise
     return streams
+
+
+class _ReasonedStream:
+    """A grounded reasoning's answer stream, its reasoning text (made before the answer) first."""
+
+    def __init__(self, answer: Any, reasoning: str | None) -> None:
+        self.answer, self.reasoning = answer, reasoning
+
+    @property
+    def usage(self) -> Any:
+        return self.answer.usage
+
+    async def __aiter__(self) -> AsyncIterator[str]:
+        async for chunk in self.answer:
+            yield chunk
+
+    async def aclose(self) -> None:
+        await self.answer.aclose()
 
 
 class _Chunks:
@@ -213,6 +263,8 @@ async def _choice_events(
     reader = chat_tools.ReplyReader(getattr(stream, "plan", None) or chat_tools.ChatPlan())
     state = {"calls": 0, "logprobs": 0}
     yield sse(frames.chunk(index, {"role": "assistant", "content": ""}))
+    if isinstance(stream, _ReasonedStream) and stream.reasoning is not None:
+        yield sse(frames.chunk(index, {"reasoning_content": stream.reasoning}))
     try:
         async for chunk in stream:
             for line in _event_lines(frames, plan, index, stream, reader.feed(chunk), state):

@@ -101,3 +101,32 @@ def test_refusals_are_400s_that_say_why(client, md_server, server, image):
     assert "does not support detect_gaze" in _refused(
         lambda: _post(f"{server}/v1/gaze", {"image_url": data_url(scene(1)), "eye": [0.5, 0.5]})
     )
+
+
+def test_chat_with_reasoning_through_the_client(client, md_model, image):
+    """The client's chat(reasoning=True) posts to /v1/chat/completions: Moondream answers it with
+    query(reasoning=True), the reasoning in the client's `reasoning` / `reasoning_details` fields."""
+    url = "data:image/jpeg;base64," + __import__("base64").b64encode(_jpeg(image)).decode()
+    messages = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": url}},
+                                             {"type": "text", "text": QUESTION}]}]
+    got = client.chat(messages, reasoning=True, settings=GREEDY)
+    want = md_model.query(_jpeg(image), QUESTION, reasoning=True, settings=GREEDY)
+    message = got["message"]
+    assert message["content"] == want["answer"]
+    assert message["reasoning"] == want["reasoning"]["text"]
+    assert message["reasoning_details"]["grounding"] == json.loads(json.dumps(want["reasoning"]["grounding"]))
+    assert "".join(client.chat(messages, reasoning=True, stream=True, settings=GREEDY)["message"]) == want["answer"]
+    plain = client.chat(messages, settings=GREEDY)["message"]
+    assert "reasoning" not in plain and plain["content"]
+    with pytest.raises(urllib.error.HTTPError) as error:
+        client.chat(messages + [{"role": "user", "content": "and?"}], reasoning=True)
+    assert error.value.code == 400 and "single user message" in error.value.read().decode()
+
+
+def test_chat_reasoning_is_refused_where_the_model_has_none(tmp_path):
+    with foveal.load() as shapes, BackgroundServer(create_app(shapes)) as url:
+        body = {"messages": [{"role": "user", "content": "hi"}], "reasoning": True}
+        with pytest.raises(urllib.error.HTTPError) as error:
+            _post(f"{url}/v1/chat/completions", body)
+        assert error.value.code == 400
+        assert "reasoning is not supported by this model (shapes)" in error.value.read().decode()
