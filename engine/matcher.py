@@ -1,8 +1,8 @@
 """The engine's view of a grammar: what it calls on a matcher, declared as protocols, and how a step's masks are filled.
 
 PROBLEM
-    The engine depends on `foveal.grammars` only through what it calls on a matcher (DESIGN.md,
-    "Layout"), and some matchers can do more than others: a grammar may know the tokens it forces
+    The engine depends on `foveal.grammars` only through what it calls on a matcher (docs/architecture.md,
+    "The grammars"), and some matchers can do more than others: a grammar may know the tokens it forces
     next, a family's own automaton may fill its mask in Python rather than through the batched
     native call. Probing for such extras on the step loop costs host time every step, and a
     matcher that lacks a required method would fail deep inside a step instead of at submit.

@@ -1,6 +1,6 @@
 """foveal: vision-language models with structured output, on a pipelined inference engine.
 
-The public API (see DESIGN.md): `foveal.load()`, the `Model` facade and its skills, result types,
+The public API (docs/skills.md, docs/api): `foveal.load()`, the `Model` facade and its skills, result types,
 `foveal.Regex` / `foveal.CFG` output types, and the CLI (`foveal --help`).
 
     import foveal

@@ -16,7 +16,7 @@ back into the reference's floats: x = bin / 1024, size = 2^(bin / 1023 * 10 - 10
 box = (x - w/2, y - h/2, x + w/2, y + h/2) in Python floats.
 Coordinates and sizes are always the region heads' argmax, as in the reference; settings' temperature
 and seed apply to text tokens and to the stop-or-continue token of a region answer.
-The public results hold coordinates in [0, 1] (DESIGN.md), so a box that the reference lets run
+The public results hold coordinates in [0, 1] (docs/skills.md), so a box that the reference lets run
 past the image's edge is clipped to it; `parse_regions(..., clip=False)` gives the raw values.
 """
 
