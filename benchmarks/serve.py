@@ -147,7 +147,7 @@ async def sdk_one(model: Any, job: Job) -> Outcome:
         result = await model.acaption(job.image, "normal", stream)
         left = stream and await drain(result["caption"], job.disconnect)
     else:
-        result = await model.aquery(job.image, QUESTIONS[base], stream or base == "chat")
+        result = await model.aquery(job.image, QUESTIONS[base], stream=stream or base == "chat")
         left = (stream or base == "chat") and await drain(result["answer"], job.disconnect)
     status = 499 if base not in ("detect", "point") and left else 200
     return Outcome(job.kind, status, time.perf_counter() - started)
