@@ -154,6 +154,20 @@ class Family:
     def unsupported_option(self, what: str, instead: str) -> UnsupportedSkill:
         return UnsupportedSkill(f"this {self.name} model does not support {what}; {instead}")
 
+    # ---- chat: what the family's chat template (a `ChatTemplate` as `self.template`, if any) says --------
+    @property
+    def tool_format(self) -> str:
+        """How tool calls are written: "qwen" where the chat template writes `<tool_call>` itself,
+        else foveal's documented "json" format (foveal.tools)."""
+        template = getattr(self, "template", None)
+        return template.tool_format if template is not None else "json"
+
+    @property
+    def thinking(self) -> str | None:
+        """The chat template's thinking section (ChatTemplate.reasoning), or None where it has none."""
+        template = getattr(self, "template", None)
+        return template.reasoning if template is not None else None
+
     def unsupported(self, skill: str) -> UnsupportedSkill:
         supported = ", ".join(s for s in ALL_SKILLS if s in self.capabilities.skills)
         if not self.capabilities.vision and skill in IMAGE_SKILLS:

@@ -620,14 +620,8 @@ class Model:
         thinking section); raises before any work."""
         plain, fields = chat_tools.split_tool_fields(messages)
         talk, images = conversation(plain)
-        template = getattr(self.family, "template", None)  # the family's chat template, where it has one
         chat_plan = chat_tools.plan(
-            output_type,
-            tools,
-            tool_choice,
-            parallel_tool_calls,
-            getattr(template, "tool_format", "json"),
-            getattr(template, "reasoning", None),
+            output_type, tools, tool_choice, parallel_tool_calls, self.family.tool_format, self.family.thinking
         )
         if (chat_plan.tools or any(calls for calls, _ in fields)) and not self.capabilities.conversations:
             raise ValueError(

@@ -119,7 +119,7 @@ def _grounded(model: Any, plan: ChatCall) -> bool:
         return False
     if model.capabilities.reasoning:
         return True
-    if getattr(getattr(model.family, "template", None), "reasoning", None) is not None:
+    if model.family.thinking is not None:
         return False  # its template's thinking section: returned as reasoning_content anyway
     raise ApiError(
         400,
