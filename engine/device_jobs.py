@@ -40,7 +40,6 @@ FORWARD_INPUTS = (
     "block_tables",
     "gather_dst",
     "gather_src",
-    "logits_index",
 )
 SAMPLE_INPUTS = ("temperature", "top_p", "top_k", "seeds", "counters", "random_rows", "mask_rows", "bitmask")
 REGION_INPUTS = ("kinds", "region_rows")
@@ -86,9 +85,9 @@ def _intra_op_threads(threads: int | None) -> Iterator[None]:
 
 
 def _forward(runner: ModelRunner, step: Step, previous_slot: DecodeSlot, heads: RegionHeads | None) -> None:
-    slot, rows, tokens, decode = step.slot, step.num_rows, step.num_tokens, step.num_decode
-    logits = step.num_logits if step.drafts else 0  # a verify step names its logit rows' tokens (step.py)
-    slot.upload(FORWARD_INPUTS, (tokens, tokens, tokens, rows + 1, rows, rows, decode, decode, logits))
+    # the launch's rows are the step's logit rows (a verify row's positions are rows of their own: step.py)
+    slot, rows, tokens, decode = step.slot, step.num_logits, step.num_tokens, step.num_decode
+    slot.upload(FORWARD_INPUTS, (tokens, tokens, tokens, rows + 1, rows, rows, decode, decode))
     dev = slot.dev
     if decode:  # decode rows' inputs: the ids the previous step sampled, never visiting the host
         sampled = previous_slot.sampled.index_select(0, dev.gather_src[:decode])
@@ -103,7 +102,6 @@ def _forward(runner: ModelRunner, step: Step, previous_slot: DecodeSlot, heads: 
         max_query_len=step.max_query_len,
         max_context_len=step.max_context_len,
         prefill=step.prefill_inputs,
-        logits_index=dev.logits_index[:logits] if logits else None,
     )
     slot.logits = runner.forward(batch)
     if heads is not None:  # its last-token hidden states, for the sample job's region rows

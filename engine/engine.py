@@ -68,7 +68,7 @@ class EngineConfig:
     prefix_cache: bool = True  # share the K/V of full prompt pages across requests (kv_cache.py)
     jump_forward: bool = True  # tokens a grammar forces go into the KV cache in one launch (pipeline.py)
     # speculative decoding (pipeline.py): None (off) or "ngram", prompt-lookup drafts verified in
-    # one forward; needs a runner with runner.PositionLogits (refused by the constructor otherwise)
+    # one forward; needs a runner with runner.SharedPages (refused by the constructor otherwise)
     speculative: str | None = None
     # An idle engine waits this long after the latest arrival (at most 4x in all) before its first
     # launch, so that calls arriving together (threads, a batch) are prefilled in one launch.

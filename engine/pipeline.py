@@ -136,7 +136,7 @@ from .kv_cache import PagePool, pages_needed
 from .lanes import Lanes
 from .matcher import FillMasks, bitmask_words, conforms, require
 from .request import FinishReason, TokenLogprob
-from .runner import ModelRunner, position_logits
+from .runner import ModelRunner, shares_pages
 from .scheduler import Scheduler, Sequence
 from .sequences import Sequences
 from .slot import POISON, DecodeSlot, SlotState
@@ -573,10 +573,10 @@ def check_speculative(speculative: str | None, runner: ModelRunner, region_heads
         return None
     if speculative != "ngram":
         raise ValueError(f"speculative must be None (off) or 'ngram' (prompt-lookup drafts), got {speculative!r}")
-    if region_heads or not position_logits(runner):
+    if region_heads or not shares_pages(runner):
         raise ValueError(
-            f"speculative='ngram' needs a runner that returns logits at several positions of a sequence "
-            f"(runner.PositionLogits) and samples no region values; {type(runner).__name__} does not: "
+            f"speculative='ngram' needs a runner whose rows may read the K/V other rows of a launch write "
+            f"(runner.SharedPages) and that samples no region values; {type(runner).__name__} is not one: "
             "load it with speculative=None"
         )
     return speculative

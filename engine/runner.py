@@ -12,8 +12,12 @@ SOLUTION
     DecodeSlot's preallocated buffers; for decode steps `input_ids` is gathered on the device from
     the previous step's sampled ids, so it never visits the host. The runner writes the new tokens'
     K/V into its own KV tensors at `kv_index`, attends over `block_tables`/`context_lens`, and
-    returns the logits of each sequence's last query token, or, when the batch names them
-    (`logits_index`: a speculative verify step, pipeline.py), of the query tokens it names.
+    returns the logits of each sequence's last query token.
+    A speculative verify step (pipeline.py) launches the k + 1 positions of one sequence as k + 1
+    rows of one token each, over the same block table, their context lengths one apart: row i
+    attends to the K/V rows 0..i-1 write in the same launch. So a runner that is given such
+    launches writes every row's K/V before any row attends (paged attention does, layer by layer),
+    and a verify step is an ordinary decode launch (one token a row: the traced decode graphs).
 
     What the engine calls on a runner is declared here, and checked once, when the Engine is built
     (matcher.require: a TypeError naming what is missing), never probed per step:
@@ -21,8 +25,9 @@ SOLUTION
         `allocate_kv`, `forward`;
       - `Quiesce` (optional): `quiesce()`, called by `Engine.close()` for a runner with work of its
         own (background traces, say);
-      - `PositionLogits` (optional): `logits_at_positions = True`, a runner that honours
-        `ForwardBatch.logits_index`; speculative decoding needs it (and is refused without it);
+      - `SharedPages` (optional): `rows_share_pages = True`, a runner whose rows may read K/V that
+        other rows of the same launch write (above); speculative decoding needs it (and is refused
+        without it);
       - `regions.RegionHeads` (optional): region values sampled on the device (regions.py).
 
 INVARIANTS
@@ -58,10 +63,8 @@ class ForwardBatch:
     max_context_len: the longest context in the batch; a host int.
     prefill:       per sequence, its `PrefillInputs` (images, prefix length) or None; an empty list
                    when no sequence has any (always for decode steps).
-    logits_index:  [L] int64 flat indices (into input_ids) of the query tokens whose logits are
-                   returned, in order, each sequence's in ascending order and including its last
-                   token; None (the default): each sequence's last query token. Only runners that
-                   declare `PositionLogits` are given one.
+    A "sequence" here is a row of the launch; rows may share pages (a verify step's positions,
+    above), which only runners that declare `SharedPages` are given.
     """
 
     input_ids: torch.Tensor
@@ -73,7 +76,6 @@ class ForwardBatch:
     max_query_len: int
     max_context_len: int
     prefill: list[PrefillInputs | None] = field(default_factory=list)
-    logits_index: torch.Tensor | None = None
 
     @property
     def num_seqs(self) -> int:
@@ -102,8 +104,7 @@ class ModelRunner(Protocol):
         ...
 
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
-        """Run one launch; return [num_seqs, vocab_size] float logits at each sequence's last query token
-        ([L, vocab_size] at the tokens `batch.logits_index` names, when it is set)."""
+        """Run one launch; return [num_seqs, vocab_size] float logits at each sequence's last query token."""
         ...
 
 
@@ -117,14 +118,14 @@ class Quiesce(Protocol):
 
 
 @runtime_checkable
-class PositionLogits(Protocol):
-    """A runner whose `forward` returns the logits of the query tokens `ForwardBatch.logits_index`
-    names (several per sequence): `logits_at_positions = True`. Speculative decoding verifies drafts
-    with such launches (pipeline.py, SPECULATIVE DECODING); a runner without it gets none."""
+class SharedPages(Protocol):
+    """A runner whose rows may read the K/V other rows of the same launch write (their block tables
+    name the same pages): `rows_share_pages = True`. Speculative decoding verifies drafts with such
+    launches (pipeline.py, SPECULATIVE DECODING); a runner without it gets none."""
 
-    logits_at_positions: bool
+    rows_share_pages: bool
 
 
-def position_logits(runner: ModelRunner) -> bool:
-    """Whether `runner` declares `PositionLogits` (checked once, when the engine is built)."""
-    return conforms(runner, PositionLogits) and bool(runner.logits_at_positions)
+def shares_pages(runner: ModelRunner) -> bool:
+    """Whether `runner` declares `SharedPages` (checked once, when the engine is built)."""
+    return conforms(runner, SharedPages) and bool(runner.rows_share_pages)

@@ -57,7 +57,6 @@ class StepTensors:
     bitmask: torch.Tensor  # [B, W] int32
     kinds: torch.Tensor  # [B] int64 step kind per row (regions.py; 0 = token)
     region_rows: torch.Tensor  # [B] int64 rows whose kind is not 0
-    logits_index: torch.Tensor  # [B] int64 flat token index of each logit row (steps with drafts; step.py)
 
     @staticmethod
     def allocate(max_batch: int, max_tokens: int, max_pages: int, mask_words: int) -> StepTensors:
@@ -83,7 +82,6 @@ class StepTensors:
             bitmask=ints(max_batch, mask_words, dtype=torch.int32),
             kinds=ints(max_batch),
             region_rows=ints(max_batch),
-            logits_index=ints(max_batch),
         )
 
     def map(self, fn: Any) -> StepTensors:

@@ -97,7 +97,10 @@ def stage(step: Step, lanes: Lanes, page_size: int, row_numbers: np.ndarray) -> 
         if seq.num_prefilled < seq.prompt_len:
             step.partial.add(row)
     query_starts = _stage_positions(step, lanes, page_size, output_index + extra, context, query_len, row_numbers)
+    _stage_logit_rows(step, lanes, output_index + extra, context, query_starts, row_numbers)
     _stage_input_sources(step, lanes, query_starts, chunk_start, jump_rows, row_numbers)
+    if step.drafts and step.prefill_inputs:  # per launch row, and the launch's rows are the logit rows
+        step.prefill_inputs = [step.prefill_inputs[r] for r in step.row_of_logit.tolist()]
     return prefill_rows
 
 
@@ -135,7 +138,6 @@ def _stage_positions(
     host.kv_index[:num_tokens] = pages * page_size + positions % page_size
     host.query_start[: num_rows + 1] = query_starts
     host.context_lens[:num_rows] = context
-    _stage_logit_rows(step, output_index, query_starts, row_numbers)
     step.max_context_len = int(context.max())
     step.table_width = pages_needed(step.max_context_len, page_size)
     host.block_tables[:num_rows, : step.table_width] = lanes.block_table[lane, : step.table_width]
@@ -143,8 +145,13 @@ def _stage_positions(
     return query_starts
 
 
-def _stage_logit_rows(step: Step, output_index: np.ndarray, query_starts: np.ndarray, row_numbers: np.ndarray) -> None:
-    """Logit rows and their counters (output indices); with drafts, the flat indices of their tokens."""
+def _stage_logit_rows(
+    step: Step, lanes: Lanes, output_index: np.ndarray, context: np.ndarray, query_starts: np.ndarray,
+    row_numbers: np.ndarray,
+) -> None:
+    """Logit rows and their counters (output indices). With drafts, the launch's rows are the logit
+    rows: a verify row's k + 1 positions become rows of one token each, over its block table, their
+    context lengths one apart (runner.SharedPages), so the forward is a decode launch."""
     host, num_rows = step.slot.np, step.num_rows
     if not step.drafts:
         step.logit_start, step.row_of_logit = row_numbers[: num_rows + 1], row_numbers[:num_rows]
@@ -158,9 +165,14 @@ def _stage_logit_rows(step: Step, output_index: np.ndarray, query_starts: np.nda
     np.cumsum(per_row, out=start[1:])
     num_logits = step.num_logits = int(start[num_rows])
     row = step.row_of_logit = np.repeat(np.arange(num_rows), per_row)
-    back = start[row + 1] - 1 - np.arange(num_logits)  # logit rows before the row's last one
-    host.counters[:num_logits] = output_index[row] - back  # the last one samples output_index
-    host.logits_index[:num_logits] = query_starts[row + 1] - 1 - back
+    back = start[row + 1] - 1 - np.arange(num_logits)  # logit rows after this one in its row
+    host.counters[:num_logits] = output_index[row] - back  # a row's last logit row samples output_index
+    # each logit row's query ends at its own token; a row without drafts keeps its whole query
+    host.query_start[0] = 0
+    host.query_start[1 : num_logits + 1] = query_starts[row + 1] - back
+    step.max_query_len = int(np.diff(host.query_start[: num_logits + 1]).max())
+    host.context_lens[:num_logits] = context[row] - back
+    host.block_tables[:num_logits, : step.table_width] = lanes.block_table[step.lane_of_row[row], : step.table_width]
 
 
 def _stage_input_sources(

@@ -19,7 +19,8 @@ SOLUTION
     returns at once, as it does from a real launch.
     With `window=w` the logits depend on the last w tokens only, so greedy text soon repeats
     itself (a stand-in for copying, which prompt-lookup drafts feed on). It returns the logits at
-    the positions `ForwardBatch.logits_index` names (runner.PositionLogits), each from its own prefix.
+    Rows of one launch may share pages (runner.SharedPages): every row's entries are written before
+    any row reads its context back.
 INVARIANTS
     - Logits are a pure function of the sequence's tokens (prompt + generated so far; the last
       `window` of them when set).
@@ -52,7 +53,7 @@ def _mix(terms_sum: torch.Tensor) -> torch.Tensor:
 
 
 class FakeRunner:
-    logits_at_positions = True  # runner.PositionLogits: honours ForwardBatch.logits_index
+    rows_share_pages = True  # runner.SharedPages: all entries are written before any context is read
 
     def __init__(
         self,
@@ -95,10 +96,6 @@ class FakeRunner:
         self.kv.index_copy_(0, batch.kv_index, _term(batch.input_ids, batch.positions))
         self.ids.index_copy_(0, batch.kv_index, batch.input_ids)
         tables, lens = batch.block_tables, batch.context_lens.long()
-        if batch.logits_index is not None:  # several positions of a sequence: each sees its own prefix
-            index = batch.logits_index
-            seq = torch.searchsorted(batch.query_start[1:].long(), index, right=True)
-            tables, lens = tables[seq], batch.positions[index] + 1
         offsets = torch.arange(tables.shape[1] * ps, device=self.device)
         valid = offsets[None, :] < lens[:, None]
         slots = tables.long().repeat_interleave(ps, dim=1) * ps + offsets % ps

@@ -15,8 +15,8 @@ SOLUTION
     and handed to the forward as `mm_encoder_outputs`, transformers' hook for precomputed encoder
     outputs, so transformers' own code scatters them over the image placeholder tokens in order.
     The last-token rows are selected before the LM head (`logits_to_keep`), so the head runs on B
-    rows, not T; a batch that names its logit rows (`ForwardBatch.logits_index`: speculative
-    verify steps) gets those rows instead (`logits_at_positions`, runner.PositionLogits).
+    rows, not T. Rows of one launch may share pages (a speculative verify step's positions,
+    runner.SharedPages): each layer writes the whole launch's K/V before any row attends.
 
 INVARIANTS
     - `forward` before `allocate_kv` raises (tested).
@@ -67,7 +67,7 @@ class KVLayout:
 class HFRunner:
     """One loaded transformers model, driven one `ForwardBatch` at a time (from a single thread)."""
 
-    logits_at_positions = True  # runner.PositionLogits: `_eager` honours ForwardBatch.logits_index
+    rows_share_pages = True  # runner.SharedPages: paged attention writes a launch's K/V before it attends
 
     def __init__(
         self,
@@ -150,17 +150,15 @@ class HFRunner:
         context = build_context(batch, kv, prefix, self.dtype, self.attention_blocks(batch))
         # images whose tokens the prefix cache held entirely need no features (nor an encoder run)
         images = [p for p in batch.prefill if p is not None and p.num_image_tokens > p.cached_image_tokens]
-        if batch.logits_index is not None:  # a verify step: the logits of the tokens it names
-            last = batch.logits_index
-        else:  # A decode launch has one query token per sequence: every row is a last row.
-            last = None if batch.is_decode else batch.query_start[1:].to(torch.int64) - 1
+        # A decode launch has one query token per sequence: every row is a last row.
+        last = None if batch.is_decode else batch.query_start[1:].to(torch.int64) - 1
         if self.lean is not None and not images:
             return self.lean(batch.input_ids, self.position_ids(batch)[0], last, context)
         out = self.model(
             input_ids=batch.input_ids[None],
             position_ids=self.position_ids(batch),
             use_cache=False,
-            logits_to_keep=last if last is not None else batch.query_start[1:].to(torch.int64) - 1,
+            logits_to_keep=batch.query_start[1:].to(torch.int64) - 1,
             foveal_context=context,
             **self._image_inputs(images),
         )

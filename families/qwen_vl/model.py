@@ -234,6 +234,10 @@ class QwenInputProcessor(InputProcessor):
 class QwenVLRunner(HFRunner):
     """HFRunner with M-RoPE positions (see the module docstring) and, for Qwen3-VL, DeepStack features."""
 
+    # A row reads the row delta stored at the position before its first token before the launch
+    # writes its own: rows of one launch must not share a sequence (runner.SharedPages).
+    rows_share_pages = False
+
     def __init__(
         self,
         model: torch.nn.Module,

@@ -300,9 +300,9 @@ def test_no_drafts_in_a_step_with_many_decode_rows():
     assert_idle_and_free(pipe)
 
 
-def test_a_runner_without_position_logits_is_refused():
+def test_a_runner_whose_rows_cannot_share_pages_is_refused():
     class LastOnly(FakeRunner):
-        logits_at_positions = False
+        rows_share_pages = False
 
     with pytest.raises(ValueError, match="speculative=None"):
         spec_pipeline(runner=LastOnly(vocab_size=VOCAB))

@@ -99,7 +99,7 @@ def test_the_engine_counts_drafts(h):
 
 def test_a_runner_that_cannot_verify_is_refused_before_anything_runs(h):
     class LastOnly(FakeRunner):
-        logits_at_positions = False
+        rows_share_pages = False
 
     with pytest.raises(ValueError, match="speculative=None"):
         Engine(LastOnly(vocab_size=h.VOCAB), None, h.config(True, speculative="ngram"))
