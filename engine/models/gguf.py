@@ -60,6 +60,7 @@ from foveal.engine.models.quant import (
     HalfLinear,
     QuantEmbedding,
     QuantLinear,
+    SplitLinear,
     builder,
 )
 
@@ -75,6 +76,7 @@ LAYER_LINEARS = {
 }
 LAYER_NORMS = {"attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm"}
 DIRECT_ARCHITECTURES = ("llama",)
+SPLIT = "split"  # linear_from_gguf's mode for the default on x86: Q4 blocks as SplitLinear
 REQUIRED_METADATA = ("block_count", "embedding_length", "feed_forward_length", "attention.head_count")
 
 
@@ -224,7 +226,9 @@ def _value(blob: bytes, pos: int, kind: int, keep_strings: bool) -> tuple[Any, i
 def load_quantized(header: Any, config: Any, dtype: torch.dtype, quantize: str | None) -> nn.Module:
     """A LlamaForCausalLM whose decoder linears (and head) are read from the file's tensors.
 
-    `quantize`: None keeps the file's Q4 blocks as int4 and makes other types int8; "int8" or
+    `quantize`: None with a float32 `dtype` (the default where fbgemm runs) makes the file's Q4
+    blocks `SplitLinear`s (int4 for few-row launches, fp16 for many) and everything else what
+    "fp16" makes it; None with bf16 keeps Q4 blocks as int4 and makes other types int8; "int8" or
     "int4" asks for that kernel for every decoder layer; "fp16" makes every linear, the head
     included, a `HalfLinear` and the embeddings fp16 rows (`dtype` must then be float32). See
     `linear_from_gguf`. Layers are built on torch's intra-op threads (`quant.builder`).
@@ -232,7 +236,9 @@ def load_quantized(header: Any, config: Any, dtype: torch.dtype, quantize: str |
     tensors = {t.name: t for t in header.tensors}
     heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
     read = lambda name: (_need(tensors, name), tensor_data(header, _need(tensors, name)))  # noqa: E731
-    fp16, tied = quantize == "fp16", "output.weight" not in tensors
+    tied = "output.weight" not in tensors
+    fp16 = quantize == "fp16" or (quantize is None and dtype == torch.float32)  # float32 activations
+    layer_mode = SPLIT if quantize is None and fp16 else quantize
     with builder() as pool:
         # Everything is queued before the model skeleton is built (importing transformers' llama and
         # building it on the meta device is Python, under the GIL: it overlaps the packing). Under
@@ -240,7 +246,7 @@ def load_quantized(header: Any, config: Any, dtype: torch.dtype, quantize: str |
         vocab = pool.submit(gguf_weight, *read("token_embd.weight")) if fp16 else None
         jobs = {
             (index, path): pool.submit(
-                _linear, read, f"blk.{index}.{name}.weight", dtype, quantize, {"q": heads, "k": kv_heads}.get(rotary)
+                _linear, read, f"blk.{index}.{name}.weight", dtype, layer_mode, {"q": heads, "k": kv_heads}.get(rotary)
             )
             for index in range(config.num_hidden_layers)
             for name, (path, rotary) in LAYER_LINEARS.items()
@@ -296,8 +302,10 @@ def linear_from_gguf(
     mode: str | None,
     permute_heads: int | None,
     head: bool = False,
-) -> QuantLinear | HalfLinear:
-    """One GGUF weight [N, K] as a QuantLinear, or a HalfLinear when `mode` is "fp16".
+) -> QuantLinear | HalfLinear | SplitLinear:
+    """One GGUF weight [N, K] as a QuantLinear, or a HalfLinear when `mode` is "fp16", or for
+    `SPLIT` a SplitLinear of the file's Q4 blocks (its int4 half exactly `mode="int4"`'s layer)
+    and a HalfLinear of any other type.
 
     Decoder layers (`head=False`): Q4_0/Q4_1 blocks are kept as int4 (codes and groups) unless `mode` is "int8"
     (then requantized per row: on CPUs where the int8 kernel is the faster one at batch 1, quant.py)
@@ -309,6 +317,12 @@ def linear_from_gguf(
 
     kind = Q(info.ggml_type)
     n, k = info.shape  # torch order: [out, in]
+    if mode == SPLIT and not head and kind in (Q.Q4_0, Q.Q4_1):
+        codes, scale, zero = _q4_blocks(_rows(data, n, permute_heads), kind == Q.Q4_1, k)
+        int4 = QuantLinear.int4_from_codes(codes, scale, zero, None, torch.bfloat16, GROUP_SIZE)
+        return SplitLinear(int4, HalfLinear(gguf_weight(info, data, permute_heads)))
+    if mode == SPLIT:
+        mode = "fp16"
     if kind in (Q.Q4_0, Q.Q4_1) and not head and mode in (None, "int4"):
         raw = _rows(data, n, permute_heads)
         codes, scale, zero = _q4_blocks(raw, kind == Q.Q4_1, k)

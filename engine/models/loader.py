@@ -35,6 +35,7 @@ from foveal.engine.models.image_cache import DEFAULT_IMAGE_CACHE_BYTES
 from foveal.engine.models.processor import InputProcessor
 from foveal.engine.models.quant import FP16_UNAVAILABLE, QUANT_MODES, fp16_kernel_available, quantize_model
 from foveal.engine.models.runner import HFRunner
+from foveal.engine.models.traced import DecodeGraphs
 
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")
@@ -78,19 +79,26 @@ def resolve_options(
 ) -> LoadOptions:
     """Check and resolve load options. device "auto": CUDA when available; dtype None: bf16 on CUDA, fp32
     on CPU (bf16 under quantize "int8" / "int4", whose kernels want bf16 activations; fp32 under "fp16").
-    `gguf`: the source is a .gguf file, which on CPU is always read quantized: None means "fp16" where
-    torch has fbgemm (x86), else its own blocks (Q4 as int4, the rest int8)."""
+    `gguf`: the source is a .gguf file, which on CPU is always read quantized: None means, where torch
+    has fbgemm (x86), float32 activations with the file's Q4 blocks as int4 for few-row launches and
+    fp16 for the rest (gguf.load_quantized), else its own blocks (Q4 as int4, the rest int8) in bf16."""
     if isinstance(image_cache_bytes, bool) or not isinstance(image_cache_bytes, int) or image_cache_bytes < 0:
         raise ModelLoadError(
             f"image_cache_bytes must be an int >= 0 (0 turns the cache off), got {image_cache_bytes!r}"
         )
     check_quantize(quantize)
     dev = resolve_device(device)
-    if quantize is None and gguf and dev.type == "cpu" and fp16_kernel_available():
-        quantize = "fp16"
+    split = quantize is None and gguf and dev.type == "cpu" and fp16_kernel_available()
+    if split and dtype not in (None, "float32", torch.float32):
+        raise ModelLoadError(
+            f"a .gguf file's default kernels multiply float32 activations; leave dtype unset (got {dtype!r}) "
+            "or pass quantize='int8' / 'int4' for bf16"
+        )
     # Weight-only int kernels want bf16 activations (with fp32 ones they are an order of magnitude
-    # slower, quant.py); fbgemm's fp16 GEMM takes float32 activations only.
-    int_kernels = quantize in ("int8", "int4") or (quantize is None and gguf and dev.type == "cpu")
+    # slower, quant.py); fbgemm's fp16 GEMM takes float32 activations only, and so does the GGUF
+    # default (quant.SplitLinear: bf16 only inside its int4 kernel).
+    own_blocks = quantize is None and gguf and dev.type == "cpu" and not split
+    int_kernels = quantize in ("int8", "int4") or own_blocks
     torch_dtype = torch.bfloat16 if dtype is None and int_kernels else resolve_dtype(dtype, dev)
     if quantize == "fp16" and torch_dtype != torch.float32:
         raise ModelLoadError(
@@ -276,7 +284,9 @@ def load_gguf(
         with ThreadPoolExecutor(1) as pool:
             tokenizer = pool.submit(direct.tokenizer, header)
             model = direct.load_quantized(header, config, dtype, quantize)
-            return assemble(model, arch, tokenizer.result(), None, str(path), options), arch
+            loaded = assemble(model, arch, tokenizer.result(), None, str(path), options)
+        _prepare_decode(loaded.runner)
+        return loaded, arch
     if importlib.util.find_spec("accelerate") is None:
         raise ModelLoadError("loading this .gguf file needs accelerate: pip install 'foveal[bench]'")
     kwargs = {"gguf_file": path.name}
@@ -291,6 +301,13 @@ def load_gguf(
         quantize_model(model, quantize)
     tokenizer = transformers.AutoTokenizer.from_pretrained(path.parent, **kwargs)
     return assemble(model.to(device), arch, tokenizer, None, str(path), options), arch
+
+
+def _prepare_decode(runner: HFRunner) -> None:
+    """Trace the batch-1 decode graph in the background as soon as the engine allocates the KV
+    (traced.py), so that a fresh process's first calls replay it instead of running eager."""
+    if runner.decode_graphs is not None:
+        runner.decode_graphs = DecodeGraphs(runner._eager, runner.model, kv=lambda: runner.kv, prepare=(1,))
 
 
 def check_gguf(path: Path) -> Any:

@@ -32,6 +32,13 @@ SOLUTION
     SmolLM2 has) make far too coarse. `python -m benchmarks.models` measures the modes on a real
     checkpoint.
 
+    `SplitLinear` holds both: the int4 groups for launches of at most `FEW_ROWS` rows (bf16 only
+    at the kernel's input and output, float32 everywhere else) and the fp16 pack for more rows. It
+    is what a GGUF's Q4 blocks become by default on x86 (gguf.py): decode reads 4-bit weights, a
+    prefill or a large batch runs fbgemm. The choice of kernels and the crossover are measured in
+    docs/quantization.md (torchao adds no CPU kernel of its own; inductor's code for a weight-only
+    matmul compiled for a minute and ran slower).
+
 INVARIANTS
     - `dequantize()` returns exactly the weight the kernel multiplies by (up to the kernel's own
       float rounding): tests compare `forward` with `x @ dequantize().T`.
@@ -216,6 +223,51 @@ class HalfLinear(nn.Module):
 
     def extra_repr(self) -> str:
         return f"fp16, in_features={self.in_features}, out_features={self.out_features}"
+
+
+# Launches of at most this many rows run SplitLinear's int4 kernel, larger ones its fp16 GEMM: the
+# int4 kernel reads a quarter of fp16's bytes but costs more per row (docs/quantization.md).
+FEW_ROWS = 4
+
+
+class SplitLinear(nn.Module):
+    """y = x @ W.T for float32 x, with W held twice: int4 groups for launches of at most `FEW_ROWS`
+    rows (decode), fbgemm fp16 for more (prefill, large batches).
+
+    A decode step reads every weight once, so at a few rows the int4 kernel, reading a quarter of
+    fp16's bytes, is the faster one; its cost grows with the rows faster than fbgemm's, which wins
+    from `FEW_ROWS` on. The int4 kernel wants bf16 activations (fp32 or fp16 ones take 10-15x
+    longer), so the few-row path rounds its input to bf16 and returns float32: the rest of the model
+    (norms, attention, the KV cache, the head) stays float32. Traces fix the row count, so a traced
+    bucket holds one of the two paths."""
+
+    mode = "int4+fp16"
+
+    def __init__(self, int4: QuantLinear, half: HalfLinear) -> None:
+        super().__init__()
+        if int4.mode != "int4" or int4.weight_dtype != torch.bfloat16 or int4.bias is not None:
+            raise ValueError("SplitLinear takes an int4 QuantLinear with bf16 scales and no bias")
+        if (int4.out_features, int4.in_features) != (half.out_features, half.in_features):
+            raise ValueError("SplitLinear's two layers must hold weights of one shape")
+        self.int4, self.fp16 = int4, half
+        self.in_features, self.out_features = half.in_features, half.out_features
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        flat = x.reshape(-1, self.in_features)
+        if flat.shape[0] > FEW_ROWS:
+            return self.fp16(x)
+        out = self.int4(flat.to(torch.bfloat16)).to(x.dtype)
+        return out.view(*x.shape[:-1], self.out_features)
+
+    def dequantize(self, rows: int = 1) -> torch.Tensor:
+        """The float32 weight [N, K] a launch of `rows` rows multiplies by."""
+        return self.int4.dequantize() if rows <= FEW_ROWS else self.fp16.dequantize()
+
+    def nbytes(self) -> int:
+        return self.int4.nbytes() + self.fp16.nbytes()
+
+    def extra_repr(self) -> str:
+        return f"int4 up to {FEW_ROWS} rows, fp16 above, in_features={self.in_features}, out_features={self.out_features}"
 
 
 class HalfEmbedding(nn.Module):

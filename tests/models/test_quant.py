@@ -6,7 +6,14 @@ import torch
 
 from foveal.engine.models import ModelLoadError
 from foveal.engine.models.lean import LeanDecoder
-from foveal.engine.models.quant import HalfEmbedding, HalfLinear, QuantEmbedding, QuantLinear, pack_int4
+from foveal.engine.models.quant import (
+    HalfEmbedding,
+    HalfLinear,
+    QuantEmbedding,
+    QuantLinear,
+    fp16_kernel_available,
+    pack_int4,
+)
 from foveal.families import load
 from foveal.testing import parity, tiny
 
@@ -168,3 +175,47 @@ def test_fp16_is_refused_where_it_cannot_run(checkpoints, monkeypatch):
     monkeypatch.setattr("foveal.engine.models.loader.fp16_kernel_available", lambda: False)  # e.g. aarch64
     with pytest.raises(ModelLoadError, match="fbgemm backend.*use 'int8' or 'int4'"):
         load(checkpoints["llama"], device="cpu", quantize="fp16")
+
+
+def _split(n: int = 64, k: int = 96, seed: int = 0):
+    from foveal.engine.models.quant import SplitLinear
+
+    torch.manual_seed(seed)
+    weight = torch.randn(n, k)
+    int4 = QuantLinear.int4_from_float(weight, None, torch.bfloat16)
+    return SplitLinear(int4, HalfLinear(int4.dequantize())), int4
+
+
+@pytest.mark.skipif(not fp16_kernel_available(), reason="SplitLinear's many-row path is fbgemm's")
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 8, 64])
+def test_split_linear_takes_int4_for_few_rows_and_fp16_for_many(rows, monkeypatch):
+    """The rows choose the kernel (FEW_ROWS: int4 at or below, fp16 above), and either path
+    multiplies float32 activations by its own dequantized weight and returns float32. Tolerance:
+    the int4 path rounds x and y to bf16 (2^-8 relative each), so |error| <= 2^-7 of sum |x| |w|;
+    the fp16 path is exact products of fp16 weights, float32 sums (1e-5 of it)."""
+    from foveal.engine.models import quant
+
+    layer, int4 = _split()
+    x = torch.randn(rows, 96)
+    used = []
+    monkeypatch.setattr(int4, "forward", lambda flat: used.append("int4") or QuantLinear.forward(int4, flat))
+    out = layer(x)
+    assert out.dtype == torch.float32 and out.shape == (rows, 64)
+    assert used == (["int4"] if rows <= quant.FEW_ROWS else [])
+    weight = layer.dequantize(rows)
+    scale = x.abs() @ weight.abs().T
+    tolerance = 2.0**-7 if rows <= quant.FEW_ROWS else 1e-5
+    assert bool(((out - x @ weight.T).abs() <= tolerance * scale + 1e-6).all())
+
+
+@pytest.mark.skipif(not fp16_kernel_available(), reason="SplitLinear's many-row path is fbgemm's")
+def test_split_linear_keeps_the_shape_of_its_input_and_refuses_mismatched_halves():
+    from foveal.engine.models.quant import SplitLinear
+
+    layer, int4 = _split()
+    assert layer(torch.randn(2, 3, 96)).shape == (2, 3, 64)
+    with pytest.raises(ValueError, match="one shape"):
+        SplitLinear(int4, HalfLinear(torch.randn(32, 96)))
+    with pytest.raises(ValueError, match="bf16 scales"):
+        fp32_scales = QuantLinear.int4_from_float(torch.randn(64, 96), None, torch.float32)
+        SplitLinear(fp32_scales, HalfLinear(torch.randn(64, 96)))
