@@ -28,9 +28,13 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-# Tokens one verify row guesses at most: acceptance of copied text runs long (a whole name or
-# number), and a rejected draft costs only its share of one forward.
-MAX_DRAFT = 8
+# Tokens one verify row guesses at most. A verify row's positions are rows of a decode launch, and
+# a decode launch costs about its rows' count in weight reads beyond a few rows, so guesses past a
+# handful cost more than the rare long acceptance pays back.
+MAX_DRAFT = 5
+# A step with drafts is launched with at most this many rows (logit rows, drafts included): the
+# traced decode graph's row bucket of 6 costs much less than the next buckets, 8 and 12.
+MAX_LAUNCH_ROWS = 6
 # The shortest match that may propose: two tokens match by chance too often in free text.
 MIN_MATCH = 3
 MAX_CANDIDATES = 8  # latest occurrences of the last bigram that are extended per proposal

@@ -64,14 +64,15 @@ FINAL RUNS
 SPECULATIVE DECODING (`speculative="ngram"`; drafts.py)
     At a few rows a step the forward reads the weights once however many query tokens it carries,
     so a row may carry k guessed tokens D = d1..dk after its input (a *verify row*, step.py) and
-    have the logits after each of its k + 1 query tokens (`ForwardBatch.logits_index`; a runner
-    declares it with runner.PositionLogits, and speculation is refused without it).
+    get the logits after each of its k + 1 query tokens: its positions are launched as k + 1 rows
+    of one token each over its pages, which a runner declares it can run (runner.SharedPages;
+    speculation is refused without it), so a verify step is a decode launch (traced graphs on CPU).
     Drafts: prompt lookup over the committed context (prompt + output, drafts.py), only in steps
     with at most `drafts.MAX_DRAFT_ROWS` decode rows, for rows whose matcher can roll back (or that
     have none) and has no region steps, never for prefill chunks or a jump row of k >= 2 (a forced
     run is its own multi-token query). k is capped so that the last position samples below
     max_tokens (its K/V position is then among the pages reserved at admission), and so that the
-    step stays within max_batch logit rows and max_step_tokens.
+    step stays within max_batch (and `drafts.MAX_LAUNCH_ROWS`) logit rows and max_step_tokens.
     Launch t+1 plans them. In pipelined mode a decode row's step-t sample is still in flight: the
     lookup's first token g is a guess of it, the row's input is gathered on the device as usual
     (the real sample), and D is what the lookup continues after g. Before launch the matcher (after
@@ -258,7 +259,7 @@ class Pipeline:
         decoding = [row for row, seq in enumerate(rows) if seq.num_scheduled > 0 and seq.num_prefilled == seq.prompt_len]
         if not decoding or len(decoding) > drafts.MAX_DRAFT_ROWS:
             return
-        room = self.max_batch - len(rows)  # logit rows beyond one a row
+        room = min(self.max_batch, drafts.MAX_LAUNCH_ROWS) - len(rows)  # logit rows beyond one a row
         tokens = self.scheduler.max_step_tokens - sum(
             seq.chunk if seq.num_scheduled == 0 else len(seq.jump or (0,)) for seq in rows
         )
