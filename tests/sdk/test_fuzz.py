@@ -554,13 +554,13 @@ def check_result(call: Call, result: Any) -> None:
     elif call.skill == "detect":
         assert set(result) == {"objects"} and len(result["objects"]) <= max_objects
         for box in result["objects"]:
-            assert set(box) == {"x_min", "y_min", "x_max", "y_max"}, box
+            assert set(box) == {"x_min", "y_min", "x_max", "y_max", "score"}, box
             assert all(type(v) is float for v in box.values()), box
             assert 0 <= box["x_min"] < box["x_max"] <= 1 and 0 <= box["y_min"] < box["y_max"] <= 1, box
     elif call.skill == "point":
         assert set(result) == {"points"} and len(result["points"]) <= max_objects
         for point in result["points"]:
-            assert set(point) == {"x", "y"} and all(type(v) is float for v in point.values()), point
+            assert set(point) == {"x", "y", "score"} and all(type(v) is float for v in point.values()), point
             assert 0 <= point["x"] <= 1 and 0 <= point["y"] <= 1, point
     else:
         assert set(result) == {"text", "output"} and isinstance(result["text"], str)

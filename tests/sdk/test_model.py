@@ -38,16 +38,20 @@ class Shape(BaseModel):
 def assert_boxes(objects, max_objects, bins=None):
     assert isinstance(objects, list) and len(objects) <= max_objects
     for box in objects:
-        assert list(box) == list(BOX)
+        assert list(box) == [*BOX, "score"] and 0 <= box["score"] <= 1
         assert 0 <= box["x_min"] < box["x_max"] <= 1 and 0 <= box["y_min"] < box["y_max"] <= 1
         if bins:  # loc tokens: every coordinate is a bin k / (bins - 1)
-            assert all(abs(v * (bins - 1) - round(v * (bins - 1))) < 1e-9 for v in box.values())
+            assert all(abs(box[k] * (bins - 1) - round(box[k] * (bins - 1))) < 1e-9 for k in BOX)
+
+
+def _unscored(items):
+    return [{k: v for k, v in item.items() if k != "score"} for item in items]
 
 
 def assert_points(points, max_objects):
     assert isinstance(points, list) and len(points) <= max_objects
     for p in points:
-        assert list(p) == ["x", "y"] and 0 <= p["x"] <= 1 and 0 <= p["y"] <= 1
+        assert list(p) == ["x", "y", "score"] and 0 <= p["x"] <= 1 and 0 <= p["y"] <= 1 and 0 <= p["score"] <= 1
 
 
 class Spy:
@@ -142,7 +146,8 @@ def test_detect_is_the_loc_grammar_with_the_phrase_as_label(shapes_model, image)
     raw = shapes_model.generate(image, "detect red circle", spec)
     item = r"(<loc00[0-3]\d>){4} red circle"
     assert re.fullmatch(rf"({item}( ; {item})*)?", raw["text"])
-    assert raw["output"] == {"objects": result["objects"]}  # same prompt, same grammar, greedy
+    # same prompt, same grammar, greedy (generate parses the answer; the skill also scores it)
+    assert raw["output"] == {"objects": _unscored(result["objects"])}
 
 
 def test_point_is_the_loc_grammar(shapes_model, image):
@@ -151,7 +156,7 @@ def test_point_is_the_loc_grammar(shapes_model, image):
     assert_points(result["points"], 3)
     spec = spatial.points("loc", max_objects=3, label="blue square", bins=32)
     raw = shapes_model.generate(image, "point blue square", spec)
-    assert raw["output"] == {"points": result["points"]}
+    assert raw["output"] == {"points": _unscored(result["points"])}
 
 
 def test_caption_and_query_are_text(shapes_model, image):
@@ -304,9 +309,10 @@ def test_paligemma_detect_uses_1024_bins_and_point_uses_box_centres(paligemma_mo
     assert_boxes(boxes, 3, bins=1024)
     points = paligemma_model.point(image, "car", FEW)["points"]
     centres = [{"x": (b["x_min"] + b["x_max"]) / 2, "y": (b["y_min"] + b["y_max"]) / 2} for b in boxes]
-    assert points == centres
+    assert _unscored(points) == centres
+    assert [p["score"] for p in points] == [b["score"] for b in boxes]  # a point carries its box's score
     spec = spatial.boxes("loc", max_objects=3, label="car", bins=1024)
-    assert paligemma_model.generate(image, "detect car", spec)["output"] == {"objects": boxes}
+    assert paligemma_model.generate(image, "detect car", spec)["output"] == {"objects": _unscored(boxes)}
     assert isinstance(paligemma_model.caption(image, "long", settings={"max_tokens": 4})["caption"], str)
     assert isinstance(paligemma_model.query(image, "what?", settings={"max_tokens": 4})["answer"], str)
 

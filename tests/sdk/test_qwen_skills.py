@@ -15,7 +15,7 @@ import pytest
 from PIL import Image
 
 import foveal
-from foveal.grammars.grounding import GroundingSpec
+from foveal.grammars.grounding import GroundingSpec, XmlPointsSpec
 from foveal.testing import tiny
 
 
@@ -38,7 +38,8 @@ def _image(width: int = 130, height: int = 90) -> Image.Image:
 @pytest.mark.parametrize("skill", ["detect", "point"])
 def test_grounding_task_is_native_and_on_the_family_scale(models, family, scale, skill):
     """Qwen2.5-VL: pixels of the resized input (130 x 90 -> 140 x 84 with patch 14, at most 16 tokens);
-    Qwen3-VL: 0..1000. The prompt is the family's own grounding request, the answer its fenced JSON."""
+    Qwen3-VL: 0..1000. The prompt is the family's own grounding request, the answer its fenced JSON
+    (Qwen2.5-VL points: the XML its cookbook asks for)."""
     model = models[family]
     task, settings, explicit = getattr(model, f"_{skill}_task")("red circle", {"max_objects": 2})
     job = model._prepare(task, [_image()], settings, explicit)
@@ -47,7 +48,11 @@ def test_grounding_task_is_native_and_on_the_family_scale(models, family, scale,
     assert spec.label == "red circle" and spec.max_objects == 2
     what = "bbox" if skill == "detect" else "point"
     text = model.family.tokenizer.decode(job.request.prompt_ids)
-    assert f"Locate every red circle in the image and output the {what} coordinates in JSON format." in text
+    if family == "qwen2_5_vl" and skill == "point":
+        assert isinstance(spec, XmlPointsSpec)
+        assert "point to the red circle, output its coordinates in XML format <points x y>object</points>" in text
+    else:
+        assert f"Locate every red circle in the image and output the {what} coordinates in JSON format." in text
     assert text.count("<|image_pad|>") == job.request.prefill.num_image_tokens > 0
 
 
