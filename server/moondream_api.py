@@ -66,9 +66,16 @@ def settings_schema(skill: str) -> dict[str, Any]:
         "top_p": {"type": "number", "exclusiveMinimum": 0, "maximum": 1},
         "max_tokens": {"type": "integer", "minimum": 1, "maximum": MAX_TOKENS_CEILING},
         "seed": {"anyOf": [{"type": "integer", "minimum": 0, "maximum": SEED_LIMIT - 1}, {"type": "null"}]},
+        "variant": {
+            "anyOf": [{"type": "string", "minLength": 1}, {"type": "null"}],
+            "description": "a LoRA variant's name or path, where the model takes variants (Moondream 2)",
+        },
     }
     if skill in OBJECT_SKILLS:
         properties["max_objects"] = {"type": "integer", "minimum": 1, "maximum": MAX_OBJECTS_CEILING}
+        properties["min_score"] = {
+            "type": "number", "minimum": 0, "maximum": 1, "description": "items scored below it are left out",
+        }
     accepted = {"type": "object", "properties": properties, "additionalProperties": False}
     return {"anyOf": [accepted, {"type": "null"}], "description": "sampling settings; unknown keys are a 400"}
 
