@@ -320,7 +320,7 @@ def linear_from_gguf(
     if mode == SPLIT and not head and kind in (Q.Q4_0, Q.Q4_1):
         codes, scale, zero = _q4_blocks(_rows(data, n, permute_heads), kind == Q.Q4_1, k)
         int4 = QuantLinear.int4_from_codes(codes, scale, zero, None, torch.bfloat16, GROUP_SIZE)
-        return SplitLinear(int4, HalfLinear(gguf_weight(info, data, permute_heads)))
+        return SplitLinear(int4, HalfLinear(_q4_weight(codes, scale, zero)))
     if mode == SPLIT:
         mode = "fp16"
     if kind in (Q.Q4_0, Q.Q4_1) and not head and mode in (None, "int4"):
@@ -344,9 +344,7 @@ def gguf_weight(info: Any, data: np.ndarray, permute_heads: int | None = None) -
     n, k = info.shape
     raw = _rows(data, n, permute_heads)
     if kind in (Q.Q4_0, Q.Q4_1):
-        codes, scale, zero = _q4_blocks(raw, kind == Q.Q4_1, k)
-        weight = (codes.float() - 8).view(n, -1, 32) * scale[..., None] + zero[..., None]
-        return weight.view(n, k)
+        return _q4_weight(*_q4_blocks(raw, kind == Q.Q4_1, k))
     if kind == Q.Q8_0:
         blocks = raw.reshape(n, k // 32, 34)
         d = blocks[..., :2].copy().view(np.float16).astype(np.float32)  # [N, K/32, 1]
@@ -374,6 +372,12 @@ def _q4_blocks(raw: np.ndarray, has_min: bool, k: int) -> tuple[torch.Tensor, to
     else:
         zero = np.zeros_like(d)
     return torch.from_numpy(codes), torch.from_numpy(d), torch.from_numpy(zero)
+
+
+def _q4_weight(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> torch.Tensor:
+    """The float32 weight [N, K] of `_q4_blocks`' codes, scales and zeros."""
+    n, k = codes.shape
+    return ((codes.float() - 8).view(n, -1, 32) * scale[..., None] + zero[..., None]).view(n, k)
 
 
 def _unpermute_rows(rows: np.ndarray, heads: int) -> np.ndarray:
