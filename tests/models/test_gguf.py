@@ -10,7 +10,7 @@ import transformers
 
 from foveal.engine.models import ModelLoadError
 from foveal.engine.models.loader import check_gguf
-from foveal.engine.models.quant import HalfLinear, QuantLinear, fp16_kernel_available
+from foveal.engine.models.quant import HalfLinear, QuantLinear, SplitLinear, fp16_kernel_available
 from foveal.families import load
 from foveal.testing import parity
 from foveal.testing.smollm2 import GGUF_NAME, smollm2_folder, smollm2_gguf
@@ -79,25 +79,44 @@ def _agreement(loaded, reference, max_new_tokens=24):
     return same_prefix, total, identical, first_step
 
 
+def _agreement_one_by_one(loaded, reference, max_new_tokens=24):
+    """`_agreement` with each prompt decoded alone: batch-1 decode launches, as one call at a time
+    runs them (a batch of 5 rows would take SplitLinear's fp16 path)."""
+    prompts, theirs_prompts = _prompts(loaded), _prompts(reference)
+    ours = [parity.greedy(loaded.runner, [p], max_new_tokens, loaded.eos_token_ids).tokens[0] for p in prompts]
+    theirs = [
+        parity.greedy(reference.runner, [p], max_new_tokens, reference.eos_token_ids).tokens[0] for p in theirs_prompts
+    ]
+    same_prefix = sum(
+        next((i for i, (a, b) in enumerate(zip(x, y, strict=False)) if a != b), min(len(x), len(y)))
+        for x, y in zip(ours, theirs, strict=True)
+    )
+    return same_prefix, sum(len(y) for y in theirs), sum(x == y for x, y in zip(ours, theirs, strict=True))
+
+
 @pytest.mark.slow
-def test_smollm2_gguf_loads_fp16_by_default_in_seconds_and_decodes_like_fp32():
-    """On x86 the GGUF loads as fp16 weights for fbgemm's GEMM with float32 activations (quant.py):
-    measured here, all 101 of the reference's greedy tokens equal the fp32 weights' (5 of 5
-    answers), first-step max logit error 0.027 (logits up to 24.7)."""
+def test_smollm2_gguf_default_decodes_int4_at_batch_1_close_to_fp32():
+    """On x86 the GGUF's Q4_1 layers load as SplitLinear (int4 for launches of up to 4 rows, fp16
+    above), the rest as fp16, float32 activations (quant.py). Measured here, each prompt alone (so
+    every decode launch runs the int4 kernel, every prefill fbgemm's fp16): all 101 of the
+    reference's greedy tokens before any fork, 5 of 5 answers identical; the batch of 5 (every launch fp16): all 101 of the reference's greedy tokens, 5 of 5 answers,
+    first-step max logit error 0.027 (logits up to 24.7)."""
     if not fp16_kernel_available():
         pytest.skip("torch has no fbgemm backend here (not x86): the GGUF default is its own blocks")
     path = smollm2_gguf()
     start = time.perf_counter()
     loaded = load(path, device="cpu")
     seconds = time.perf_counter() - start
-    assert seconds < 10  # 2.5-3.2 s here on the shared machine; the bound leaves room for its noise
+    assert seconds < 15  # see benchmarks/cold_start.py for the measured load; the bound leaves room for noise
     runner = loaded.runner
     assert runner.dtype == torch.float32 and runner.lean is not None
     layer = runner.model.get_decoder().layers[0]
-    assert isinstance(layer.mlp.up_proj, HalfLinear) and isinstance(runner.model.lm_head, HalfLinear)
-    same_prefix, total, identical, first_step = _agreement(loaded, load(smollm2_folder(), device="cpu"))
-    assert same_prefix >= 0.95 * total and identical >= 4
-    assert first_step < 0.1
+    assert isinstance(layer.mlp.up_proj, SplitLinear) and isinstance(runner.model.lm_head, HalfLinear)
+    reference = load(smollm2_folder(), device="cpu")
+    same_prefix, total, identical, first_step = _agreement(loaded, reference)
+    assert same_prefix >= 0.95 * total and identical >= 4 and first_step < 0.1
+    same_prefix, total, identical = _agreement_one_by_one(loaded, reference)
+    assert same_prefix >= 0.9 * total  # greedy answers fork at near-ties: a share, not every token
 
 
 @pytest.mark.slow
