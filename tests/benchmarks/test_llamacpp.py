@@ -82,3 +82,15 @@ def test_a_tiny_run_measures_both_and_checks_every_output():
     assert all(r["tokens"] > 0 for r in report["free_text"])
     assert all(r["valid"] == 1.0 for r in report["json_call"] + report["concurrent_json"])  # both constrain
     assert set(report["ratios"]) >= {"free_text_tokens_per_s_vs_llamacpp", "json_call_latency_vs_llamacpp"}
+
+
+def test_the_kernel_table_times_every_kernel_for_every_launch_size(capsys):
+    from foveal.engine.models.quant import fp16_kernel_available
+
+    if not fp16_kernel_available():
+        pytest.skip("the fp16 and split kernels need torch's fbgemm (x86)")
+    report = llamacpp.kernels([1, 6], repeats=1, layers=1)
+    assert set(report["ms"]) == set(llamacpp.KERNELS)
+    assert all(set(by_rows) == {1, 6} and min(by_rows.values()) > 0 for by_rows in report["ms"].values())
+    llamacpp.print_kernels(report)
+    assert "split" in capsys.readouterr().out
