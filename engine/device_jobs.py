@@ -109,7 +109,9 @@ def _forward(runner: ModelRunner, step: Step, previous_slot: DecodeSlot, heads: 
 
 
 @torch.inference_mode()  # runners return inference tensors; the sampler masks them in place
-def sample(slot: DecodeSlot, shape: SampleShape, heads: RegionHeads | None = None) -> None:
+def sample(
+    slot: DecodeSlot, shape: SampleShape, heads: RegionHeads | None = None, region_logprobs: bool = False
+) -> None:
     rows, random, masked = shape.num_rows, shape.num_random, shape.num_masked
     slot.upload(SAMPLE_INPUTS, (rows, rows, rows, rows, rows, random, masked, masked))
     dev = slot.dev
@@ -128,7 +130,12 @@ def sample(slot: DecodeSlot, shape: SampleShape, heads: RegionHeads | None = Non
     sampler.sample(slot.logits, batch, slot.sampled, slot.logprobs)
     if shape.num_region:  # region rows: their ids become value ids, on the device (regions.py)
         slot.upload(REGION_INPUTS, (rows, shape.num_region))
-        heads.sample_regions(slot.hidden, dev.kinds[:rows], dev.region_rows[: shape.num_region], slot.sampled)
+        region_rows = dev.region_rows[: shape.num_region]
+        heads.sample_regions(slot.hidden, dev.kinds[:rows], region_rows, slot.sampled)
+        if region_logprobs and shape.top_logprobs >= 0:
+            heads.region_logprobs(
+                slot.hidden, dev.kinds[:rows], region_rows, slot.sampled, slot.logprobs, shape.top_logprobs
+            )
     slot.logits = slot.hidden = None
 
 

@@ -200,6 +200,7 @@ class Pipeline:
         self._row_numbers = np.arange(max_batch + 1)
         # some steps may sample region values (regions.py): the runner's heads, or None
         self.heads: regions.RegionHeads | None = runner if conforms(runner, regions.RegionHeads) else None
+        self.region_logprobs = self.heads is not None and conforms(runner, regions.RegionLogprobs)
         runner.allocate_kv(num_pages, page_size)
 
     def has_work(self) -> bool:
@@ -378,7 +379,7 @@ class Pipeline:
             k = seq.logprobs_k
             if k < 0:
                 out.append(None)
-            elif kinds is not None and kinds[row] != 0:  # a region value: no token distribution
+            elif kinds is not None and kinds[row] != 0 and not self.region_logprobs:  # no distribution recorded
                 out.append(TokenLogprob(tokens[row], math.nan))
             else:
                 top = tuple((i, v) for i, v in zip(top_ids[row][:k], top_values[row][:k], strict=True) if v > -math.inf)
@@ -420,7 +421,8 @@ class Pipeline:
         num_region = regions.stage_kinds(step.rows, host.kinds, host.region_rows) if heads is not None else 0
         top = step.top_logprobs = int(self.lanes.logprobs[lane].max())
         shape = SampleShape(num_rows, len(random_rows), num_masked, filter_rows, num_region, top)
-        self.device.run("sample", lambda: device_jobs.sample(slot, shape, heads))
+        region_logprobs = self.region_logprobs
+        self.device.run("sample", lambda: device_jobs.sample(slot, shape, heads, region_logprobs))
         debug = self.debug and self.device.device.type == "cpu"
         slot.event = self.device.copy_to_host(
             "copy", lambda: device_jobs.copy_to_host(slot, num_rows, debug, top)

@@ -24,6 +24,10 @@ SOLUTION
       last allowed object terminates it). Value ids are never stop ids (they are past the
       vocabulary), and the tokenizer spells them as text (`spells_values`, detokenizer.py).
     Zombies, cancel, blocking mode and streaming need nothing new: a region row is a row.
+    - `RegionLogprobs` (optional, a runner): where a step records logprobs, `region_logprobs(...)`
+      writes the region rows' entries after `sample_regions`: the log-probability of the value
+      sampled and its most likely alternatives, as value ids, from the heads' distributions (what
+      scores of region answers are read from). Without it a region row's logprob is NaN.
 INVARIANTS
     - A row's kind comes from its matcher after the previous step's commit (like its mask).
     - Rows of kind 0 are never touched by `sample_regions`; finalized rows are kind 0.
@@ -60,6 +64,19 @@ class RegionHeads(Protocol):
     ) -> None:
         """Overwrite `sampled[rows]` (device ids) with region-value ids for those rows' `kinds`,
         read from `hidden` (the step's `last_hidden`); no host synchronisation, no other row touched."""
+        ...
+
+
+@runtime_checkable
+class RegionLogprobs(Protocol):
+    """A region runner that records its heads' distributions as logprobs (see the module docstring)."""
+
+    def region_logprobs(
+        self, hidden: torch.Tensor, kinds: torch.Tensor, rows: torch.Tensor, sampled: torch.Tensor, buffers: Any,
+        k: int,
+    ) -> None:
+        """Overwrite the `rows` entries of `buffers` (sampler.LogprobBuffers, which hold the token
+        sampler's record of those rows) with the region values' logprob and top k alternatives."""
         ...
 
 

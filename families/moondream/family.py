@@ -40,6 +40,7 @@ from foveal.families.moondream.config import MoondreamConfig
 from foveal.families.moondream.load import is_moondream, load_folder
 from foveal.families.moondream.processor import Coord, MoondreamPrompt, Size
 from foveal.families.moondream.region import coord_from_bin, size_from_bins, value_of
+from foveal.families.moondream.scores import region_scores
 from foveal.families.task import Task
 
 VALUE = re.compile(r"<(coord|size) (\d+)(?: (\d+))?>")
@@ -285,8 +286,12 @@ class MoondreamFamily(Family):
         prompt = MoondreamPrompt(
             tuple(template["prefix"]), " " + self.plain("object", phrase), tuple(template["suffix"])
         )
-        spec = RegionAnswer(with_size, max_objects, self.config.text.vocab_size, self.ids.eos_id)
-        return Task(skill, prompt, spec, lambda text: parse_regions(text, with_size), keep_special=True)
+        vocab, eos = self.config.text.vocab_size, self.ids.eos_id
+        spec = RegionAnswer(with_size, max_objects, vocab, eos)
+        return Task(
+            skill, prompt, spec, lambda text: parse_regions(text, with_size), keep_special=True,
+            score=lambda decoded: region_scores(decoded, with_size, vocab, eos),  # the heads' distributions
+        )
 
     def generate(self, prompt: str, output_type: Any) -> Task:
         return self._ask("generate", self.plain("prompt", prompt), output_type)

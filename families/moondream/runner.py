@@ -20,8 +20,9 @@ SOLUTION
     greedy, as the reference decodes. On CPU, decode launches replay traced graphs (traced.py),
     which return [logits | hidden].
     Besides `ModelRunner`, the runner implements the engine's `regions.RegionHeads` (`last_hidden`,
-    `sample_regions`) and `runner.Quiesce` (`quiesce`), which the engine resolves once, when it is
-    built.
+    `sample_regions`), `regions.RegionLogprobs` (`region_logprobs`: the heads' distributions, what
+    region answers are scored from, scores.py) and `runner.Quiesce` (`quiesce`), which the engine
+    resolves once, when it is built.
 INVARIANTS
     - No host synchronisation in forward or sample_regions (tilings are host ints from the processor).
     - The vision encoder runs only for images missing from the cache (`images_encoded` counts them).
@@ -139,6 +140,64 @@ class MoondreamRunner:
         value = torch.where(kind == THINK, think, value)
         value = torch.where((kind == GATE) | (kind == COORD) | (kind == SIZE) | (kind == THINK), value, token)
         sampled.index_copy_(0, rows, value)
+
+    @torch.inference_mode()
+    def region_logprobs(
+        self, hidden: torch.Tensor, kinds: torch.Tensor, rows: torch.Tensor, sampled: torch.Tensor, buffers, k: int
+    ) -> None:
+        """The region rows' logprobs as scores.py's CONTRACT states them: a GATE row's eos (the token
+        sampler's log P(eos), read from its record of the row) and coordinates at log((1 - P(eos)) p_x);
+        a COORD row's coordinates; a SIZE row's (w, h) pairs at log p_w + log p_h; a THINK row that
+        became a coordinate: NaN (reasonings are not scored). Alternatives are value ids, best first."""
+        h = hidden.index_select(0, rows).to(self.dtype)
+        kind, value = kinds.index_select(0, rows), sampled.index_select(0, rows)
+        n, vocab, neg = rows.shape[0], self.vocab_size, float("-inf")
+        lp_x = self.region.coord_decoder(h).float().log_softmax(dim=-1)  # [n, bins]
+        lp_wh = self.region.size_decoder(h).float().view(n, 2, -1).log_softmax(dim=-1)  # [n, 2, bins]
+        text_ids, text_lp = buffers.top_ids.index_select(0, rows)[:, :k], buffers.top_values.index_select(0, rows)[:, :k]
+        eos_lp = (
+            torch.where(text_ids == self.eos_id, text_lp, neg).amax(dim=1) if k
+            else torch.full((n,), neg, device=h.device)
+        )
+        eos_lp = torch.where(value == self.eos_id, buffers.chosen.index_select(0, rows), eos_lp)
+        going = torch.log1p(-eos_lp.exp().clamp(max=1.0))  # log(1 - P(eos)); -inf when eos was certain
+        gate = kind == GATE
+        coord_lp = lp_x + torch.where(gate, going, 0.0)[:, None]
+        # the sampled value's logprob
+        bin_ = (value - vocab).clamp(0, region.COORD_BINS - 1)
+        chosen_coord = coord_lp.gather(1, bin_[:, None])[:, 0]
+        pair_index = (value - vocab - region.COORD_BINS).clamp(0, region.SIZE_BINS**2 - 1)
+        w_bin, h_bin = pair_index // region.SIZE_BINS, pair_index % region.SIZE_BINS
+        chosen_size = lp_wh[:, 0].gather(1, w_bin[:, None])[:, 0] + lp_wh[:, 1].gather(1, h_bin[:, None])[:, 0]
+        chosen = torch.where(kind == SIZE, chosen_size, chosen_coord)
+        chosen = torch.where(gate & (value == self.eos_id), eos_lp, chosen)
+        chosen = torch.where((kind == THINK) & (value >= vocab), float("nan"), chosen)
+        think_text = (kind == THINK) & (value < vocab)  # a text token of a reasoning: the sampler's record
+        chosen = torch.where(think_text, buffers.chosen.index_select(0, rows), chosen)
+        buffers.chosen.index_copy_(0, rows, chosen)
+        if not k:
+            return
+        # alternatives: coordinates (a gate's eos first), or the best (w, h) pairs
+        top_c, top_c_bins = coord_lp.topk(k, dim=-1)
+        ids_c = top_c_bins + vocab
+        eos_ids = torch.full((n, 1), self.eos_id, dtype=ids_c.dtype, device=h.device)
+        ids_c = torch.where(gate[:, None], torch.cat([eos_ids, ids_c[:, :-1]], 1), ids_c)
+        top_c = torch.where(gate[:, None], torch.cat([eos_lp[:, None], top_c[:, :-1]], 1), top_c)
+        w_val, w_idx = lp_wh[:, 0].topk(k, dim=-1)
+        h_val, h_idx = lp_wh[:, 1].topk(k, dim=-1)
+        pair_val, pair = (w_val[:, :, None] + h_val[:, None, :]).view(n, -1).topk(k, dim=-1)
+        pair_w, pair_h = w_idx.gather(1, pair // k), h_idx.gather(1, pair % k)
+        ids_s = region.size_id(vocab, pair_w, pair_h)
+        size = (kind == SIZE)[:, None]
+        ids, values = torch.where(size, ids_s, ids_c), torch.where(size, pair_val, top_c)
+        # a gate whose eos ranks below the coordinates: order by value, so the best come first
+        values, order = values.sort(dim=-1, descending=True)
+        ids = ids.gather(1, order)
+        untouched = think_text[:, None]
+        values = torch.where(untouched, text_lp, torch.where((kind == THINK)[:, None], neg, values))
+        ids = torch.where(untouched, text_ids, ids)
+        buffers.top_values[:, :k].index_copy_(0, rows, values)
+        buffers.top_ids[:, :k].index_copy_(0, rows, ids)
 
     # ---- the forward ---------------------------------------------------------------------------
     def _eager(

@@ -33,12 +33,18 @@ def expected(model, md_dir, figures, name):
     }
 
 
+def unscored(items):
+    """The items without their "score" (the reference has none), after checking each has one in [0, 1]."""
+    assert all(0.0 <= item["score"] <= 1.0 for item in items), items
+    return [{k: v for k, v in item.items() if k != "score"} for item in items]
+
+
 def answers(model, image):
     return {
         "caption": model.caption(image, length="normal", settings={"max_tokens": 12})["caption"],
         "answer": model.query(image, QUESTION, settings={"max_tokens": 12})["answer"],
-        "objects": model.detect(image, OBJECT, settings={"max_objects": 3})["objects"],
-        "points": model.point(image, OBJECT, settings={"max_objects": 3})["points"],
+        "objects": unscored(model.detect(image, OBJECT, settings={"max_objects": 3})["objects"]),
+        "points": unscored(model.point(image, OBJECT, settings={"max_objects": 3})["points"]),
     }
 
 
@@ -96,8 +102,33 @@ def test_streaming_and_image_reuse(model, md_dir, md_figures):
     chunks = list(model.query(image, QUESTION, stream=True, settings={"max_tokens": 12})["answer"])
     assert "".join(chunks) == expected(model, md_dir, md_figures, name)["answer"]
     assert (
-        model.detect(image, OBJECT, settings={"max_objects": 3})["objects"]
+        unscored(model.detect(image, OBJECT, settings={"max_objects": 3})["objects"])
         == expected(model, md_dir, md_figures, name)["objects"]
     )
     assert runner.images_encoded == encoded  # the vision encoder did not run again for this image
     assert model.engine.stats()["cached_prompt_tokens"] >= cached + 2 * 720  # nor the image prefix's K/V
+
+
+def test_region_steps_record_the_heads_distributions(model, md_dir, md_figures):
+    """Each value of a detect answer carries its head's logprob and alternatives (regions.RegionLogprobs):
+    the sampled value among them at its own logprob, best first, a distribution's worth of mass at most;
+    the answer is the one recorded without logprobs."""
+    from foveal.engine.request import SamplingParams
+
+    name = "multicrop_900x500"
+    image = md_dir / md_figures["images"][name]["image"]["file"]
+    task, settings, explicit = model._detect_task(OBJECT, {"max_objects": 3})
+    job = model._prepare(task, [image], settings, explicit)
+    assert job.request.sampling.logprobs == 20
+    out = model.engine.submit(job.request).result()
+    plain = model.engine.submit(
+        type(job.request)(job.request.prompt_ids, SamplingParams(max_tokens=job.request.sampling.max_tokens),
+                          task.rules() if task.rules else model.family.compile(task.spec).matcher(),
+                          job.request.prefill)
+    ).result()
+    assert out.token_ids == plain.token_ids and len(out.logprobs) == len(out.token_ids)
+    for entry in out.logprobs:
+        values = [lp for _, lp in entry.top]
+        assert values == sorted(values, reverse=True) and 19 <= len(values) <= 20  # a gate: eos may be -inf
+        assert sum(__import__("math").exp(v) for v in values) <= 1 + 1e-5
+        assert dict(entry.top).get(entry.token_id, entry.logprob) == pytest.approx(entry.logprob, abs=1e-5)
