@@ -3,7 +3,8 @@
 Results use Moondream's convention: coordinates normalized to [0, 1], origin at the top-left corner,
 `{"objects": [{"x_min", "y_min", "x_max", "y_max"}]}` and `{"points": [{"x", "y"}]}`. A result is
 validated whole before anything is drawn, so a bad result raises a ValueError naming the bad item
-and the caller's image is never touched (drawing happens on the copy `load_image` returns).
+and the caller's image is never touched (drawing happens on the copy `load_image` returns). An item's
+`"score"` (detect / point results carry one), where present, is written beside it to two decimals.
 """
 
 from __future__ import annotations
@@ -30,19 +31,39 @@ def draw(image: Any, result: Mapping[str, Any]) -> Image.Image:
     or both, in normalized coordinates. Raises ValueError for any other result.
     """
     boxes, points = parse_result(result)
+    box_scores, point_scores = _scores(result, "objects"), _scores(result, "points")
     canvas = load_image(image)
     pen = ImageDraw.Draw(canvas)
     width, height = canvas.size
     line = max(2, round(min(width, height) / 150))
     for index, (x_min, y_min, x_max, y_max) in enumerate(boxes):
         corners = (_px(x_min, width), _px(y_min, height), _px(x_max, width), _px(y_max, height))
-        pen.rectangle(corners, outline=PALETTE[index % len(PALETTE)], width=line)
+        colour = PALETTE[index % len(PALETTE)]
+        pen.rectangle(corners, outline=colour, width=line)
+        _label(pen, box_scores[index], corners[0] + line, corners[1] + line, colour)
     radius = max(3, round(min(width, height) / 80))
-    for x, y in points:
+    for index, (x, y) in enumerate(points):
         cx, cy = _px(x, width), _px(y, height)
         bounds = (cx - radius, cy - radius, cx + radius, cy + radius)
         pen.ellipse(bounds, fill=PALETTE[0], outline=(255, 255, 255), width=max(1, radius // 3))
+        _label(pen, point_scores[index], cx + radius + 1, cy - radius, PALETTE[0])
     return canvas
+
+
+def _scores(result: Mapping[str, Any], key: str) -> list[float | None]:
+    """Each item's score (None where it has none), checked to be a number in [0, 1]."""
+    out: list[float | None] = []
+    for i, item in enumerate(result.get(key, [])):
+        score = item.get("score")
+        if score is not None and not (isinstance(score, Real) and not isinstance(score, bool) and 0 <= score <= 1):
+            raise ValueError(f"{key}[{i}]['score'] = {score!r}; a score is a number in [0, 1]")
+        out.append(None if score is None else float(score))
+    return out
+
+
+def _label(pen: ImageDraw.ImageDraw, score: float | None, x: int, y: int, colour: tuple[int, int, int]) -> None:
+    if score is not None:
+        pen.text((x, y), f"{score:.2f}", fill=colour, stroke_width=1, stroke_fill=(0, 0, 0))
 
 
 def parse_result(result: Any) -> tuple[list[tuple[float, ...]], list[tuple[float, ...]]]:

@@ -139,3 +139,15 @@ def test_bad_results_are_refused(blank, result, message):
 def test_bad_image_is_refused_with_image_error():
     with pytest.raises(foveal.vision.ImageError):
         draw(b"not an image", {"points": []})
+
+
+def test_a_score_is_written_inside_its_box_and_beside_its_point(blank):
+    box = {"x_min": 0.25, "y_min": 0.2, "x_max": 0.75, "y_max": 0.8}
+    plain, scored = draw(blank, {"objects": [box]}), draw(blank, {"objects": [{**box, "score": 0.87}]})
+    diff = np.argwhere(np.any(np.asarray(plain) != np.asarray(scored), axis=-1))
+    assert len(diff) and diff[:, 1].min() >= 50 and diff[:, 0].min() >= 20  # rows, cols inside the box
+    assert diff[:, 1].max() < 150 and diff[:, 0].max() < 80
+    point = {"x": 0.5, "y": 0.5}
+    assert draw(blank, {"points": [point]}).tobytes() != draw(blank, {"points": [{**point, "score": 0.5}]}).tobytes()
+    with pytest.raises(ValueError, match=r"objects\[0\]\['score'\] = 1.5"):
+        draw(blank, {"objects": [{**box, "score": 1.5}]})
