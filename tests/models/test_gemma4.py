@@ -43,12 +43,7 @@ def expected(folder):
 def _worst(family, expected, runner=None, steps=MAX_NEW):
     """(max |logit difference|, tokens equal) of foveal's runner vs transformers over `steps` steps."""
     ours = parity.greedy(runner or family.runner, tiny_gemma4.prompts(family), steps, family.eos_token_ids)
-    worst, equal = 0.0, True
-    for seq, (tokens, logits) in enumerate(expected):
-        equal &= tokens[:steps] == ours.tokens[seq]
-        for a, b in zip(ours.logits[seq], logits, strict=False):
-            worst = max(worst, float((a - b).abs().max()))
-    return worst, equal, ours
+    return (*parity.against(ours, expected, steps), ours)
 
 
 def test_runner_matches_transformers(folder, expected):

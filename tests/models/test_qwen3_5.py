@@ -40,12 +40,7 @@ def expected(folder):
 
 def _worst(family, expected, steps=MAX_NEW):
     ours = parity.greedy(family.runner, tiny_qwen3_5.prompts(family), steps, family.eos_token_ids)
-    worst, equal = 0.0, True
-    for seq, (tokens, logits) in enumerate(expected):
-        equal &= tokens[:steps] == ours.tokens[seq]
-        for a, b in zip(ours.logits[seq], logits, strict=False):
-            worst = max(worst, float((a - b).abs().max()))
-    return worst, equal
+    return parity.against(ours, expected, steps)
 
 
 def test_runner_matches_transformers(folder, expected):
