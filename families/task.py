@@ -69,6 +69,16 @@ class Decoded:
     tokenizer: Any
     eos_token_ids: frozenset[int] = field(default_factory=frozenset)
 
+    def pieces(self) -> tuple[list[bytes], list[int], bytes]:
+        """Each token's bytes (b"" for a special token), the byte offset where each starts (and the
+        end), and the answer's whole text as bytes: what scorers locate coordinates in."""
+        texts = self.tokenizer.token_bytes()
+        pieces = [texts[t] if t < len(texts) else b"" for t in self.token_ids]
+        starts = [0]
+        for piece in pieces:
+            starts.append(starts[-1] + len(piece))
+        return pieces, starts, b"".join(pieces)
+
 
 Scorer = Callable[[Decoded], list[float]]
 
@@ -137,12 +147,8 @@ def spatial_scores(spec: spatial.SpatialSpec, decoded: Decoded) -> list[float]:
             f"{len(decoded.token_ids)} tokens but {len(decoded.logprobs)} logprobs: ask the engine for them "
             f"(SamplingParams(logprobs={SCORE_ALTERNATIVES}))"
         )
+    pieces, starts, text = decoded.pieces()
     texts = decoded.tokenizer.token_bytes()
-    pieces = [texts[t] if t < len(texts) else b"" for t in decoded.token_ids]
-    starts = [0]
-    for piece in pieces:
-        starts.append(starts[-1] + len(piece))
-    text = b"".join(pieces)
     reader = _loc_coordinates if spec.encoding == "loc" else _text_coordinates
     coordinates = reader(spec, decoded, pieces, starts, text)
     per_item = COORDINATES[spec.kind]

@@ -102,12 +102,8 @@ class MolmoPointsSpec(SpatialSpec):
 
 def point_scores(decoded: Decoded) -> list[float]:
     """A score per point of a Molmo 2 answer, in order (module docstring)."""
+    pieces, starts, text = decoded.pieces()
     texts = decoded.tokenizer.token_bytes()
-    pieces = [texts[t] if t < len(texts) else b"" for t in decoded.token_ids]
-    starts = [0]
-    for piece in pieces:
-        starts.append(starts[-1] + len(piece))
-    text = b"".join(pieces)
     scores = []
     for match in re.finditer(rb" \d+ (\d{3,4}) (\d{3,4})", text):
         score = 1.0
