@@ -28,21 +28,21 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-# Tokens one verify row guesses at most. A verify row's positions are rows of a decode launch, and
-# a decode launch costs about its rows' count in weight reads beyond a few rows, so guesses past a
-# handful cost more than the rare long acceptance pays back.
-MAX_DRAFT = 5
-# A step with drafts is launched with at most this many rows (logit rows, drafts included): the
-# traced decode graph's row bucket of 6 costs much less than the next buckets, 8 and 12.
-MAX_LAUNCH_ROWS = 6
+# Tokens one verify row guesses at most (MAX_LAUNCH_ROWS caps it further in steps of several rows).
+# A verify row's positions are rows of a decode launch, whose cost grows with its rows beyond a
+# few, so long guesses cost more than the rare long acceptance pays back.
+MAX_DRAFT = 3
+# A step with drafts is launched with at most this many rows (logit rows, drafts included), so a
+# step of as many rows carries none. A forward over many rows reads the weights once for all of
+# them already, so extra positions cost compute there rather than ride along; few rows keep the
+# kernels a batch-1 decode runs (quantized runners switch kernels with the row count, and a
+# position's logits should not depend on whether it was guessed).
+MAX_LAUNCH_ROWS = 4
 # The shortest match that may propose: two tokens match by chance too often in free text.
 MIN_MATCH = 3
 MAX_CANDIDATES = 8  # latest occurrences of the last bigram that are extended per proposal
 MAX_MATCH_SCAN = 32  # a match longer than this is as good as any longer one
 MAX_BACKOFF = 32  # launches without drafts after repeated rejections, at most
-# A step with more decode rows than this carries no drafts: its forward reads the weights once
-# for many rows already, so extra query tokens cost compute rather than ride along for free.
-MAX_DRAFT_ROWS = 4
 
 
 class PromptLookup:

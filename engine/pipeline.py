@@ -68,7 +68,7 @@ SPECULATIVE DECODING (`speculative="ngram"`; drafts.py)
     of one token each over its pages, which a runner declares it can run (runner.SharedPages;
     speculation is refused without it), so a verify step is a decode launch (traced graphs on CPU).
     Drafts: prompt lookup over the committed context (prompt + output, drafts.py), only in steps
-    with at most `drafts.MAX_DRAFT_ROWS` decode rows, for rows whose matcher can roll back (or that
+    of fewer than `drafts.MAX_LAUNCH_ROWS` rows, for rows whose matcher can roll back (or that
     have none) and has no region steps, never for prefill chunks or a jump row of k >= 2 (a forced
     run is its own multi-token query). k is capped so that the last position samples below
     max_tokens (its K/V position is then among the pages reserved at admission), and so that the
@@ -257,10 +257,10 @@ class Pipeline:
         rows the drafts of their prompt lookup, cut where the grammar refuses one, within the step's
         room for logit rows and query tokens."""
         rows = step.rows
-        decoding = [row for row, seq in enumerate(rows) if seq.num_scheduled > 0 and seq.num_prefilled == seq.prompt_len]
-        if not decoding or len(decoding) > drafts.MAX_DRAFT_ROWS:
-            return
         room = min(self.max_batch, drafts.MAX_LAUNCH_ROWS) - len(rows)  # logit rows beyond one a row
+        decoding = [row for row, seq in enumerate(rows) if seq.num_scheduled > 0 and seq.num_prefilled == seq.prompt_len]
+        if not decoding or room < 1:
+            return
         tokens = self.scheduler.max_step_tokens - sum(
             seq.chunk if seq.num_scheduled == 0 else len(seq.jump or (0,)) for seq in rows
         )

