@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -43,3 +44,29 @@ def model():
     loaded = foveal.load(device="cpu")
     yield loaded
     loaded.close()
+
+
+def _unscored(line: str) -> tuple[dict, list[float]]:
+    """A result line without its items' scores, and those scores in order."""
+    record = json.loads(line)
+    scores = []
+    for key in ("objects", "points"):
+        for item in (record.get("result") or {}).get(key, []):
+            scores.append(item.pop("score"))
+    return record, scores
+
+
+@pytest.fixture(scope="session")
+def same_lines():
+    """`same_lines(got, expected)`: result lines equal, scores within 1e-3. A score is read from logits
+    whose last bits depend on the batch a call shared (batched matrix products), so a score at a
+    rounding boundary of its 4 decimals can differ between two runs whose tokens are identical."""
+
+    def check(got: list[str], expected: list[str]) -> None:
+        assert len(got) == len(expected)
+        for index, (a, b) in enumerate(zip(got, expected, strict=True)):
+            (ra, sa), (rb, sb) = _unscored(a), _unscored(b)
+            assert ra == rb, f"line {index}: {a} != {b}"
+            assert sa == pytest.approx(sb, abs=1e-3), f"line {index}: scores {sa} != {sb}"
+
+    return check
