@@ -15,7 +15,9 @@ pair alternating, so that the machine's load falls on both alike; every workload
 both before timing (decode graphs traced, the same warm-up for both) with other documents and
 asks than the timed ones, so no timed prompt finds its own pages in the prefix cache. Each row:
 seconds without and with drafts (summed over calls and rounds), the speedup, whether every output
-has the same token ids in both, and the drafts launched / accepted. The load average before and
+has the same token ids in both (and how many calls do), the drafts launched / accepted, and what
+the machine's load moves less than wall time: the engine steps (forwards) and the device's busy
+seconds of each. The load average before and
 after is part of the report: on a shared machine the figures move with it.
 """
 
@@ -163,7 +165,8 @@ def run_calls(models: dict[str, foveal.Model], workload: Workload, rounds: int) 
                 outs = models[name].engine.generate(calls[name][index], timeout=1800)
                 seconds[name] += time.perf_counter() - started
                 outputs[name].append([o.token_ids for o in outs])
-    drafts = models["ngram"].engine.stats()["speculative"]
+    stats = {name: model.engine.stats() for name, model in models.items()}
+    drafts = stats["ngram"]["speculative"]
     tokens = sum(len(ids) for call in outputs["off"] for ids in call)
     return {
         "workload": workload.name,
@@ -172,6 +175,11 @@ def run_calls(models: dict[str, foveal.Model], workload: Workload, rounds: int) 
         "off_s": seconds["off"],
         "ngram_s": seconds["ngram"],
         "speedup": seconds["off"] / seconds["ngram"],
+        # what the load of the machine moves less: forwards launched, and the device's busy time
+        "off_steps": stats["off"]["steps"],
+        "ngram_steps": stats["ngram"]["steps"],
+        "off_device_s": stats["off"]["device_busy_s"],
+        "ngram_device_s": stats["ngram"]["device_busy_s"],
         "identical": outputs["off"] == outputs["ngram"],
         "identical_calls": sum(a == b for a, b in zip(outputs["off"], outputs["ngram"], strict=True)),
         "drafted": drafts["drafted"],
@@ -210,12 +218,13 @@ def print_table(report: dict[str, Any]) -> None:
     print(f"speculative='ngram' vs None, {report['model']}, greedy, CPU, {report['threads']} threads")
     print(f"load average before {report['load_average_before']}, after {report['load_average_after']}")
     print(f"{'workload':<8} {'calls':>5} {'tokens':>6} {'off s':>8} {'ngram s':>8} {'speedup':>7} "
-          f"{'identical':>9} {'drafted':>7} {'accepted':>8}")
+          f"{'identical':>9} {'drafted':>7} {'accepted':>8} {'steps off/ngram':>15} {'device s off/ngram':>18}")
     # identical: every call's token ids equal with and without drafts (in brackets: calls that are)
     for r in report["rows"]:
         same = f"{r['identical']} ({r['identical_calls']})"
         print(f"{r['workload']:<8} {r['calls']:>5} {r['tokens']:>6} {r['off_s']:>8.2f} {r['ngram_s']:>8.2f} "
-              f"{r['speedup']:>6.2f}x {same:>9} {r['drafted']:>7} {r['accepted']:>8}")
+              f"{r['speedup']:>6.2f}x {same:>9} {r['drafted']:>7} {r['accepted']:>8} "
+              f"{r['off_steps']:>7}/{r['ngram_steps']:<7} {r['off_device_s']:>9.2f}/{r['ngram_device_s']:<8.2f}")
 
 
 def main() -> None:
