@@ -182,8 +182,9 @@ def load(
     is int8 in both), computed with bf16 activations unless `dtype` says otherwise; "fp16" keeps
     those layers and the head as fp16 for fbgemm's GEMM (x86 builds of torch) with float32
     activations: half the fp32 bytes, the fp32 answers (engine/models/quant.py has the figures).
-    A llama `.gguf` file on CPU is always read straight from the file: None means "fp16" where
-    fbgemm exists, else its own blocks (Q4_0/Q4_1 as int4, Q8_0 as int8); "int4" keeps its Q4
+    A llama `.gguf` file on CPU is always read straight from the file: None means, where fbgemm
+    exists, its Q4 blocks as int4 for launches of up to 4 rows and fp16 above (docs/quantization.md),
+    else its own blocks (Q4_0/Q4_1 as int4, Q8_0 as int8); "int4" keeps its Q4
     blocks as int4 and makes its other layers int4; "int8" makes every layer per-row int8.
     `pixel_budget`: decoded image pixels the model's calls hold at once, all threads together
     (`foveal.vision.PixelBudget`; about 4-8 bytes a pixel): a call beyond it waits, and raises
