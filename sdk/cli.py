@@ -229,7 +229,7 @@ def run_text(model: foveal.Model, args: argparse.Namespace) -> int:
             "caption",
         )
     else:
-        call, key = (lambda stream: model.query(args.image, args.question, stream, _settings(args))), "answer"
+        call, key = (lambda stream: model.query(args.image, args.question, stream=stream, settings=_settings(args))), "answer"
     if args.json:
         _print_json(call(False))
         return 0

@@ -222,7 +222,7 @@ def test_hub_id_not_cached_is_downloaded_without_pickles(checkpoints, tmp_path, 
 
     calls = []
 
-    def fake_snapshot_download(repo_id, cache_dir=None, local_files_only=False, allow_patterns=None):
+    def fake_snapshot_download(repo_id, cache_dir=None, local_files_only=False, allow_patterns=None, revision=None):
         calls.append((repo_id, local_files_only, allow_patterns))
         if local_files_only:
             raise LocalEntryNotFoundError("not cached")

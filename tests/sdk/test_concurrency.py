@@ -28,9 +28,22 @@ def calls(images):
             out.append(("point", (image, "square", {**settings, "max_objects": 3, "max_tokens": 40})))
         elif kind == 2:
             out.append(("caption", (image, "short", False, {**settings, "max_tokens": 12})))
-        else:
-            out.append(("query", (image, "how many?", False, {**settings, "max_tokens": 12})))
+        else:  # query's third positional is `reasoning` (the reference's order), aquery's `stream`
+            out.append(("query", (image, "how many?", Settings({**settings, "max_tokens": 12}))))
     return out
+
+
+class Settings(dict):
+    """A call's settings passed by keyword (query and aquery order their other arguments differently)."""
+
+
+def _positional(args: tuple) -> tuple:
+    return tuple(a for a in args if not isinstance(a, Settings))
+
+
+def _keywords(args: tuple) -> dict:
+    found = [dict(a) for a in args if isinstance(a, Settings)]
+    return {"settings": found[0]} if found else {}
 
 
 def _run(model, call):
@@ -38,7 +51,7 @@ def _run(model, call):
     must repeat exactly too. A grammar violation is never an acceptable failure."""
     skill, args = call
     try:
-        return dict(getattr(model, skill)(*args))
+        return dict(getattr(model, skill)(*_positional(args), **_keywords(args)))
     except foveal.GenerationError as error:
         assert "refused token" not in str(error), error  # the mask must make violations impossible
         return f"GenerationError: {error}"
@@ -148,7 +161,7 @@ def test_async_calls_give_the_sequential_answers(shapes_model, images):
     sequential = [_run(shapes_model, c) for c in work]
 
     async def main():
-        coros = [getattr(shapes_model, "a" + skill)(*args) for skill, args in work]
+        coros = [getattr(shapes_model, "a" + skill)(*_positional(args), **_keywords(args)) for skill, args in work]
         out = await asyncio.gather(*coros, return_exceptions=True)
         return [f"GenerationError: {r}" if isinstance(r, foveal.GenerationError) else dict(r) for r in out]
 
