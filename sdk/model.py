@@ -217,6 +217,14 @@ def load(
     return Model(family, config, pixels)
 
 
+def _check_flag(name: str, value: Any, where: str) -> None:
+    """A flag passed positionally where a settings dict was meant is refused, saying where it went."""
+    if not isinstance(value, bool):
+        raise TypeError(
+            f"{name} must be True or False, got {value!r}: {name} is {where}; pass settings=... by keyword"
+        )
+
+
 def _check_load_args(
     pipelined: Any, max_batch_size: Any, max_model_len: Any, kv_cache_bytes: Any, max_step_tokens: Any = None
 ) -> None:
@@ -341,6 +349,8 @@ class Model:
         `spatial_refs`: points [x, y] and boxes [x1, y1, x2, y2] (normalized) the question refers to,
         on models that take them (`capabilities.spatial_refs`).
         """
+        _check_flag("reasoning", reasoning, "query's third argument (the reference's order)")
+        _check_flag("stream", stream, "query's fifth argument")
         if reasoning:
             return self._reason(image, question, spatial_refs, stream, settings)
         return self._dispatch(*self._query_task(question, settings, spatial_refs), image, stream)

@@ -595,3 +595,11 @@ def test_the_prefix_cache_is_on_by_default_and_answers_the_same(llama_folder):
             cached = model.engine.stats()["cached_prompt_tokens"]
         assert (cached > 0) is cache
     assert answers[True] == answers[False]
+
+
+def test_query_follows_the_references_argument_order_and_says_so(shapes_model, image):
+    """query(image, question, reasoning, spatial_refs, stream, settings): settings passed third, as
+    foveal's old order had it, is refused naming the argument it landed in."""
+    with pytest.raises(TypeError, match=r"reasoning must be True or False, got \{'max_tokens': 5\}.*settings=\.\.\. by keyword"):
+        shapes_model.query(image, "how many?", {"max_tokens": 5})
+    assert isinstance(shapes_model.query(image, "how many?", False, None, False, {"max_tokens": 3})["answer"], str)
