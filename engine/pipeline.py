@@ -89,7 +89,9 @@ SPECULATIVE DECODING (`speculative="ngram"`; drafts.py)
     whose context equals decoding's (every draft before it accepted) samples what decoding would:
     greedy and seeded outputs are token-identical to decoding without drafts, in both modes, and
     for any distribution this is the rejection sampling of a one-hot proposal (accept d with
-    probability p(d); otherwise a sample of p without d). Accepted tokens are appended and their
+    probability p(d); otherwise a sample of p without d). That is exact arithmetic: a runner whose
+    rounding depends on a launch's row count (a bf16 kernel) can tip a near-tie at a position
+    computed in a verify launch, as it can for a call batched with other calls. Accepted tokens are appended and their
     text done one by one (a stop inside the run ends the output where decoding would have).
     The launch after a verify step (t+2) cannot know how many drafts commit t+1 accepts: the row
     sits t+2 out (`Sequence.verifying`; its num_scheduled counts every draft until the commit sets
