@@ -171,10 +171,12 @@ def load(
     that text with other tokens, the answer's ids, and then possibly what follows, can differ
     (SmolLM2, greedy: none of 80 answers did; benchmarks/jump_forward.py).
     `speculative`: None (off) or "ngram": each call's next tokens are guessed from its own prompt
-    and output (prompt lookup, cut where the grammar forbids one) and checked in one forward;
-    answers are token-identical to decoding without it, faster where answers copy from the prompt
-    (docs/speculative.md has the figures). Families whose runner cannot return logits at several
-    positions (Moondream) refuse it.
+    and output (prompt lookup, cut where the grammar forbids one) and checked in the next launch;
+    answers are the ones decoding without it gives (exactly with fp32 weights; a kernel whose
+    rounding depends on the launch's rows, a quantized GGUF's int4, can tip a near-tie, as sharing a
+    batch can), in fewer steps where answers copy from the prompt (docs/speculative.md has the
+    figures: no wall-clock gain measured on this CPU yet, so it is off by default). Runners whose
+    rows cannot share a sequence's pages in one launch (Moondream, Qwen-VL, Qwen3.5) refuse it.
     `image_options`: the image processor's resolution bounds where the family has them (families
     of dynamic resolution: {"min_pixels": .., "max_pixels": ..}, pixels of the resized image).
     `quantize`: None (the checkpoint's own weights), "int8", "int4" or "fp16" (CPU only): "int8" /
