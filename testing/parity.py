@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import math
 import random
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -168,6 +168,40 @@ def against(
                 raise AssertionError(f"prompt {seq}: logits past the reference's {b.shape[0]} columns are not -inf")
             worst = max(worst, float((a[: b.shape[0]] - b).abs().max()))
     return worst, equal
+
+
+@dataclass(slots=True)
+class EngineRounds:
+    """Token ids of three engine rounds over the same prompts (see `engine_rounds`), and its cache state."""
+
+    first: list[list[int]]
+    again: list[list[int]]
+    prefix_hit_rate: float
+    free_pages: int
+
+
+def engine_rounds(runner: Any, tokenizer: Any, prompts: list[PromptInputs], config: Any, max_new: int) -> EngineRounds:
+    """Greedy `max_new` tokens of each prompt through an Engine: once as given, then twice with each
+    image keyed (`image_key` "k<i>"), so the last round reads the prefix cache's pages and the image
+    cache. `free_pages` is counted once the engine is idle."""
+    from foveal.engine import Engine, Request, SamplingParams
+
+    def keyed(prefill: PrefillInputs | None, key: str) -> PrefillInputs | None:
+        return None if prefill is None else replace(prefill, image_key=key)
+
+    with Engine(runner, tokenizer, config) as engine:
+        plain = [Request(p.token_ids, SamplingParams(max_tokens=max_new), prefill=p.prefill) for p in prompts]
+        first = engine.generate(plain, timeout=60)
+        again = [
+            Request(p.token_ids, SamplingParams(max_tokens=max_new), prefill=keyed(p.prefill, f"k{i}"))
+            for i, p in enumerate(prompts)
+        ]
+        engine.generate(again, timeout=60)
+        last = engine.generate(again, timeout=60)
+        hit_rate = engine.stats()["prefix_hit_rate"]
+        engine.wait_idle(10)
+        free = engine.free_pages()
+    return EngineRounds([o.token_ids for o in first], [o.token_ids for o in last], hit_rate, free)
 
 
 def reference_model(folder: Path) -> Any:

@@ -8,7 +8,6 @@ within 1e-4 (fp32), through the runner and through the engine (pipelined and blo
 prefix and image caches). Each special part, switched off in foveal's model only, must break that.
 """
 
-import dataclasses
 import json
 import shutil
 
@@ -17,7 +16,7 @@ import safetensors.torch
 import torch
 
 import foveal
-from foveal.engine import Engine, EngineConfig, Request, SamplingParams
+from foveal.engine import EngineConfig
 from foveal.engine.models import ModelLoadError
 from foveal.engine.models.attention import PagedContext
 from foveal.families import load
@@ -108,24 +107,11 @@ def test_engine_matches_transformers(pipelined, folder, expected):
     config = EngineConfig(
         pipelined=pipelined, page_size=4, num_pages=256, max_model_len=256, eos_token_ids=family.eos_token_ids
     )
-    with Engine(family.runner, family.tokenizer, config) as engine:
-        requests = [Request(p.token_ids, SamplingParams(max_tokens=MAX_NEW), prefill=p.prefill) for p in prompts]
-        first = engine.generate(requests, timeout=60)
-        keyed = [
-            Request(p.token_ids, SamplingParams(max_tokens=MAX_NEW), prefill=_with_key(p.prefill, f"k{i}"))
-            for i, p in enumerate(prompts)
-        ]
-        engine.generate(keyed, timeout=60)
-        again = engine.generate(keyed, timeout=60)
-        cached = engine.stats()["prefix_hit_rate"]
-    assert [o.token_ids for o in first] == expected
-    assert [o.token_ids for o in again] == expected  # from the prefix cache's pages and the image cache
+    rounds = parity.engine_rounds(family.runner, family.tokenizer, prompts, config, MAX_NEW)
+    assert rounds.first == expected
+    assert rounds.again == expected  # from the prefix cache's pages and the image cache
     assert family.runner.image_cache.stats.misses == 2  # each keyed prompt's images encoded once
-    assert cached > 0
-
-
-def _with_key(prefill, key):
-    return None if prefill is None else dataclasses.replace(prefill, image_key=key)
+    assert rounds.prefix_hit_rate > 0
 
 
 def test_prompts_are_the_templates(folder):

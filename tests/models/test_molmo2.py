@@ -9,7 +9,6 @@ image caches). Switching the bidirectional image block off in foveal's model mus
 the pointing grammar, the skills and the folders refused at load.
 """
 
-import dataclasses
 import json
 import shutil
 
@@ -18,7 +17,7 @@ import safetensors.torch
 
 import foveal
 from foveal import grammars
-from foveal.engine import Engine, EngineConfig, Request, SamplingParams
+from foveal.engine import EngineConfig
 from foveal.engine.models import ModelLoadError
 from foveal.families import load
 from foveal.families.base import UnsupportedSkill
@@ -77,24 +76,12 @@ def test_engine_matches_transformers(pipelined, folder, expected):
     config = EngineConfig(
         pipelined=pipelined, page_size=4, num_pages=256, max_model_len=256, eos_token_ids=family.eos_token_ids
     )
-    with Engine(family.runner, family.tokenizer, config) as engine:
-        requests = [Request(p.token_ids, SamplingParams(max_tokens=MAX_NEW), prefill=p.prefill) for p in prompts]
-        first = engine.generate(requests, timeout=60)
-        keyed = [
-            Request(p.token_ids, SamplingParams(max_tokens=MAX_NEW), prefill=_with_key(p.prefill, f"k{i}"))
-            for i, p in enumerate(prompts)
-        ]
-        engine.generate(keyed, timeout=60)
-        again = engine.generate(keyed, timeout=60)
-        cached = engine.stats()["prefix_hit_rate"]
-    assert [o.token_ids for o in first] == expected
-    assert [o.token_ids for o in again] == expected  # from the prefix cache's pages and the image cache
+    rounds = parity.engine_rounds(family.runner, family.tokenizer, prompts, config, MAX_NEW)
+    cached = rounds.prefix_hit_rate
+    assert rounds.first == expected
+    assert rounds.again == expected  # from the prefix cache's pages and the image cache
     assert family.runner.image_cache.stats.misses == 2
     assert cached > 0
-
-
-def _with_key(prefill, key):
-    return None if prefill is None else dataclasses.replace(prefill, image_key=key)
 
 
 def test_pages_are_shared_only_up_to_the_same_last_image(folder):

@@ -81,26 +81,11 @@ def test_engine_matches_transformers(pipelined, folder, expected):
         prefill_chunk=6,  # the text prompt is prefilled in chunks, across page boundaries
         eos_token_ids=family.eos_token_ids,
     )
-    with Engine(family.runner, family.tokenizer, config) as engine:
-        requests = [Request(p.token_ids, SamplingParams(max_tokens=MAX_NEW), prefill=p.prefill) for p in prompts]
-        first = engine.generate(requests, timeout=60)
-        keyed = [
-            Request(p.token_ids, SamplingParams(max_tokens=MAX_NEW), prefill=_with_key(p.prefill, f"k{i}"))
-            for i, p in enumerate(prompts)
-        ]
-        engine.generate(keyed, timeout=60)
-        again = engine.generate(keyed, timeout=60)
-        cached = engine.stats()["prefix_hit_rate"]
-        engine.wait_idle(10)
-        free = engine.free_pages()
-    assert [o.token_ids for o in first] == expected
-    assert [o.token_ids for o in again] == expected  # from the prefix cache's pages and their state snapshots
-    assert cached > 0
-    assert free == config.num_pages  # every page (and with it its state row) came back
-
-
-def _with_key(prefill, key):
-    return None if prefill is None else dataclasses.replace(prefill, image_key=key)
+    rounds = parity.engine_rounds(family.runner, family.tokenizer, prompts, config, MAX_NEW)
+    assert rounds.first == expected
+    assert rounds.again == expected  # from the prefix cache's pages and their state snapshots
+    assert rounds.prefix_hit_rate > 0
+    assert rounds.free_pages == config.num_pages  # every page (and with it its state row) came back
 
 
 def test_jump_forward_and_blocking_give_the_same_grounding(folder):

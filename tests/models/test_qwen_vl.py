@@ -14,7 +14,7 @@ import shutil
 import pytest
 import torch
 
-from foveal.engine import Engine, EngineConfig, Request, SamplingParams
+from foveal.engine import EngineConfig
 from foveal.engine.models import ModelLoadError
 from foveal.families import load
 from foveal.families.qwen_vl.model import PLACEHOLDER, POSITIONS
@@ -75,21 +75,11 @@ def test_engine_matches_transformers(family, pipelined, qwen):
     config = EngineConfig(
         pipelined=pipelined, page_size=4, num_pages=256, max_model_len=256, eos_token_ids=loaded.eos_token_ids
     )
-    with Engine(loaded.runner, loaded.tokenizer, config) as engine:
-        requests = [
-            Request(p.token_ids, SamplingParams(max_tokens=MAX_NEW), prefill=p.prefill) for p in prompts
-        ]
-        first = engine.generate(requests, timeout=60)
-        # again, with the same text prompt (prefix cache) and the images' features cached by key
-        keyed = [
-            Request(p.token_ids, SamplingParams(max_tokens=MAX_NEW), prefill=_with_key(p.prefill, f"k{i}"))
-            for i, p in enumerate(prompts)
-        ]
-        engine.generate(keyed, timeout=60)
-        again = engine.generate(keyed, timeout=60)
-        cached = engine.stats()["prefix_hit_rate"]
-    assert [o.token_ids for o in first] == expected
-    assert [o.token_ids for o in again] == expected
+    # then again, with the same text prompt (prefix cache) and the images' features cached by key
+    rounds = parity.engine_rounds(loaded.runner, loaded.tokenizer, prompts, config, MAX_NEW)
+    cached = rounds.prefix_hit_rate
+    assert rounds.first == expected
+    assert rounds.again == expected
     # each keyed image is encoded once: the last round reads the image cache or the prefix cache's image pages
     assert loaded.runner.image_cache.stats.misses == 4
     assert cached > 0  # the text-only prompt came from the prefix cache: its decode positions read those rows
