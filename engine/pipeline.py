@@ -6,7 +6,7 @@ PROBLEM
     unconstrained decoding does. The machinery must also be testable one step at a time, without
     threads or timing.
 SOLUTION
-    `tick()` (DESIGN.md "The engine"):
+    `tick()` (docs/architecture.md, "The engine"):
       1. launch step t+1 into the free DecodeSlot; its decode rows' input ids are gathered on the
          device from where step t's sampler wrote them;
       2. commit step t: wait for its host copy, read it, free its slot, append tokens, advance
@@ -31,7 +31,7 @@ MASKS
     whose matcher fills its own mask (`matcher.OwnMask`) come after the others in the step's mask
     buffers and are filled by their own `fill_mask`, so the batched call only ever sees matchers
     it understands.
-JUMP-FORWARD (DESIGN.md "Less work per answer")
+JUMP-FORWARD (docs/architecture.md, "The engine")
     Where the grammar forces the next tokens F = f0..f(k-1) (JSON keys and punctuation, say),
     decoding them one step each wastes k - 1 forwards. Finalize t+1 asks each live constrained
     row's matcher that offers it (`matcher.ForcedTokens`), now exactly in the state step t+1's

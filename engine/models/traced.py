@@ -3,7 +3,7 @@
 PROBLEM
     On CPU the engine's device thread runs forwards while the main thread does bookkeeping. An
     eager transformers forward is hundreds of small Python-dispatched ops; it re-takes the GIL
-    between them, so the two threads serialise (DESIGN.md, "One native call per forward"), and for
+    between them, so the two threads serialise (docs/architecture.md, "The engine"), and for
     small models the Python overhead is most of the step.
 
 SOLUTION
