@@ -80,15 +80,6 @@ class RegionHeads(nn.Module):
         """[N, 2] (w, h) -> [N, dim]."""
         return self.size_encoder(fourier(size, self.size_features))
 
-    def coord_bins(self, hidden: torch.Tensor) -> torch.Tensor:
-        """[N, dim] hidden states (before the text model's post_ln) -> [N] greedy coordinate bins."""
-        return self.coord_decoder(hidden).argmax(dim=-1)
-
-    def size_bins(self, hidden: torch.Tensor) -> torch.Tensor:
-        """[N, dim] -> [N, 2] greedy (w, h) bins."""
-        logits = self.size_decoder(hidden)
-        return logits.view(hidden.shape[0], 2, -1).argmax(dim=-1)
-
     def embed_values(
         self, ids: torch.Tensor, vocab_size: int, dtype: torch.dtype
     ) -> tuple[torch.Tensor, torch.Tensor]:

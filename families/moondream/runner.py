@@ -71,6 +71,7 @@ class MoondreamRunner:
         self.eos_id = self.config.tokenizer.eos_id
         self.cos, self.sin = (t.to(self.device) for t in rotary_table(text.max_context))
         self.coord_token = self.config.tokenizer.coord_id
+        self._head_logits: tuple | None = None  # sample_regions' (rows, coord, size logits), for region_logprobs
         self.image_cache = ImageFeatureCache(image_cache_bytes)
         text_shapes = {
             "qkv": (text.dim, (text.n_heads + 2 * text.n_kv_heads) * HEAD_DIM),
@@ -131,8 +132,12 @@ class MoondreamRunner:
         h = hidden.index_select(0, rows).to(self.dtype)
         kind = kinds.index_select(0, rows)
         token = sampled.index_select(0, rows)
-        coord = region.coord_id(self.vocab_size, self.region.coord_bins(h))
-        wh = self.region.size_bins(h)
+        coord_logits = self.region.coord_decoder(h)
+        size_logits = self.region.size_decoder(h).view(h.shape[0], 2, -1)
+        # region_logprobs, called next in the same sample job for these rows, reads the same logits
+        self._head_logits = (rows, coord_logits, size_logits)
+        coord = region.coord_id(self.vocab_size, coord_logits.argmax(dim=-1))
+        wh = size_logits.argmax(dim=-1)
         size = region.size_id(self.vocab_size, wh[:, 0], wh[:, 1])
         gate = torch.where(token == self.eos_id, token, coord)
         think = torch.where(token == self.coord_token, coord, token)
@@ -149,15 +154,18 @@ class MoondreamRunner:
         sampler's log P(eos), read from its record of the row) and coordinates at log((1 - P(eos)) p_x);
         a COORD row's coordinates; a SIZE row's (w, h) pairs at log p_w + log p_h; a THINK row that
         became a coordinate: NaN (reasonings are not scored). Alternatives are value ids, best first."""
-        h = hidden.index_select(0, rows).to(self.dtype)
+        cached_rows, coord_logits, size_logits = self._head_logits  # sample_regions' for these rows
+        if cached_rows is not rows:
+            raise RuntimeError("region_logprobs must follow sample_regions for the same rows (one sample job)")
+        self._head_logits = None
         kind, value = kinds.index_select(0, rows), sampled.index_select(0, rows)
         n, vocab, neg = rows.shape[0], self.vocab_size, float("-inf")
-        lp_x = self.region.coord_decoder(h).float().log_softmax(dim=-1)  # [n, bins]
-        lp_wh = self.region.size_decoder(h).float().view(n, 2, -1).log_softmax(dim=-1)  # [n, 2, bins]
+        lp_x = coord_logits.float().log_softmax(dim=-1)  # [n, bins]
+        lp_wh = size_logits.float().log_softmax(dim=-1)  # [n, 2, bins]
         text_ids, text_lp = buffers.top_ids.index_select(0, rows)[:, :k], buffers.top_values.index_select(0, rows)[:, :k]
         eos_lp = (
             torch.where(text_ids == self.eos_id, text_lp, neg).amax(dim=1) if k
-            else torch.full((n,), neg, device=h.device)
+            else torch.full((n,), neg, device=rows.device)
         )
         eos_lp = torch.where(value == self.eos_id, buffers.chosen.index_select(0, rows), eos_lp)
         going = torch.log1p(-eos_lp.exp().clamp(max=1.0))  # log(1 - P(eos)); -inf when eos was certain
@@ -180,7 +188,7 @@ class MoondreamRunner:
         # alternatives: coordinates (a gate's eos first), or the best (w, h) pairs
         top_c, top_c_bins = coord_lp.topk(k, dim=-1)
         ids_c = top_c_bins + vocab
-        eos_ids = torch.full((n, 1), self.eos_id, dtype=ids_c.dtype, device=h.device)
+        eos_ids = torch.full((n, 1), self.eos_id, dtype=ids_c.dtype, device=rows.device)
         ids_c = torch.where(gate[:, None], torch.cat([eos_ids, ids_c[:, :-1]], 1), ids_c)
         top_c = torch.where(gate[:, None], torch.cat([eos_lp[:, None], top_c[:, :-1]], 1), top_c)
         w_val, w_idx = lp_wh[:, 0].topk(k, dim=-1)
