@@ -124,7 +124,7 @@ class Family:
     def chat(self, conversation: Conversation, output_type: Any) -> Any:
         raise self.unsupported("chat")
 
-    # ---- Moondream's extras (families that declare them in their capabilities override these) ---------------
+    # ---- optional skills (families that declare them in their capabilities override these) ---------------
 
     def spatial_query(self, question: str, refs: tuple[tuple[float, ...], ...]) -> Any:
         raise self.unsupported_option("spatial_refs on query", self.refs_hint())
@@ -157,7 +157,7 @@ class Family:
     # ---- chat: what the family's chat template (a `ChatTemplate` as `self.template`, if any) says --------
     @property
     def tool_format(self) -> str:
-        """How tool calls are written: "qwen" where the chat template writes `<tool_call>` itself,
+        """How tool calls are written: "hermes" where the chat template writes `<tool_call>` itself,
         else foveal's documented "json" format (foveal.tools)."""
         template = getattr(self, "template", None)
         return template.tool_format if template is not None else "json"

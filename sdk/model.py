@@ -169,14 +169,14 @@ def load(
     write them into the KV cache in one launch instead of one decode step each. The forced tokens
     are the grammar's canonical tokenization of its forced text: where the model would have spelled
     that text with other tokens, the answer's ids, and then possibly what follows, can differ
-    (SmolLM2, greedy: none of 80 answers did; benchmarks/jump_forward.py).
+    (a small text model, greedy: none of 80 answers did; benchmarks/jump_forward.py).
     `speculative`: None (off) or "ngram": each call's next tokens are guessed from its own prompt
     and output (prompt lookup, cut where the grammar forbids one) and checked in the next launch;
     answers are the ones decoding without it gives (exactly with fp32 weights; a kernel whose
     rounding depends on the launch's rows, a quantized GGUF's int4, can tip a near-tie, as sharing a
     batch can), in fewer steps where answers copy from the prompt (docs/speculative.md has the
-    figures: no wall-clock gain measured on this CPU yet, so it is off by default). Runners whose
-    rows cannot share a sequence's pages in one launch (Moondream, Qwen-VL, Qwen3.5) refuse it.
+    figures: no wall-clock gain measured on this CPU yet, so it is off by default). Families whose
+    runner cannot let one launch's rows share a sequence's pages (runner.SharedPages) refuse it.
     `image_options`: the image processor's resolution bounds where the family has them (families
     of dynamic resolution: {"min_pixels": .., "max_pixels": ..}, pixels of the resized image).
     `quantize`: None (the checkpoint's own weights), "int8", "int4" or "fp16" (CPU only): "int8" /
@@ -193,8 +193,8 @@ def load(
     `PixelBudgetTimeout` after 10 s. Where the family's processor shrinks every image to a fixed
     size, images are decoded reduced (JPEG DCT scaling, `Image.reduce`) down to a few times that size.
     `revision`: a hub id's branch, tag or commit (None: the default branch), read from the local
-    cache. Moondream 2 also checks it on a local folder and refuses a revision it does not implement;
-    other families refuse it on a local folder (they cannot tell a folder's revision).
+    cache. A family that can tell a folder's revision (`Family.checks_revision`) also checks it on
+    a local folder and refuses a revision it does not implement; the others refuse it on a local folder.
     """
     _check_load_args(pipelined, max_batch_size, max_model_len, kv_cache_bytes, max_step_tokens)
     for name, flag in (("prefix_cache", prefix_cache), ("jump_forward", jump_forward)):
@@ -345,8 +345,8 @@ class Model:
     ) -> QueryResult:
         """Answer a question about the image: `{"answer": str}` (or an iterator of chunks with stream=True).
 
-        The arguments are Moondream's, in its order. `reasoning=True` (models that reason, e.g.
-        Moondream 2): `{"reasoning": {"text", "grounding": [{"start_idx", "end_idx", "points"}]},
+        The arguments follow the reference client API's order. `reasoning=True` (models with
+        `capabilities.reasoning`): `{"reasoning": {"text", "grounding": [{"start_idx", "end_idx", "points"}]},
         "answer"}`, the reasoning made first, then the answer (streamed with stream=True).
         `spatial_refs`: points [x, y] and boxes [x1, y1, x2, y2] (normalized) the question refers to,
         on models that take them (`capabilities.spatial_refs`).
@@ -361,7 +361,7 @@ class Model:
         self, image: Any, eye: Any = None, face: Any = None, unstable_settings: Mapping | None = None
     ) -> GazeResult:
         """Where the person whose eye is at `eye` (x, y, normalized) looks: `{"gaze": {"x", "y"}}`,
-        or `{"gaze": None}` (models with gaze, e.g. Moondream 2; its signature)."""
+        or `{"gaze": None}` (models with `capabilities.gaze`; the reference client API's signature)."""
         return self._dispatch(*self._gaze_task(eye, face, unstable_settings), image, False)
 
     def detect(self, image: Any, object: str, settings: Mapping | None = None) -> DetectResult:
@@ -376,7 +376,7 @@ class Model:
     ) -> PointResult:
         """Points on every `object`: `{"points": [{"x", "y"}]}`, floats in [0, 1], origin top-left.
 
-        `spatial_refs` (Moondream's API): taken only by models that declare it for point
+        `spatial_refs` (the reference client API's argument): taken only by models that declare it for point
         (`capabilities.spatial_refs`), refused elsewhere."""
         return self._dispatch(*self._point_task(object, settings, spatial_refs), image, False)
 

@@ -69,7 +69,7 @@ def _unit(name: str, value: Any) -> float:
 
 def check_spatial_refs(refs: Any) -> tuple[tuple[float, ...], ...] | None:
     """spatial_refs: None, or a non-empty list of points [x, y] and boxes [x1, y1, x2, y2] (normalized,
-    x1 <= x2, y1 <= y2), as Moondream's API takes them."""
+    x1 <= x2, y1 <= y2), as the reference client API takes them."""
     if refs is None:
         return None
     if isinstance(refs, str | bytes) or not isinstance(refs, Sequence) or not refs:

@@ -18,7 +18,7 @@ SOLUTION
     tensors live on the GPU and the delay is a queued GPU spin (`torch.cuda._sleep`), so the host
     returns at once, as it does from a real launch.
     With `window=w` the logits depend on the last w tokens only, so greedy text soon repeats
-    itself (a stand-in for copying, which prompt-lookup drafts feed on). It returns the logits at
+    itself (a stand-in for copying, which prompt-lookup drafts feed on).
     Rows of one launch may share pages (runner.SharedPages): every row's entries are written before
     any row reads its context back.
 INVARIANTS
