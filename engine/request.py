@@ -211,13 +211,14 @@ class RequestHandle:
                 raise TimeoutError(f"request {self.request_id} did not finish within {timeout} s")
             return self._output
 
-    def logprobs(self) -> list[TokenLogprob]:
-        """The logprobs of the tokens committed so far (a copy; [] when the request asked for none).
+    def logprobs(self, start: int = 0) -> list[TokenLogprob]:
+        """The logprobs of the tokens committed so far, from the `start`-th on (a copy; [] when the
+        request asked for none).
 
         While streaming, they can run a few tokens ahead of the text deltas: a delta is held back
         while it could still be the start of a stop string or a split UTF-8 character.
         """
-        return list(self._logprobs) if self._logprobs is not None else []
+        return self._logprobs[start:] if self._logprobs is not None else []
 
     def __iter__(self) -> Iterator[str]:
         """Text deltas of committed tokens, pushed in each tick's text phase (after finalize of the next

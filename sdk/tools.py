@@ -381,21 +381,19 @@ class ReplyReader:
 
     def feed(self, delta: str) -> list[tuple[str, Any]]:
         self.buffer += delta
-        events: list[tuple[str, Any]] = []
-        while True:
-            before = (self.state, len(self.buffer))
-            events += self._step(final=False)
-            if (self.state, len(self.buffer)) == before:
-                return events
+        return self._drain(final=False)
 
     def finish(self) -> list[tuple[str, Any]]:
+        return self._drain(final=True)
+
+    def _drain(self, final: bool) -> list[tuple[str, Any]]:
+        """Steps until one changes nothing (the rest waits for the next delta, or is flushed when final)."""
         events: list[tuple[str, Any]] = []
         while True:
             before = (self.state, len(self.buffer))
-            events += self._step(final=True)
+            events += self._step(final=final)
             if (self.state, len(self.buffer)) == before:
-                break
-        return events
+                return events
 
     def _step(self, final: bool) -> list[tuple[str, Any]]:
         state, text = self.state, self.buffer
@@ -530,11 +528,13 @@ class LogprobsSoFar:
     def follow(self, handle: Any) -> None:
         self._read = handle.logprobs
 
-    def __call__(self) -> list[dict]:
-        entries = self._read() if self._read is not None else []
-        if len(entries) > len(self._done):  # converted once each
-            self._done += token_logprobs(entries[len(self._done) :], self._tokenizer)
-        return list(self._done)
+    def __call__(self, start: int = 0) -> list[dict]:
+        """The entries from the `start`-th on (a stream's reader asks only for the new ones)."""
+        if self._read is not None:
+            new = self._read(len(self._done))  # converted once each
+            if new:
+                self._done += token_logprobs(new, self._tokenizer)
+        return self._done[start:]
 
 
 class ChatTextStream(TextStream):
@@ -586,13 +586,9 @@ def token_logprobs(logprobs: Sequence[Any], tokenizer: Any) -> list[dict]:
 
     out = []
     for entry in logprobs:
-        top = [{**_named(token(i)), "logprob": _finite(lp)} for i, lp in entry.top]
-        out.append({**_named(token(entry.token_id)), "logprob": _finite(entry.logprob), "top_logprobs": top})
+        top = [{**token(i), "logprob": _finite(lp)} for i, lp in entry.top]
+        out.append({**token(entry.token_id), "logprob": _finite(entry.logprob), "top_logprobs": top})
     return out
-
-
-def _named(entry: dict) -> dict:
-    return {"token": entry["token"], "bytes": entry["bytes"]}
 
 
 def _finite(value: float) -> float:

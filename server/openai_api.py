@@ -152,12 +152,14 @@ def _id() -> str:
 async def _start_streams(model: Any, plan: ChatCall) -> list[Any]:
     """The choices' streams, started (each one's input checked before the 200 goes out)."""
     streams: list[Any] = []
+    grounded = _grounded(model, plan)
+    question = plan.question() if grounded else None
     try:
         for index in range(plan.n):
-            if _grounded(model, plan):
-                image, question = plan.question()
+            if question is not None:
+                image, text = question
                 settings = plan.choice_settings(index)
-                result = await model.aquery(image, question, stream=True, settings=settings, reasoning=True)
+                result = await model.aquery(image, text, stream=True, settings=settings, reasoning=True)
                 streams.append(_ReasonedStream(result["answer"], (result.get("reasoning") or {}).get("text")))
                 continue
             args, extra = plan.args(index)
@@ -181,9 +183,8 @@ class _ReasonedStream:
     def usage(self) -> Any:
         return self.answer.usage
 
-    async def __aiter__(self) -> AsyncIterator[str]:
-        async for chunk in self.answer:
-            yield chunk
+    def __aiter__(self) -> AsyncIterator[str]:
+        return self.answer.__aiter__()
 
     async def aclose(self) -> None:
         await self.answer.aclose()
@@ -308,6 +309,6 @@ def _new_logprobs(plan: ChatCall, stream: Any, state: dict) -> list | None:
     """The logprobs committed since the last chunk that carried some (None when none were asked for)."""
     if plan.logprobs is None:
         return None
-    entries = stream.logprobs() if hasattr(stream, "logprobs") else []
-    new, state["logprobs"] = entries[state["logprobs"] :], len(entries)
+    new = stream.logprobs(state["logprobs"]) if hasattr(stream, "logprobs") else []
+    state["logprobs"] += len(new)
     return new
