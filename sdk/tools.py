@@ -35,6 +35,7 @@ INVARIANTS (tests/sdk/test_chat_tools.py)
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 import uuid
@@ -141,15 +142,23 @@ def _tool(tool: Any, where: str) -> Tool:
     if not isinstance(parameters, Mapping) or parameters.get("type", "object") != "object":
         raise ValueError(f'{where}.function.parameters must be a JSON schema of an object ({{"type": "object", ..}})')
     try:
-        source = json_schema_source(dict(parameters))
-        refused, problems = llguidance.LLMatcher.validate_grammar_with_warnings(source.grammar)
-        if refused:  # what compile would refuse, found without a tokenizer
-            raise schema_refusal("; ".join(problems), source.schema)
+        enforced = _enforced(json.dumps(parameters))  # key order kept: it is the order the answer writes
     except SchemaError as error:
         raise SchemaError(f"{where}.function.parameters: {error}", keyword=error.keyword, path=error.path) from None
-    enforced = source.schema
     definition = {"type": "function", "function": {k: v for k, v in function.items() if k != "strict"}}
     return Tool(name, definition, enforced)
+
+
+@functools.lru_cache(maxsize=256)
+def _enforced(parameters: str) -> dict:
+    """A parameters schema (its JSON text) as the grammar enforces it, after checking llguidance takes it
+    (what compile would refuse, found without a tokenizer). Cached: the server checks a request's tools
+    before any work, and every choice's chat call checks them again. The result is shared: read-only."""
+    source = json_schema_source(json.loads(parameters))
+    refused, problems = llguidance.LLMatcher.validate_grammar_with_warnings(source.grammar)
+    if refused:
+        raise schema_refusal("; ".join(problems), source.schema)
+    return source.schema
 
 
 def choice_of(tool_choice: Any, tools: tuple[Tool, ...]) -> str:
