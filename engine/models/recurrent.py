@@ -59,6 +59,9 @@ class Launch:
 
     pieces: list[Piece]
     decode: bool  # one token per sequence, each after a state: one batched piece per sequence
+    # a decode launch's source and target rows as device tensors, made once for all its layers
+    sources: torch.Tensor | None = None
+    targets: torch.Tensor | None = None
 
 
 class RecurrentStates:
@@ -91,7 +94,12 @@ class RecurrentStates:
                 pieces.append(Piece(at, at + length, source, tables[seq][position // size]))
                 at, position = at + length, position + length
         decode = batch.is_decode and all(p.source is not None for p in pieces)
-        return Launch(pieces, decode)
+        if not decode:
+            return Launch(pieces, False)
+        device = batch.block_tables.device
+        sources = torch.tensor([p.source for p in pieces], dtype=torch.int64, device=device)
+        targets = torch.tensor([p.target for p in pieces], dtype=torch.int64, device=device)
+        return Launch(pieces, True, sources, targets)
 
     @staticmethod
     def bytes_per_row(layers: dict[int, Any], dtype: torch.dtype) -> int:
@@ -118,8 +126,7 @@ def paged_linear_attention(
     conv, state = states.conv[layer], states.state[layer]
     weight = module.conv1d.weight  # [conv_dim, 1, kernel]
     if launch.decode:
-        source = torch.tensor([p.source for p in launch.pieces], dtype=torch.int64, device=x.device)
-        target = torch.tensor([p.target for p in launch.pieces], dtype=torch.int64, device=x.device)
+        source, target = launch.sources, launch.targets
         window = torch.cat([conv.index_select(0, source), mixed[:, :, None].to(conv.dtype)], dim=-1)
         out = F.silu(F.conv1d(window.to(weight.dtype), weight, module.conv1d.bias, groups=module.conv_dim))
         q, k, v = _split(module, out.transpose(1, 2))  # [B, 1, heads, dim]
