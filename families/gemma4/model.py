@@ -158,12 +158,8 @@ def kv_layout(text: Any) -> KVLayout:
 
 
 class Gemma4Runner(HFRunner):
-    """HFRunner with Gemma 4's KV layout (see the module docstring); decode traced on CPU like every HFRunner."""
-
-    def __init__(self, model: torch.nn.Module, arch: Architecture, **kwargs: Any) -> None:
-        # LeanDecoder reproduces Llama-style layers only: Gemma 4's (PLE, sliding windows) stay on
-        # transformers' forward.
-        super().__init__(model, arch, lean=False, **kwargs)
+    """HFRunner with Gemma 4's KV layout (see the module docstring); decode traced on CPU like every HFRunner.
+    (Its layers are not ones LeanDecoder reproduces, so HFRunner keeps transformers' forward.)"""
 
     def layout_kv(self, model: torch.nn.Module) -> KVLayout:
         return kv_layout(model.config.get_text_config())

@@ -200,7 +200,7 @@ class Molmo2Runner(HFRunner):
     """HFRunner with Molmo 2's bidirectional image blocks and per-prompt pooling offsets (module docstring)."""
 
     def __init__(self, model: torch.nn.Module, arch: Architecture, block_ids: list[int], **kwargs: Any) -> None:
-        super().__init__(model, arch, lean=False, **kwargs)  # LeanDecoder reproduces Llama-style layers only
+        super().__init__(model, arch, **kwargs)  # LeanDecoder.supports refuses its layers: transformers' forward
         self.block_ids = torch.tensor(sorted(block_ids), dtype=torch.int64, device=self.device)
         # Logits cover the whole embedding table (the image tokens past the LM head get -inf), so that
         # every tokenizer id has a column and the grammar's masks fit the logits.
