@@ -34,7 +34,7 @@ from . import limits, shutdown, switch
 from .detokenizer import Detokenizer
 from .device import make_device
 from .drafts import DraftStats
-from .kv_cache import PagePool, prefix_chain, prefix_seed
+from .kv_cache import DEFAULT_PAGE_SIZE, PagePool, prefix_chain, prefix_seed
 from .lanes import Lanes
 from .matcher import FillMasks, Matcher, conforms, fill_masks_each, require
 from .pipeline import Pipeline
@@ -55,7 +55,7 @@ class EngineConfig:
     max_step_tokens: int | None = None  # query tokens per step; None: max(max_model_len, max_batch, 2048)
     # a text prompt is prefilled this many tokens a launch at most (scheduler.py); None: 512
     prefill_chunk: int | None = None
-    page_size: int = 16
+    page_size: int = DEFAULT_PAGE_SIZE
     num_pages: int | None = None  # KV pages; None: as many as kv_cache_bytes holds, <= max_batch sequences
     kv_cache_bytes: int | None = None  # None: a quarter of free device memory (RAM on CPU)
     eos_token_ids: tuple[int, ...] = ()

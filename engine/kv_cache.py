@@ -31,6 +31,8 @@ from collections import OrderedDict
 
 from .request import PrefillInputs
 
+DEFAULT_PAGE_SIZE = 16  # tokens a KV page holds unless EngineConfig says otherwise
+
 
 def pages_needed(num_positions: int, page_size: int) -> int:
     return -(-num_positions // page_size)

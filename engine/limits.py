@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from .kv_cache import pages_needed
+from .kv_cache import DEFAULT_PAGE_SIZE, pages_needed
 from .runner import ModelRunner
 
 if TYPE_CHECKING:
@@ -104,7 +104,7 @@ def _pages_from_budget(config: EngineConfig, runner: ModelRunner, model_len: int
     return pages
 
 
-def pages_for_budget(runner: ModelRunner, budget_bytes: int, page_size: int = 16) -> int:
+def pages_for_budget(runner: ModelRunner, budget_bytes: int, page_size: int = DEFAULT_PAGE_SIZE) -> int:
     """How many pages of `page_size` tokens fit in `budget_bytes`; raises when not even one does."""
     page_bytes = runner.kv_bytes_per_token() * page_size
     pages = budget_bytes // page_bytes

@@ -28,6 +28,7 @@ from typing import Any
 import torch
 from transformers.models.qwen3_5 import modeling_qwen3_5
 
+from foveal.engine.kv_cache import DEFAULT_PAGE_SIZE
 from foveal.engine.models.arch import Architecture, ModelLoadError
 from foveal.engine.models.image_cache import DEFAULT_IMAGE_CACHE_BYTES
 from foveal.engine.models.recurrent import RecurrentStates, paged_linear_attention
@@ -76,10 +77,10 @@ class Qwen35Runner(QwenVLRunner):
         return KVLayout(tuple(index), (False,) * len(index), tuple(shapes))
 
     def kv_bytes_per_token(self) -> int:
-        # a page's state row is shared by its page_size tokens; 16 is the engine's default page size,
-        # the smallest share counted here (an engine with larger pages over-counts, never under-counts)
+        # a page's state row is shared by its page_size tokens; the engine's default page size is the
+        # smallest share counted here (an engine with larger pages over-counts, never under-counts)
         state = RecurrentStates.bytes_per_row(self.linear, self.dtype)
-        return super().kv_bytes_per_token() + -(-state // 16)
+        return super().kv_bytes_per_token() + -(-state // DEFAULT_PAGE_SIZE)
 
     def allocate_kv(self, num_pages: int, page_size: int) -> None:
         super().allocate_kv(num_pages, page_size)
