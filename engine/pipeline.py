@@ -452,7 +452,8 @@ class Pipeline:
         rows, seqs = zip(*(batched + own), strict=True)
         host, bitmask = step.slot.np, step.slot.host.bitmask
         host.bitmask[: len(rows)] = 0
-        host.mask_rows[: len(rows)] = step.logit_start[list(rows)]
+        # a mask belongs to its row's first logit row (the row itself in a step without drafts)
+        host.mask_rows[: len(rows)] = step.logit_start[list(rows)] if step.drafts else rows
         try:
             if batched:
                 self.fill_masks([seq.matcher for _, seq in batched], bitmask[: len(batched)])
@@ -466,9 +467,10 @@ class Pipeline:
                     host.bitmask[index] = -1
                     self.sequences.finish(seq, FinishReason.ERROR, f"the grammar failed to give a mask: {error}")
         num_masked = len(rows)
-        for row, seq in zip(rows, seqs, strict=True):
-            if row in step.drafts and not seq.finalized:
-                num_masked = self._fill_draft_masks(step, row, seq, num_masked)
+        if step.drafts:
+            for row, seq in zip(rows, seqs, strict=True):
+                if row in step.drafts and not seq.finalized:
+                    num_masked = self._fill_draft_masks(step, row, seq, num_masked)
         return len(rows), num_masked
 
     def _fill_draft_masks(self, step: Step, row: int, seq: Sequence, index: int) -> int:
