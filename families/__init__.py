@@ -10,7 +10,7 @@ loaded model's family and never names one; the engine is generic and names none 
     task = family.detect("red circle", max_objects=10)     # prompt + output spec + parser
 
 Adding a family: a new folder here with a `Family` subclass (`matches` and `load` for the registry,
-the skills it declares), and one line in `FAMILIES`. Order matters where two families match one
+the skills it declares), and one line in `_REGISTRY`. Order matters where two families match one
 folder: the more specific comes first (the shapes model is a PaliGemma folder with a foveal.json).
 
 Families: Moondream 2 (`moondream/`, foveal's own implementation), the embedded shapes model
@@ -29,44 +29,61 @@ from foveal._guard import require_foveal_name
 
 require_foveal_name(__name__, "foveal.families")
 
+from importlib import import_module  # noqa: E402
+
 from foveal.engine.models.arch import ModelLoadError  # noqa: E402
 from foveal.engine.models.image_cache import DEFAULT_IMAGE_CACHE_BYTES  # noqa: E402
 from foveal.engine.models.loader import LoadOptions, read_config, resolve_options, resolve_source  # noqa: E402
 from foveal.families.base import Capabilities, Family, UnsupportedSkill  # noqa: E402
 from foveal.families.chat import ChatFamily  # noqa: E402
-from foveal.families.gemma4 import Gemma4Family  # noqa: E402
-from foveal.families.molmo2 import Molmo2Family  # noqa: E402
-from foveal.families.moondream import MoondreamFamily  # noqa: E402
-from foveal.families.paligemma import PaliGemmaFamily  # noqa: E402
-from foveal.families.qwen3_5 import Qwen35Family  # noqa: E402
-from foveal.families.qwen_vl import QwenVLFamily  # noqa: E402
-from foveal.families.shapes import ShapesFamily  # noqa: E402
 
-FAMILIES: tuple[type[Family], ...] = (
-    MoondreamFamily,
-    ShapesFamily,
-    PaliGemmaFamily,
-    QwenVLFamily,
-    Qwen35Family,
-    Gemma4Family,
-    Molmo2Family,
-    ChatFamily,
+# The registry in match order: family class -> its folder's module. The other families are imported
+# on first use (`FAMILIES`, `family_for`, `foveal.families.QwenVLFamily`): their modules import
+# transformers' modeling code and image processors, seconds that a .gguf load (ChatFamily only) and
+# `import foveal.families` need not pay.
+_REGISTRY = (
+    ("MoondreamFamily", "foveal.families.moondream"),
+    ("ShapesFamily", "foveal.families.shapes"),
+    ("PaliGemmaFamily", "foveal.families.paligemma"),
+    ("QwenVLFamily", "foveal.families.qwen_vl"),
+    ("Qwen35Family", "foveal.families.qwen3_5"),
+    ("Gemma4Family", "foveal.families.gemma4"),
+    ("Molmo2Family", "foveal.families.molmo2"),
+    ("ChatFamily", "foveal.families.chat"),
 )
+_MODULES = dict(_REGISTRY)
+_FAMILIES: list[tuple[type[Family], ...]] = []  # FAMILIES, once imported
+
+
+def registered() -> tuple[type[Family], ...]:
+    """Every family in match order (`FAMILIES`), imported on the first call."""
+    if not _FAMILIES:
+        _FAMILIES.append(tuple(getattr(import_module(module), cls) for cls, module in _REGISTRY))
+    return _FAMILIES[0]
+
+
+def __getattr__(name: str) -> Any:
+    """`FAMILIES` and each family's class by name, imported on first use."""
+    if name == "FAMILIES":
+        return registered()
+    if name in _MODULES:
+        return getattr(import_module(_MODULES[name]), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def supported_architectures() -> list[str]:
-    return list(dict.fromkeys(arch for family in FAMILIES for arch in family.architectures))
+    return list(dict.fromkeys(arch for family in registered() for arch in family.architectures))
 
 
 def family_for(raw: dict, folder: Path) -> type[Family]:
     """The family that loads the folder whose config.json is `raw`; ModelLoadError with the supported list."""
-    for family in FAMILIES:
+    for family in registered():
         if family.matches(raw, folder):
             return family
     raise ModelLoadError(
         f"unsupported architecture {raw.get('architectures')!r}; foveal supports: "
         f"{', '.join(supported_architectures())}. Use a checkpoint of one of these, or add a family in "
-        "foveal/families (a folder with a Family subclass and one line in FAMILIES)."
+        "foveal/families (a folder with a Family subclass and one line in _REGISTRY)."
     )
 
 

@@ -8,7 +8,9 @@ PROBLEM
 
 SOLUTION
     transformers resolves each layer's attention function by name from `config._attn_implementation`
-    through its `AttentionInterface`. We register `ATTN_NAME` there. For a decoder layer tagged
+    through its `AttentionInterface`. We register `ATTN_NAME` there (`hf_attention`, called by the
+    loaders that hand the name to transformers: importing transformers' modeling code costs seconds,
+    which a GGUF text model, run by lean.py without it, need not pay). For a decoder layer tagged
     with a KV index (`module.foveal_kv_index`), the function writes the layer's new K/V at the
     batch's `kv_index`, gathers each sequence's pages through `block_tables`, and runs one SDPA
     call over the padded [num_seqs, max_query_len] query block with a boolean mask built once per
@@ -39,8 +41,6 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 import torch.nn.functional as F
-from transformers import AttentionInterface
-from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from foveal.engine.runner import ForwardBatch
 
@@ -273,6 +273,8 @@ def paged_attention_forward(
     ctx: PagedContext | None = kwargs.get("foveal_context")
     index = getattr(module, "foveal_kv_index", None)
     if ctx is None or index is None:
+        from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
         return sdpa_attention_forward(
             module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs
         )
@@ -293,4 +295,10 @@ def paged_attention_forward(
     return out[None], None
 
 
-AttentionInterface.register(ATTN_NAME, paged_attention_forward)
+def hf_attention() -> str:
+    """`ATTN_NAME`, registered with transformers' `AttentionInterface` (registering again is a dict
+    update): what a loader passes as a transformers model's attention implementation."""
+    from transformers import AttentionInterface
+
+    AttentionInterface.register(ATTN_NAME, paged_attention_forward)
+    return ATTN_NAME

@@ -45,13 +45,14 @@ from __future__ import annotations
 
 import struct
 from collections.abc import Callable
-from functools import partial
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 from torch import nn
+from transformers.configuration_utils import PreTrainedConfig
 
 from foveal.engine.models.arch import ModelLoadError
 from foveal.engine.models.quant import (
@@ -100,9 +101,9 @@ def is_direct(header: Any) -> bool:
     return header.architecture in DIRECT_ARCHITECTURES and "rope_freqs.weight" not in names
 
 
-def llama_config(path: Path, header: Any) -> Any:
-    """A LlamaConfig from the file's `llama.*` metadata (what transformers' GGUF path derives too)."""
-    import transformers
+def llama_config(path: Path, header: Any) -> LlamaTextConfig:
+    """The model's config from the file's `llama.*` metadata (the fields transformers' GGUF path
+    derives into a LlamaConfig)."""
     meta, names = read_metadata(header), {t.name for t in header.tensors}
     if any(key.startswith("llama.rope.scaling") for key in meta):
         raise ModelLoadError("rope scaling in a GGUF file is not supported by foveal's direct GGUF loader")
@@ -116,7 +117,7 @@ def llama_config(path: Path, header: Any) -> Any:
     heads = meta[f"{arch}.attention.head_count"]
     hidden = meta[f"{arch}.embedding_length"]
     head_dim = meta.get(f"{arch}.rope.dimension_count", hidden // heads)
-    config = transformers.LlamaConfig(
+    config = LlamaTextConfig(
         vocab_size=meta.get(f"{arch}.vocab_size") or meta["tokenizer.ggml.tokens"],
         hidden_size=hidden,
         intermediate_size=meta[f"{arch}.feed_forward_length"],
@@ -131,6 +132,7 @@ def llama_config(path: Path, header: Any) -> Any:
         eos_token_id=meta.get("tokenizer.ggml.eos_token_id"),
         pad_token_id=meta.get("tokenizer.ggml.padding_token_id"),
         tie_word_embeddings="output.weight" not in names,
+        hidden_act="silu",
     )
     config.architectures = ["LlamaForCausalLM"]
     return config
@@ -223,7 +225,14 @@ def _value(blob: bytes, pos: int, kind: int, keep_strings: bool) -> tuple[Any, i
     return (strings if keep_strings else n), pos
 
 
-def load_quantized(header: Any, config: Any, dtype: torch.dtype, quantize: str | None) -> nn.Module:
+def load_quantized(
+    header: Any,
+    config: Any,
+    dtype: torch.dtype,
+    quantize: str | None,
+    cached: Callable[[str], dict[str, torch.Tensor]] | None = None,
+    keep: dict[str, dict[str, torch.Tensor]] | None = None,
+) -> nn.Module:
     """A LlamaForCausalLM whose decoder linears (and head) are read from the file's tensors.
 
     `quantize`: None with a float32 `dtype` (the default where fbgemm runs) makes the file's Q4
@@ -231,7 +240,11 @@ def load_quantized(header: Any, config: Any, dtype: torch.dtype, quantize: str |
     "fp16" makes it; None with bf16 keeps Q4 blocks as int4 and makes other types int8; "int8" or
     "int4" asks for that kernel for every decoder layer; "fp16" makes every linear, the head
     included, a `HalfLinear` and the embeddings fp16 rows (`dtype` must then be float32). See
-    `linear_from_gguf`. Layers are built on torch's intra-op threads (`quant.builder`).
+    `prepare`. Layers are built on torch's intra-op threads (`quant.builder`).
+
+    `cached(name)`: the parts `prepare` made of the tensor `name` in an earlier load (the weight
+    cache, weight_cache.py), used instead of the file's blocks; `keep`: filled with the parts
+    built here, by tensor name, fp16 weights rounded to fp16 (what the cache stores).
     """
     tensors = {t.name: t for t in header.tensors}
     heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
@@ -239,60 +252,46 @@ def load_quantized(header: Any, config: Any, dtype: torch.dtype, quantize: str |
     tied = "output.weight" not in tensors
     fp16 = quantize == "fp16" or (quantize is None and dtype == torch.float32)  # float32 activations
     layer_mode = SPLIT if quantize is None and fp16 else quantize
+
+    def parts(name: str, mode: str | None, permute: int | None, head: bool = False) -> dict[str, torch.Tensor]:
+        made = cached(name) if cached is not None else prepare(*read(name), dtype, mode, permute, head)
+        if keep is not None:
+            keep[name] = {part: t.half() if part == FP16_WEIGHT else t for part, t in made.items()}
+        return made
+
+    def linear(name: str, mode: str | None, permute: int | None, head: bool = False) -> nn.Module:
+        return layer_from(parts(name, mode, permute, head))
+
     with builder() as pool:
-        # Everything is queued before the model skeleton is built (importing transformers' llama and
-        # building it on the meta device is Python, under the GIL: it overlaps the packing). Under
-        # fp16 the vocabulary matrix comes first: the lookup rows and a tied head's pack need it.
-        vocab = pool.submit(gguf_weight, *read("token_embd.weight")) if fp16 else None
+        # Under fp16 the vocabulary matrix comes first: the lookup rows and a tied head's pack need it.
+        vocab = pool.submit(parts, "token_embd.weight", "fp16" if fp16 else "int8", None, True)
         jobs = {
             (index, path): pool.submit(
-                _linear, read, f"blk.{index}.{name}.weight", dtype, layer_mode, {"q": heads, "k": kv_heads}.get(rotary)
+                linear, f"blk.{index}.{name}.weight", layer_mode, {"q": heads, "k": kv_heads}.get(rotary)
             )
             for index in range(config.num_hidden_layers)
             for name, (path, rotary) in LAYER_LINEARS.items()
         }
         if fp16:
-            own = partial(_linear, read, "output.weight", dtype, "fp16", None)
-            head = pool.submit(HalfLinear, vocab.result()) if tied else pool.submit(own)
-        else:
-            own = partial(_linear, read, "output.weight", dtype, "int8", None, True)
-            head = None if tied else pool.submit(own)
-        model = _skeleton(config)
-        decoder = model.model
-        for index, layer in enumerate(decoder.layers):
-            for name, attr in LAYER_NORMS.items():
-                getattr(layer, attr).weight = _param(_float(*read(f"blk.{index}.{name}.weight"), dtype))
-        decoder.norm.weight = _param(_float(*read("output_norm.weight"), dtype))
-        if fp16:
-            decoder.embed_tokens = HalfEmbedding(vocab.result(), config.pad_token_id)
+            weight = vocab.result()[FP16_WEIGHT]
+            head = pool.submit(HalfLinear, weight.float()) if tied else pool.submit(linear, "output.weight", "fp16", None)
+            embed = HalfEmbedding(weight, config.pad_token_id)
         else:
             # One int8 matrix serves the lookup and, tied, the head.
-            vocab = linear_from_gguf(*read("token_embd.weight"), dtype, "int8", None, head=True)
-            decoder.embed_tokens = QuantEmbedding(vocab, config.pad_token_id)
-        for (index, path), linear in jobs.items():
-            parent, _, attr = path.rpartition(".")
-            setattr(decoder.layers[index].get_submodule(parent), attr, linear.result())
-        model.lm_head = vocab if head is None else head.result()
-    decoder.rotary_emb = type(decoder.rotary_emb)(config=config)
-    left = [name for name, t in (*model.named_parameters(), *model.named_buffers()) if t.is_meta]
-    if left:
-        raise ModelLoadError(
-            f"the GGUF file did not provide {', '.join(left[:5])}; it is not a complete llama model"
-        )
+            matrix = layer_from(vocab.result())
+            head = pool.submit(lambda: matrix) if tied else pool.submit(linear, "output.weight", "int8", None, True)
+            embed = QuantEmbedding(matrix, config.pad_token_id)
+        norms = [
+            [_float(*read(f"blk.{index}.{name}.weight"), dtype) for name in LAYER_NORMS]
+            for index in range(config.num_hidden_layers)
+        ]
+        final_norm = _float(*read("output_norm.weight"), dtype)
+        layers = [
+            LlamaDecoderLayer(config, {path: jobs[index, path].result() for path, _ in LAYER_LINEARS.values()}, *norm)
+            for index, norm in enumerate(norms)
+        ]
+        model = LlamaForCausalLM(config, embed, layers, final_norm, head.result())
     return model.eval()
-
-
-def _skeleton(config: Any) -> nn.Module:
-    """transformers' LlamaForCausalLM of this config on the meta device (no memory): the modules the
-    file's tensors fill."""
-    import transformers
-
-    with torch.device("meta"):
-        return transformers.LlamaForCausalLM(config)
-
-
-def _linear(read: Callable, tensor: str, dtype: torch.dtype, mode: str | None, permute: int | None, head: bool = False):
-    return linear_from_gguf(*read(tensor), dtype, mode, permute, head)
 
 
 def linear_from_gguf(
@@ -303,9 +302,27 @@ def linear_from_gguf(
     permute_heads: int | None,
     head: bool = False,
 ) -> QuantLinear | HalfLinear | SplitLinear:
-    """One GGUF weight [N, K] as a QuantLinear, or a HalfLinear when `mode` is "fp16", or for
-    `SPLIT` a SplitLinear of the file's Q4 blocks (its int4 half exactly `mode="int4"`'s layer)
-    and a HalfLinear of any other type.
+    """One GGUF weight [N, K] as the layer `prepare` describes."""
+    return layer_from(prepare(info, data, dtype, mode, permute_heads, head))
+
+
+# The parts of one prepared weight (`prepare`), by name: what `layer_from` builds a layer of.
+INT4_PACKED, INT4_SCALES = "int4.packed", "int4.scales"  # an int4 QuantLinear's buffers
+INT8_PACKED, INT8_SCALES = "int8.packed", "int8.scales"  # an int8 QuantLinear's buffers
+FP16_WEIGHT = "fp16.weight"  # the weight [N, K] a HalfLinear packs (float32, or fp16: the same pack)
+
+
+def prepare(
+    info: Any,
+    data: np.ndarray,
+    dtype: torch.dtype,
+    mode: str | None,
+    permute_heads: int | None,
+    head: bool = False,
+) -> dict[str, torch.Tensor]:
+    """One GGUF weight [N, K] as the parts of a QuantLinear, or of a HalfLinear when `mode` is "fp16",
+    or for `SPLIT` of a SplitLinear of the file's Q4 blocks (its int4 half exactly `mode="int4"`'s
+    layer) and of a HalfLinear for any other type.
 
     Decoder layers (`head=False`): Q4_0/Q4_1 blocks are kept as int4 (codes and groups) unless `mode` is "int8"
     (then requantized per row: on CPUs where the int8 kernel is the faster one at batch 1, quant.py)
@@ -320,19 +337,119 @@ def linear_from_gguf(
     if mode == SPLIT and not head and kind in (Q.Q4_0, Q.Q4_1):
         codes, scale, zero = _q4_blocks(_rows(data, n, permute_heads), kind == Q.Q4_1, k)
         int4 = QuantLinear.int4_from_codes(codes, scale, zero, None, torch.bfloat16, GROUP_SIZE)
-        return SplitLinear(int4, HalfLinear(_q4_weight(codes, scale, zero)))
+        return {**_int_parts(int4), FP16_WEIGHT: _q4_weight(codes, scale, zero)}
     if mode == SPLIT:
         mode = "fp16"
     if kind in (Q.Q4_0, Q.Q4_1) and not head and mode in (None, "int4"):
         raw = _rows(data, n, permute_heads)
         codes, scale, zero = _q4_blocks(raw, kind == Q.Q4_1, k)
-        return QuantLinear.int4_from_codes(codes, scale, zero, None, dtype, GROUP_SIZE)
+        return _int_parts(QuantLinear.int4_from_codes(codes, scale, zero, None, dtype, GROUP_SIZE))
     weight = gguf_weight(info, data, permute_heads)
     if mode == "fp16":
-        return HalfLinear(weight)
+        return {FP16_WEIGHT: weight}
     if head or mode != "int4":
-        return QuantLinear.int8_from_float(weight, None, dtype)
-    return QuantLinear.int4_from_float(weight, None, dtype)
+        return _int_parts(QuantLinear.int8_from_float(weight, None, dtype))
+    return _int_parts(QuantLinear.int4_from_float(weight, None, dtype))
+
+
+def layer_from(parts: dict[str, torch.Tensor]) -> QuantLinear | HalfLinear | SplitLinear:
+    """The layer of `prepare`'s parts: a SplitLinear of int4 + fp16 parts, else the one layer they make."""
+    half = HalfLinear(parts[FP16_WEIGHT].float()) if FP16_WEIGHT in parts else None
+    if INT8_PACKED in parts:
+        packed, scales = parts[INT8_PACKED], parts[INT8_SCALES]
+        return QuantLinear("int8", packed, scales, packed.shape[1], packed.shape[0])
+    if INT4_PACKED not in parts:
+        return half
+    packed, scales = parts[INT4_PACKED], parts[INT4_SCALES]  # [N, K / 2], [K / group, N, 2]
+    n, k = packed.shape[0], 2 * packed.shape[1]
+    int4 = QuantLinear("int4", packed, scales, k, n, None, k // scales.shape[0])
+    return int4 if half is None else SplitLinear(int4, half)
+
+
+def _int_parts(layer: QuantLinear) -> dict[str, torch.Tensor]:
+    return {f"{layer.mode}.packed": layer.packed, f"{layer.mode}.scales": layer.scales}
+
+
+# ---- the model the file's tensors fill --------------------------------------------------------------------------
+
+
+class LlamaTextConfig(PreTrainedConfig):
+    """A llama text model's config: LlamaConfig's fields, without importing transformers' llama (its
+    config module imports transformers' modeling and distributed code, seconds of a fresh process)."""
+
+    model_type = "llama"
+
+
+class RMSNorm(nn.Module):
+    """The weight of an RMS norm (lean.py applies it with `F.rms_norm`)."""
+
+    def __init__(self, weight: torch.Tensor, eps: float) -> None:
+        super().__init__()
+        self.weight = _param(weight)
+        self.variance_epsilon = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.rms_norm(x, self.weight.shape, self.weight, self.variance_epsilon)
+
+
+class LlamaRotaryEmbedding(nn.Module):
+    """Default rotary (no scaling): cos and sin of position x inverse frequency, as transformers' llama
+    computes them, to the bit (tests/models/test_gguf_tiny.py compares the two)."""
+
+    def __init__(self, config: LlamaTextConfig) -> None:
+        super().__init__()
+        base, dim = config.rope_parameters["rope_theta"], config.head_dim
+        self.register_buffer("inv_freq", 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float) / dim)), False)
+
+    def forward(self, x: torch.Tensor, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        freqs = position_ids[..., None].float() * self.inv_freq.to(device=x.device, dtype=torch.float)
+        emb = torch.cat((freqs, freqs), dim=-1)
+        return emb.cos().to(dtype=x.dtype), emb.sin().to(dtype=x.dtype)
+
+
+class LlamaDecoderLayer(nn.Module):
+    """One decoder layer's modules, in transformers' names (`self_attn.q_proj`, `mlp.up_proj`, ...), and
+    named as transformers' class: lean.py's `LeanDecoder` runs layers of this shape by that name."""
+
+    def __init__(self, config: LlamaTextConfig, linears: dict[str, nn.Module], input_norm, post_norm) -> None:
+        super().__init__()
+        self.self_attn, self.mlp = nn.Module(), nn.Module()
+        for path, module in linears.items():
+            parent, _, name = path.partition(".")
+            setattr(getattr(self, parent), name, module)
+        self.self_attn.scaling = config.head_dim**-0.5
+        self.mlp.act_fn = nn.SiLU()
+        self.input_layernorm = RMSNorm(input_norm, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(post_norm, config.rms_norm_eps)
+
+
+class LlamaForCausalLM(nn.Module):
+    """A llama text model's modules in transformers' tree (`model.layers`, `model.norm`, `lm_head`):
+    what `HFRunner` drives, always through lean.py's forward (a GGUF model has no image inputs)."""
+
+    def __init__(self, config, embed: nn.Module, layers: list[nn.Module], norm: torch.Tensor, head: nn.Module) -> None:
+        super().__init__()
+        self.config = config
+        self.model = nn.Module()
+        self.model.embed_tokens = embed
+        self.model.layers = nn.ModuleList(layers)
+        self.model.norm = RMSNorm(norm, config.rms_norm_eps)
+        self.model.rotary_emb = LlamaRotaryEmbedding(config)
+        self.lm_head = head
+
+    def get_decoder(self) -> nn.Module:
+        return self.model
+
+    def get_input_embeddings(self) -> nn.Module:
+        return self.model.embed_tokens
+
+    def get_output_embeddings(self) -> nn.Module:
+        return self.lm_head
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        raise NotImplementedError(
+            "a GGUF model runs through foveal's lean decoder (HFRunner with lean=True), not a transformers forward"
+        )
 
 
 def gguf_weight(info: Any, data: np.ndarray, permute_heads: int | None = None) -> torch.Tensor:

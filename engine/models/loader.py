@@ -29,7 +29,7 @@ import torch
 import transformers
 
 from foveal.engine.models.arch import Architecture, ModelLoadError
-from foveal.engine.models.attention import ATTN_NAME
+from foveal.engine.models.attention import hf_attention
 from foveal.engine.models.hub import looks_like_hub_id, resolve_hub_id
 from foveal.engine.models.image_cache import DEFAULT_IMAGE_CACHE_BYTES
 from foveal.engine.models.processor import InputProcessor
@@ -277,7 +277,6 @@ def load_gguf(
     device, dtype, quantize = options.device, options.dtype, options.quantize
     if device.type == "cpu" and direct.is_direct(header):
         config = direct.llama_config(path, header)
-        config._attn_implementation = ATTN_NAME
         arch, _ = arch_for(config.architectures)
         # The tokenizer's conversion is Python (it holds the GIL); unpacking and packing weights
         # mostly release it, so the two overlap.
@@ -295,7 +294,7 @@ def load_gguf(
         getattr(config, "architectures", None) or [f"{config.model_type.capitalize()}ForCausalLM"]
     )
     model = getattr(transformers, class_name).from_pretrained(
-        path.parent, dtype=dtype, attn_implementation=ATTN_NAME, **kwargs
+        path.parent, dtype=dtype, attn_implementation=hf_attention(), **kwargs
     )
     if quantize is not None:
         quantize_model(model, quantize)
@@ -346,9 +345,10 @@ def _load_processor(arch: Architecture, path: Path) -> tuple[Any, Any]:
 
 
 def _attn_implementation(arch: Architecture) -> str | dict[str, str]:
+    name = hf_attention()
     if not arch.has_vision:
-        return ATTN_NAME
-    return {"": ATTN_NAME, "text_config": ATTN_NAME, "vision_config": "sdpa"}
+        return name
+    return {"": name, "text_config": name, "vision_config": "sdpa"}
 
 
 def assemble(

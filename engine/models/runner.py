@@ -39,12 +39,11 @@ INVARIANTS
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass
 from typing import Any
 
 import torch
-from transformers import PreTrainedModel
-from transformers.modeling_outputs import BaseModelOutputWithPooling
 
 from foveal.engine.models.arch import Architecture
 from foveal.engine.models.attention import PagedKV, build_context, kv_zeros, prefix_lens
@@ -80,8 +79,11 @@ class HFRunner:
         self.model = model.eval().requires_grad_(False)
         # Inference only: no loss is ever computed. Reading the default loss (torch.jit.trace reads
         # every attribute of every submodule) would log transformers' "loss_type=None" warning once.
-        for module in model.modules():
-            if isinstance(module, PreTrainedModel):
+        # (No module is a PreTrainedModel unless transformers' modeling code was imported: a GGUF
+        # model's modules are foveal's, gguf.py, and importing that code costs seconds.)
+        modeling = sys.modules.get("transformers.modeling_utils")
+        for module in model.modules() if modeling is not None else ():
+            if isinstance(module, modeling.PreTrainedModel):
                 module.loss_function = None
         self.arch = arch
         # Touched only from the thread that calls forward (the engine's device thread): no lock.
@@ -191,6 +193,8 @@ class HFRunner:
         # features only for the image tokens in this launch's queries (past those the prefix cache held)
         joined = torch.cat([feats[image.cached_image_tokens :] for image, feats in zip(images, features, strict=True)])
         pooled = [joined] if self.arch.features_as_list else joined
+        from transformers.modeling_outputs import BaseModelOutputWithPooling
+
         return {"mm_encoder_outputs": {"image": BaseModelOutputWithPooling(pooler_output=pooled)}}
 
     def encode_images(self, images: list[PrefillInputs]) -> list[torch.Tensor]:

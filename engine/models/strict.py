@@ -26,7 +26,7 @@ from typing import Any
 import transformers
 
 from foveal.engine.models.arch import Architecture, ModelLoadError
-from foveal.engine.models.attention import ATTN_NAME
+from foveal.engine.models.attention import hf_attention
 from foveal.engine.models.loader import LoadOptions, check_vision_files
 from foveal.engine.models.quant import quantize_model
 
@@ -46,7 +46,8 @@ def load_strict(
     if arch.has_vision:
         check_vision_files(path)
     hf_processor, tokenizer = processor()
-    attn = {"": ATTN_NAME, "text_config": ATTN_NAME, "vision_config": "sdpa"} if arch.has_vision else ATTN_NAME
+    name = hf_attention()
+    attn = {"": name, "text_config": name, "vision_config": "sdpa"} if arch.has_vision else name
     extra = {} if config is None else {"config": config}
     model, info = getattr(transformers, class_name).from_pretrained(
         path,
