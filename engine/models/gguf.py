@@ -139,14 +139,19 @@ def llama_config(path: Path, header: Any) -> LlamaTextConfig:
 
 
 def tokenizer(header: Any) -> Any:
-    """The file's tokenizer, through transformers' GGUF conversion (what `AutoTokenizer(gguf_file=)` builds).
+    """The file's tokenizer, through transformers' GGUF conversion (what `AutoTokenizer(gguf_file=)` builds)."""
+    return tokenizer_from(*tokenizer_source(header))
+
+
+def tokenizer_source(header: Any) -> tuple[Any, dict[str, Any]]:
+    """(the `tokenizers.Tokenizer` transformers' GGUF conversion builds of the file, the settings
+    `tokenizer_from` builds the tokenizer with): what the weight cache stores of a tokenizer.
 
     The metadata is read by `read_metadata` (the vocabulary and merges in 0.09-0.10 s; transformers'
     `get_gguf_tokenizer` reads them in 0.43-0.49 s here, a quarter of a GGUF load's critical path)
     and grouped by transformers' own key table, as `get_gguf_tokenizer` does for a llama file:
     sentencepiece ("llama") vocabularies add BOS unless the file says otherwise.
     """
-    import transformers
     from transformers.integrations.gguf.gguf_tokenizer_mapping import (
         GGUF_TOKENIZER_MAPPING,
         convert_gguf_tokenizer,
@@ -164,7 +169,17 @@ def tokenizer(header: Any) -> Any:
         token_id = metadata.get(f"tokenizer.ggml.{key}")
         config[name] = vocabulary["tokens"][token_id] if token_id is not None else None
     backend, extra = convert_gguf_tokenizer(metadata["general.architecture"], vocabulary)
-    return transformers.PreTrainedTokenizerFast(tokenizer_object=backend, **config, **extra)
+    return backend, {**config, **extra}
+
+
+def tokenizer_from(backend: Any, settings: dict[str, Any]) -> Any:
+    """A transformers tokenizer of a `tokenizers.Tokenizer` (or of a file of its JSON) and
+    `tokenizer_source`'s settings."""
+    import transformers
+
+    if isinstance(backend, Path):
+        return transformers.PreTrainedTokenizerFast(tokenizer_file=str(backend), **settings)
+    return transformers.PreTrainedTokenizerFast(tokenizer_object=backend, **settings)
 
 
 # GGUF's special-token id keys (tokenizer.ggml.*), by the tokenizer attribute they name

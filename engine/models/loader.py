@@ -19,6 +19,7 @@ import importlib
 import importlib.util
 import json
 import os
+import warnings
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -278,12 +279,8 @@ def load_gguf(
     if device.type == "cpu" and direct.is_direct(header):
         config = direct.llama_config(path, header)
         arch, _ = arch_for(config.architectures)
-        # The tokenizer's conversion is Python (it holds the GIL); unpacking and packing weights
-        # mostly release it, so the two overlap.
-        with ThreadPoolExecutor(1) as pool:
-            tokenizer = pool.submit(direct.tokenizer, header)
-            model = direct.load_quantized(header, config, dtype, quantize)
-            loaded = assemble(model, arch, tokenizer.result(), None, str(path), options)
+        model, tokenizer = _load_direct(path, header, config, options)
+        loaded = assemble(model, arch, tokenizer, None, str(path), options)
         _prepare_decode(loaded.runner)
         return loaded, arch
     if importlib.util.find_spec("accelerate") is None:
@@ -300,6 +297,53 @@ def load_gguf(
         quantize_model(model, quantize)
     tokenizer = transformers.AutoTokenizer.from_pretrained(path.parent, **kwargs)
     return assemble(model.to(device), arch, tokenizer, None, str(path), options), arch
+
+
+def _load_direct(path: Path, header: Any, config: Any, options: LoadOptions) -> tuple[Any, Any]:
+    """(model, tokenizer) of a llama GGUF file read by gguf.py: from the weight cache's entry of this
+    file and build when there is one (weight_cache.py), else prepared from the file, and the entry
+    written. A damaged entry is reported and replaced, never used."""
+    from foveal.engine.models import weight_cache
+
+    variant = {"dtype": str(options.dtype).removeprefix("torch."), "quantize": options.quantize}
+    key = weight_cache.key(path, header.data_start, variant) if weight_cache.enabled() else None
+    if key is not None:
+        try:
+            entry = weight_cache.open_entry(key)
+            if entry is not None:
+                return _build_direct(header, config, options, entry)[:2]
+        except weight_cache.Corrupt as error:
+            warnings.warn(
+                f"foveal's weight cache entry for {path} is damaged ({error}); preparing the weights from the "
+                "file again and replacing the entry",
+                stacklevel=4,
+            )
+    keep: dict | None = {} if key is not None else None
+    model, tokenizer, source = _build_direct(header, config, options, None, keep)
+    if key is not None:
+        weight_cache.write(key, keep, *source)
+    return model, tokenizer
+
+
+def _build_direct(header: Any, config: Any, options: LoadOptions, entry: Any, keep: dict | None = None):
+    """(model, tokenizer, (tokenizer JSON, settings) or None) from the file, or from a cache `entry`;
+    `keep`: filled with the prepared weights (gguf.load_quantized) and asks for the tokenizer's JSON."""
+    from foveal.engine.models import gguf as direct
+
+    def tokenizer() -> tuple[Any, tuple[str, dict] | None]:
+        if entry is not None:
+            return direct.tokenizer_from(*entry.tokenizer()), None
+        backend, settings = direct.tokenizer_source(header)
+        source = (backend.to_str(), settings) if keep is not None else None  # before it is built on
+        return direct.tokenizer_from(backend, settings), source
+
+    # The tokenizer's conversion is Python (it holds the GIL); unpacking and packing weights
+    # mostly release it, so the two overlap.
+    with ThreadPoolExecutor(1) as pool:
+        made = pool.submit(tokenizer)
+        cached = None if entry is None else entry.parts
+        model = direct.load_quantized(header, config, options.dtype, options.quantize, cached, keep)
+        return model, *made.result()
 
 
 def _prepare_decode(runner: HFRunner) -> None:

@@ -196,6 +196,13 @@ def write_tiny_gguf(path: Path, tied: bool, seed: int) -> TinyGguf:
     return TinyGguf(path, tied, blocks, weights)
 
 
+@pytest.fixture(autouse=True)
+def _own_weight_cache(tmp_path, monkeypatch):
+    """Each test's loads prepare the weights from the file and write their weight cache entries
+    (weight_cache.py) into the test's own folder, not the user's cache."""
+    monkeypatch.setenv("FOVEAL_CACHE", str(tmp_path / "cache"))
+
+
 @pytest.fixture(scope="module")
 def files(tmp_path_factory) -> dict[str, TinyGguf]:
     root = tmp_path_factory.mktemp("gguf")
