@@ -8,14 +8,23 @@ A script, a notebook, a CLI run or a just-started server replica lives in its fi
 round starts one fresh Python process per contender (foveal, then llama.cpp), and each process, from
 its first line:
   - imports its library (`import foveal` / `import llama_cpp`) and loads the file (`foveal.load(path)`
-    with its engine / `llama_cpp.Llama(model_path=path)`): `import_s`, `load_s` (imports included);
+    with its engine / `llama_cpp.Llama(model_path=path)`): `import_s`, `load_s` (imports included),
+    and for foveal `load_cpu_s`, the process's CPU time (every thread) in `foveal.load`, which other
+    jobs on the machine change far less than the wall time;
   - makes one JSON-schema call (benchmarks.peers' "invent a character" ask and schema; llama.cpp's
     grammar built from the schema inside the call, as foveal compiles its own): `json_s`;
   - makes three free-text calls of `--free-tokens` tokens (benchmarks.llamacpp's asks): the first
     three calls' tokens/s, then `--steady` more calls of the same asks: the steady tokens/s.
 Rows: load + first JSON call + first free-text call (`cold_s`), and foveal's over llama.cpp's
 (target <= 2); the first three free calls' tokens/s over the steady ones (target >= 0.8); the load
-(target <= 2 s on a quiet machine). Both get the same prompt token ids (the chat template foveal's
+(target <= 2 s on a quiet machine).
+
+foveal's load reads the file's prepared weights from its weight cache (engine/models/weight_cache.py)
+when an earlier load wrote them; the parent's throwaway load (the prompts) writes that entry, so
+`foveal` processes load from it, as every load after a user's first does. Two more contenders can
+be named in `--contenders`: `foveal-nocache` (`FOVEAL_WEIGHT_CACHE=0`: the weights prepared from
+the file) and `foveal-firstload` (an empty cache folder: a file's first load, which prepares the
+weights and writes the entry). Both get the same prompt token ids (the chat template foveal's
 skills build, computed once by this parent process), greedy, the same threads. `--importtime`
 adds a foveal process run under `python -X importtime` and lists the imports a GGUF load
 triggers by their cumulative time. The report records the machine's load average at each run.
@@ -34,6 +43,13 @@ from pathlib import Path
 from typing import Any
 
 CONTENDERS = ("foveal", "llama.cpp")
+# foveal's contenders: the environment of their processes (FIRST_LOAD: an empty weight cache folder)
+FIRST_LOAD = "<an empty folder>"
+FOVEAL_ENV = {
+    "foveal": {},
+    "foveal-nocache": {"FOVEAL_WEIGHT_CACHE": "0"},
+    "foveal-firstload": {"FOVEAL_CACHE": FIRST_LOAD},
+}
 
 
 # ---- the child processes: everything timed from their first line --------------------------------------------
@@ -42,20 +58,27 @@ CONTENDERS = ("foveal", "llama.cpp")
 def child(contender: str, spec: dict) -> dict:
     """One fresh process's load and first calls; `spec`: path, threads, prompts, token budgets."""
     start = time.perf_counter()
-    out = _foveal_child(spec, start) if contender == "foveal" else _llama_child(spec, start)
+    out = _foveal_child(spec, start) if contender in FOVEAL_ENV else _llama_child(spec, start)
     out["load_average"] = os.getloadavg()
     return out
 
 
 def _foveal_child(spec: dict, start: float) -> dict:
+    import resource
+
     import torch
 
     import foveal
 
+    def cpu_s() -> float:
+        usage = resource.getrusage(resource.RUSAGE_SELF)
+        return usage.ru_utime + usage.ru_stime
+
     imported = time.perf_counter()
     torch.set_num_threads(spec["threads"])
+    cpu_before = cpu_s()
     model = foveal.load(spec["path"], device="cpu", max_batch_size=32, max_model_len=512)
-    loaded = time.perf_counter()
+    loaded, load_cpu_s = time.perf_counter(), cpu_s() - cpu_before
     from benchmarks import peers
 
     work = peers.json_workload(1)
@@ -71,7 +94,8 @@ def _foveal_child(spec: dict, start: float) -> dict:
         free = [call(ask, None, spec["free_tokens"]) for ask in spec["free_asks"]]
     finally:
         model.close()
-    return _report(imported - start, loaded - start, json_s, json_text, free, len(spec["free_asks"]) // 2)
+    report = _report(imported - start, loaded - start, json_s, json_text, free, len(spec["free_asks"]) // 2)
+    return {**report, "load_cpu_s": load_cpu_s}
 
 
 def _llama_child(spec: dict, start: float) -> dict:
@@ -138,7 +162,10 @@ def spawn(contender: str, spec: dict, importtime: bool = False) -> dict:
         spec_path.write_text(json.dumps(spec))
         cmd = [sys.executable, *(["-X", "importtime"] if importtime else [])]
         cmd += ["-m", "benchmarks.cold_start", "--child", contender, str(spec_path), str(out_path)]
-        done = subprocess.run(cmd, capture_output=True, text=True, cwd=Path(__file__).resolve().parents[1])
+        extra = FOVEAL_ENV.get(contender, {})
+        env = {**os.environ, **{k: str(Path(folder) / "cache") if v == FIRST_LOAD else v for k, v in extra.items()}}
+        root = Path(__file__).resolve().parents[1]
+        done = subprocess.run(cmd, capture_output=True, text=True, cwd=root, env=env)
         if done.returncode != 0:
             raise RuntimeError(f"the {contender} process failed: {done.stderr.strip()[-2000:]}")
         report = json.loads(out_path.read_text())
@@ -171,6 +198,9 @@ def run(
     from benchmarks.llamacpp import FREE_ASKS
     from foveal.testing.smollm2 import smollm2_gguf
 
+    unknown = [c for c in contenders if c not in FOVEAL_ENV and c != "llama.cpp"]
+    if unknown:
+        raise SystemExit(f"unknown contender(s) {unknown}; choose from {', '.join([*FOVEAL_ENV, 'llama.cpp'])}")
     path = str(gguf or smollm2_gguf())
     asks = (FREE_ASKS * 2)[:3]
     free_asks = asks + (asks * steady)[:steady]
@@ -202,6 +232,7 @@ def row(contender: str, runs: list[dict]) -> dict:
         return values[(len(values) - 1) // 2]
 
     keys = ("import_s", "load_s", "json_s", "first_free_s", "cold_s", "first_tokens_per_s", "steady_tokens_per_s")
+    keys += ("load_cpu_s",) if all("load_cpu_s" in r for r in runs) else ()
     out = {"contender": contender, "processes": len(runs), **{key: median(key) for key in keys}}
     out["first_vs_steady"] = out["first_tokens_per_s"] / out["steady_tokens_per_s"]
     out["load_averages"] = [r["load_average"][0] for r in runs]
@@ -211,9 +242,11 @@ def row(contender: str, runs: list[dict]) -> dict:
 def ratios(rows: list[dict]) -> dict:
     by = {r["contender"]: r for r in rows}
     out = {f"{name}_first_three_vs_steady": r["first_vs_steady"] for name, r in by.items()}
-    if "foveal" in by and "llama.cpp" in by:
-        out["cold_s_vs_llamacpp"] = by["foveal"]["cold_s"] / by["llama.cpp"]["cold_s"]
-        out["load_s_vs_llamacpp"] = by["foveal"]["load_s"] / by["llama.cpp"]["load_s"]
+    for name in FOVEAL_ENV:
+        if name in by and "llama.cpp" in by:
+            prefix = "" if name == "foveal" else f"{name}_"
+            out[f"{prefix}cold_s_vs_llamacpp"] = by[name]["cold_s"] / by["llama.cpp"]["cold_s"]
+            out[f"{prefix}load_s_vs_llamacpp"] = by[name]["load_s"] / by["llama.cpp"]["load_s"]
     return out
 
 
@@ -223,15 +256,18 @@ def print_table(report: dict) -> None:
         f"{report['free_tokens']} free-text tokens a call; medians of {report['rows'][0]['processes']} process(es)"
     )
     print(
-        f"  {'contender':<10} {'import':>7} {'load':>7} {'1st JSON':>9} {'1st free':>9} {'cold':>7}"
+        f"  {'contender':<16} {'import':>7} {'load':>7} {'1st JSON':>9} {'1st free':>9} {'cold':>7}"
         f" {'3 first':>8} {'steady':>8} {'ratio':>6}  load avg"
     )
     for r in report["rows"]:
         print(
-            f"  {r['contender']:<10} {r['import_s']:6.2f}s {r['load_s']:6.2f}s {r['json_s']:8.2f}s {r['first_free_s']:8.2f}s"
+            f"  {r['contender']:<16} {r['import_s']:6.2f}s {r['load_s']:6.2f}s {r['json_s']:8.2f}s {r['first_free_s']:8.2f}s"
             f" {r['cold_s']:6.2f}s {r['first_tokens_per_s']:5.1f}t/s {r['steady_tokens_per_s']:5.1f}t/s"
             f" {r['first_vs_steady']:6.2f}  {', '.join(f'{x:.1f}' for x in r['load_averages'])}"
         )
+    for r in report["rows"]:
+        if "load_cpu_s" in r:
+            print(f"  {r['contender']}: CPU time in foveal.load {r['load_cpu_s']:.2f} s (every thread, median)")
     for r in report.get("foveal_imports", []):
         print(f"  import {r['module']:<28} {r['cumulative_s']:6.2f} s (cumulative, foveal's process)")
     print("  ratios: " + ", ".join(f"{k} {v:.2f}" for k, v in report["ratios"].items()))

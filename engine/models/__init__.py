@@ -3,7 +3,9 @@
 Design choice: build on transformers' model code, replace only attention. A model's layers (RMSNorm
 variants, RoPE, Gemma's embedding scale, SigLIP/CLIP towers, projectors, pixel shuffles) are
 transformers' own modules, so parity with the reference holds by construction and weight loading
-(safetensors and GGUF) is transformers'. foveal writes only what is its own:
+(safetensors, and GGUF off CPU) is transformers'. The one exception is a llama GGUF file on CPU,
+which foveal reads into its own module tree (gguf.py; the text decoder runs lean.py's forward,
+whose parity with transformers' is tested). foveal writes only what is its own:
     attention.py    paged attention registered through transformers' `AttentionInterface`: K/V written
                     at the engine's KV indices, read through its block tables, causal or prefix masks
     runner.py       `HFRunner`: one flat `ForwardBatch` -> one model call
@@ -12,7 +14,9 @@ transformers' own modules, so parity with the reference holds by construction an
     traced.py       decode steps replayed as traced graphs on CPU (one native call that keeps the GIL
                     released, the CPU twin of CUDA-graph replay)
     quant.py        weight-only int8 / int4 and fp16 linears for CPU
-    gguf.py         llama .gguf files read straight from the mapped file
+    gguf.py         llama .gguf files read straight from the mapped file, into foveal's own module tree in
+                    transformers' llama names (run by lean.py; no transformers modeling code imported)
+    weight_cache.py a GGUF file's prepared weights and tokenizer kept on disk for the next load
     image_cache.py  an LRU of image features by image key, bounded in bytes
     processor.py    `InputProcessor`: text + images -> prompt ids + `PrefillInputs`, through the
                     model's own transformers processor

@@ -26,14 +26,21 @@ SOLUTION
         (`HalfEmbedding`): Q4_1's d q + m and Q8_0's d q are f16 products, which fp16 holds to its
         own rounding. Packing runs on torch's intra-op threads (`quant.builder`), and the loader
         converts the tokenizer (Python, under the GIL) at the same time.
-    The model is built on the meta device from the config transformers derives from the file's
-    metadata, and every weight is set from the file, so nothing is allocated twice. llama.cpp
+    The model is foveal's own module tree in transformers' llama names (`LlamaForCausalLM` below:
+    `model.layers[i].self_attn.q_proj`, ...), built from the finished layers, with the config read
+    from the metadata (`LlamaTextConfig`, LlamaConfig's fields): lean.py's decoder runs every launch
+    of a text model, so transformers' llama modules, whose import pulls transformers' modeling,
+    distributed and compiler code (seconds of a fresh process), are not needed. llama.cpp
     stores Q and K rows permuted for its interleaved rotary; the rows are permuted back (rows are
     whole quantization blocks, so this is exact on the packed data), as transformers does.
+    Each weight is first made into named tensors (`prepare`), then a layer (`layer_from`): the
+    weight cache (weight_cache.py) stores the former, so a later load skips the unpacking and
+    dequantizing and builds the same layers from the same tensors.
 
 INVARIANTS
-    - Every parameter and buffer of the model comes from the file or from the config (rotary
-      frequencies); a tensor left on the meta device raises before the model is returned.
+    - Every parameter and buffer of the model comes from the file (or the parts an earlier load
+      prepared of it, weight_cache.py) or from the config (rotary frequencies, computed as
+      transformers' llama computes them: tests/models/test_gguf_tiny.py).
     - Under "int4" the Q4_0/Q4_1 weights the kernel multiplies by are the file's codes and groups,
       with scales and zeros rounded to bf16;
       against the fp32 weights transformers dequantizes, SmolLM2's greedy answers agree as measured
@@ -278,8 +285,16 @@ def load_quantized(
         return layer_from(parts(name, mode, permute, head))
 
     with builder() as pool:
-        # Under fp16 the vocabulary matrix comes first: the lookup rows and a tied head's pack need it.
+        # The vocabulary matrix first, and under fp16 its head's pack right after: that pack is the
+        # longest single job (a fifth of SmolLM2's weights, packed at 2-3x the time a weight of the
+        # others takes), which run last would leave the other threads idle while it finishes.
         vocab = pool.submit(parts, "token_embd.weight", "fp16" if fp16 else "int8", None, True)
+        if fp16 and tied:
+            head = pool.submit(lambda: HalfLinear(vocab.result()[FP16_WEIGHT].float()))
+        elif fp16:
+            head = pool.submit(linear, "output.weight", "fp16", None)
+        elif not tied:
+            head = pool.submit(linear, "output.weight", "int8", None, True)
         jobs = {
             (index, path): pool.submit(
                 linear, f"blk.{index}.{name}.weight", layer_mode, {"q": heads, "k": kv_heads}.get(rotary)
@@ -288,14 +303,13 @@ def load_quantized(
             for name, (path, rotary) in LAYER_LINEARS.items()
         }
         if fp16:
-            weight = vocab.result()[FP16_WEIGHT]
-            head = pool.submit(HalfLinear, weight.float()) if tied else pool.submit(linear, "output.weight", "fp16", None)
-            embed = HalfEmbedding(weight, config.pad_token_id)
+            embed = HalfEmbedding(vocab.result()[FP16_WEIGHT], config.pad_token_id)
         else:
             # One int8 matrix serves the lookup and, tied, the head.
             matrix = layer_from(vocab.result())
-            head = pool.submit(lambda: matrix) if tied else pool.submit(linear, "output.weight", "int8", None, True)
             embed = QuantEmbedding(matrix, config.pad_token_id)
+            if tied:
+                head = pool.submit(lambda: matrix)
         norms = [
             [_float(*read(f"blk.{index}.{name}.weight"), dtype) for name in LAYER_NORMS]
             for index in range(config.num_hidden_layers)
