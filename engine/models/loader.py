@@ -6,8 +6,9 @@ of loading it: options checked and resolved (`resolve_options`), a source resolv
 folder's safety checks (`read_config`: config.json, safetensors only, a tokenizer), a transformers
 model with its attention on foveal's paged attention (`load_transformers`, `quantize=` "int8" |
 "int4" | "fp16" on CPU through `quant.quantize_model`), a .gguf file (`load_gguf`: on CPU a llama
-file is read straight from the mapped file, `gguf.py`; other architectures, or CUDA, through
-transformers, which dequantizes), and the runner + input processor + eos ids (`assemble`).
+file is read straight from the mapped file, `gguf.py`, its prepared weights kept for the next load
+by `weight_cache.py`; other architectures, or CUDA, through transformers, which dequantizes), and
+the runner + input processor + eos ids (`assemble`).
 Nothing from a folder is executed (no trust_remote_code) and nothing is unpickled (safetensors
 only). Every check runs before the weights are read, so a bad folder fails in milliseconds with a
 message that says what to do.
@@ -300,9 +301,9 @@ def load_gguf(
 
 
 def _load_direct(path: Path, header: Any, config: Any, options: LoadOptions) -> tuple[Any, Any]:
-    """(model, tokenizer) of a llama GGUF file read by gguf.py: from the weight cache's entry of this
-    file and build when there is one (weight_cache.py), else prepared from the file, and the entry
-    written. A damaged entry is reported and replaced, never used."""
+    """(model, tokenizer) of a llama GGUF file read by gguf.py: built from the weight cache's entry
+    for this file and these options when there is one (weight_cache.py), else prepared from the
+    file, and the entry written. A damaged entry is reported and replaced, never used."""
     from foveal.engine.models import weight_cache
 
     variant = {"dtype": str(options.dtype).removeprefix("torch."), "quantize": options.quantize}

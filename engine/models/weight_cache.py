@@ -33,7 +33,8 @@ INVARIANTS
       and leaves the load's model as it is.
     - Tensors a model keeps are copied out of the mapping, so an entry may be replaced or removed
       while a model loaded from it lives.
-    - One entry per (file, dtype, quantize); a write prunes entries whose file no longer exists.
+    - One entry per (file, load options): a stale one is replaced in place; a write prunes entries
+      whose file no longer exists.
 """
 
 from __future__ import annotations
@@ -84,7 +85,7 @@ def key(path: Path, header_bytes: int, variant: dict[str, Any]) -> dict[str, Any
         "size": stat.st_size,
         "mtime_ns": stat.st_mtime_ns,
         "header_crc32": header_crc,
-        **variant,
+        "variant": variant,
         "torch": torch.__version__,
         "cpu": torch.backends.cpu.get_cpu_capability(),
         "transformers": transformers.__version__,
@@ -93,9 +94,10 @@ def key(path: Path, header_bytes: int, variant: dict[str, Any]) -> dict[str, Any
 
 
 def entry_path(key: dict[str, Any]) -> Path:
-    """One file per (source, variant): a later build of the same file and variant replaces it."""
-    variant = {k: v for k, v in key.items() if k not in ("size", "mtime_ns", "header_crc32")}
-    digest = hashlib.sha256(json.dumps(variant, sort_keys=True).encode()).hexdigest()[:16]
+    """One file per (source, variant): a later build for the same file and options (after the file,
+    torch or foveal changed) replaces it."""
+    named = json.dumps([key["source"], key["variant"]], sort_keys=True)
+    digest = hashlib.sha256(named.encode()).hexdigest()[:16]
     return folder() / f"{Path(key['source']).stem}-{digest}{SUFFIX}"
 
 
@@ -178,11 +180,12 @@ def write(
     path = entry_path(key)
     temporary = [path.with_name(f".{p.name}.{os.getpid()}.tmp") for p in (tokenizer_path(path), path)]
     try:
+        header = {"foveal": json.dumps(meta)}  # first: settings that are not JSON write nothing
         path.parent.mkdir(parents=True, exist_ok=True)
         _prune(path.parent)
         temporary[0].write_bytes(text)
         os.replace(temporary[0], tokenizer_path(path))
-        save_file(tensors, str(temporary[1]), metadata={"foveal": json.dumps(meta)})
+        save_file(tensors, str(temporary[1]), metadata=header)
         os.replace(temporary[1], path)
     except (OSError, TypeError, ValueError) as error:  # TypeError: settings that are not JSON
         for tmp in temporary:

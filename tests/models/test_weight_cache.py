@@ -148,7 +148,9 @@ def test_a_damaged_entry_is_reported_never_used_and_written_again(cache, tiny, d
         _assert_same_model(load(tiny.path, device="cpu"), reference)
 
 
-def test_a_changed_file_or_other_options_miss_silently_and_replace_their_own_entry(cache, tiny):
+def test_a_changed_file_or_build_or_other_options_miss_silently_and_replace_their_own_entry(
+    cache, tiny, monkeypatch
+):
     load(tiny.path, device="cpu", quantize="int8")
     (before,) = cache.glob("*.safetensors")
     written = before.stat().st_mtime_ns
@@ -158,6 +160,12 @@ def test_a_changed_file_or_other_options_miss_silently_and_replace_their_own_ent
         warnings.simplefilter("error")
         load(tiny.path, device="cpu", quantize="int8")
     assert _entries(cache) == [before.name] and before.stat().st_mtime_ns != written  # replaced
+    monkeypatch.setattr(weight_cache, "FORMAT", weight_cache.FORMAT + 1)  # foveal (or torch) changed
+    written = before.stat().st_mtime_ns
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        load(tiny.path, device="cpu", quantize="int8")
+    assert _entries(cache) == [before.name] and before.stat().st_mtime_ns != written  # replaced in place
     load(tiny.path, device="cpu", quantize="int4")
     assert len(_entries(cache)) == 2  # one entry per (file, options)
 
