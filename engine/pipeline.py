@@ -139,9 +139,10 @@ from .kv_cache import PagePool, pages_needed
 from .lanes import Lanes
 from .matcher import FillMasks, bitmask_words, conforms, require
 from .request import FinishReason, TokenLogprob
-from .runner import ModelRunner, shares_pages
+from .runner import ModelRunner, shares_pages, sliding_window
 from .scheduler import Scheduler, Sequence
 from .sequences import Sequences
+from .sliding import SlidingPages
 from .slot import POISON, DecodeSlot, SlotState
 from .stats import Stats
 from .step import Step, stage
@@ -152,6 +153,8 @@ if TYPE_CHECKING:
 
 Committed = list[tuple[Sequence, int]]  # (sequence, token) pairs whose text is still due
 MAX_JUMP = 64  # forced tokens one jump carries at most (a longer forced run takes several)
+# query positions a decode launch gives one row at most: a jump, or a verify step's input and drafts (sliding.py)
+DECODE_SPAN = max(MAX_JUMP, drafts.MAX_DRAFT + 1)
 
 
 class Pipeline:
@@ -170,6 +173,7 @@ class Pipeline:
         jump_forward: bool = False,
         speculative: str | None = None,
         prefill_chunk: int | None = None,
+        sliding_pages: int | None = None,
         debug: bool = False,
         debug_hook: Callable[[str], None] | None = None,
         trace: Trace | None = None,
@@ -190,8 +194,15 @@ class Pipeline:
         self.max_batch = max_batch
         self.pool = PagePool(num_pages, page_size)
         max_pages = pages_needed(max_model_len, page_size)
-        self.lanes = Lanes(2 * max_batch, max_pages)
-        self.scheduler = Scheduler(self.pool, self.lanes, max_batch, max_step_tokens, prefill_chunk)
+        window = sliding_window(runner) if sliding_pages is not None else None
+        # the sliding-window layers' own pool (sliding.py), for a runner that has such layers
+        self.sliding = None
+        if window is not None:
+            self.sliding = SlidingPages(sliding_pages, page_size, window, prefill_chunk or max_step_tokens, DECODE_SPAN)
+        self.lanes = Lanes(2 * max_batch, max_pages, sliding=self.sliding is not None)
+        if self.sliding is not None:
+            self.sliding.table = self.lanes.sliding_table
+        self.scheduler = Scheduler(self.pool, self.lanes, max_batch, max_step_tokens, prefill_chunk, self.sliding)
         self.sequences = Sequences(self.scheduler, self.stats)
         self.slots = [
             DecodeSlot(i, device, max_batch, max_step_tokens, max_pages, bitmask_words(runner.vocab_size))
@@ -203,7 +214,10 @@ class Pipeline:
         # some steps may sample region values (regions.py): the runner's heads, or None
         self.heads: regions.RegionHeads | None = runner if conforms(runner, regions.RegionHeads) else None
         self.region_logprobs = self.heads is not None and conforms(runner, regions.RegionLogprobs)
-        runner.allocate_kv(num_pages, page_size)
+        if self.sliding is not None:
+            runner.allocate_kv(num_pages, page_size, sliding_pages=sliding_pages)
+        else:
+            runner.allocate_kv(num_pages, page_size)
 
     def has_work(self) -> bool:
         return bool(self.inflight) or self.scheduler.has_work()
@@ -231,7 +245,7 @@ class Pipeline:
         step = Step(self.step_number, slot, rows)
         if self.speculative:
             self._plan_drafts(step)
-        prefill_rows = stage(step, self.lanes, self.page_size, self._row_numbers)
+        prefill_rows = stage(step, self.lanes, self.page_size, self._row_numbers, self.sliding)
         for row, (seq, extra) in enumerate(zip(rows, step.extra.tolist(), strict=True)):
             # a partial chunk samples nothing; a verify row counts every draft until its commit says
             seq.num_scheduled += 0 if row in step.partial else 1 + extra
