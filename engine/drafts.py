@@ -20,7 +20,8 @@ INVARIANTS
       batch it rides in, the sampling seed or the device.
     - `propose` returns [] or tokens that follow an earlier occurrence of the context's last
       `min_match` (or more) tokens; the index only ever grows with the context.
-    - `probe` leaves the matcher exactly as it found it (commits are rolled back).
+    - `probe` leaves the matcher exactly as it found it (commits are rolled back), and counts no
+      token past a state its `stop` holds in.
 """
 
 from __future__ import annotations
@@ -119,13 +120,29 @@ class Drafter:
         self.failures += 1
 
 
-def probe(commit: Callable[[int], None], rollback: Callable[[int], None], tokens: list[int]) -> int:
-    """How many leading `tokens` a matcher accepts, committed one by one and then rolled back."""
+def probe(
+    commit: Callable[[int], None],
+    rollback: Callable[[int], None],
+    tokens: list[int],
+    stop: Callable[[], bool] | None = None,
+    start: int = 0,
+) -> int:
+    """How many leading `tokens` a matcher accepts, committed one by one and then rolled back.
+
+    `stop`, a test of the matcher's current state, ends the count earlier: the count c is then the
+    largest for which no state after j tokens, start <= j <= c, is one `stop` holds in (less than
+    `start` when the state after `start` tokens is one). The pipeline stops drafts where the
+    grammar forces a run that decoding without drafts would jump over (`Pipeline._plan_drafts`).
+    """
     count = 0
     try:
+        if stop is not None and start == 0 and stop():
+            return 0
         for token in tokens:
             commit(token)
             count += 1
+            if stop is not None and count >= start and stop():
+                return count - 1
     except Exception:  # the first token the grammar refuses ends the draft
         pass
     finally:

@@ -127,6 +127,7 @@ import math
 import time
 from collections import deque
 from collections.abc import Callable
+from functools import partial
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -270,8 +271,12 @@ class Pipeline:
             seq = rows[row]
             if not seq.can_draft or (seq.jump is not None and len(seq.jump) > 1):
                 continue  # a forced run is its own multi-token query: no drafts after it
-            # the drafts' last sample must stay below max_tokens (its K/V position is then reserved)
-            cap = min(drafts.MAX_DRAFT, seq.max_tokens - 1 - seq.num_scheduled, room, tokens)
+            # the drafts' last sample must stay below max_tokens (its K/V position is then reserved);
+            # and their positions stay in the page of the row's first one: attention's rounding
+            # depends on the keys it pads a launch's rows to (whole pages of its longest context),
+            # so a guessed position must see the keys its decode would (NUMERICS)
+            page_room = -(seq.prompt_len + seq.num_scheduled) % self.page_size
+            cap = min(drafts.MAX_DRAFT, seq.max_tokens - 1 - seq.num_scheduled, room, tokens, page_room)
             if cap < 1:
                 continue
             # Pipelined, a decode row's previous sample is still in flight: the lookup's first token
@@ -281,7 +286,9 @@ class Pipeline:
                 seq.drafter = Drafter(seq.request.prompt_ids)
             proposal = seq.drafter.propose(seq.token_ids, cap + guessed)
             if seq.matcher is not None and len(proposal) > guessed:
-                proposal = proposal[: drafts.probe(seq.matcher.commit, seq.rollback, proposal)]
+                # no logit row where the grammar forces a run: decoding would jump over it (JUMPS)
+                stop = partial(_would_jump, seq) if self.jump_forward and seq.forced_tokens is not None else None
+                proposal = proposal[: drafts.probe(seq.matcher.commit, seq.rollback, proposal, stop, guessed)]
             if len(proposal) > guessed:
                 step.drafts[row] = proposal[guessed:]
                 room -= len(proposal) - guessed
@@ -319,10 +326,15 @@ class Pipeline:
             token = samples[last]
             if row in step.partial and not seq.finalized:  # a prompt chunk that is not its last: no token
                 continue
-            if not seq.finalized and row in step.drafts:
+            if not seq.finalized and row in step.drafts and row not in step.pinned:
                 first = starts[row]
                 self._commit_verified(seq, step.drafts[row], samples[first : last + 1], logprobs, first)
             elif not seq.finalized:
+                if row in step.drafts:  # a verify row finalize pinned (_pin_forced): its drafts are void
+                    last = starts[row]
+                    token = samples[last]
+                    seq.verifying = False
+                    seq.num_scheduled -= starts[row + 1] - 1 - last  # it counted every draft at launch
                 if seq.num_committed == 0 and seq.prefix_chain:  # its prompt's K/V is written now
                     self.scheduler.register_prefix(seq)
                 forced = step.pinned.get(row)
@@ -358,7 +370,8 @@ class Pipeline:
         while accepted < len(guesses) and samples[accepted] == guesses[accepted]:
             accepted += 1
         seq.verifying = False
-        seq.drafter.verdict(accepted)
+        if guesses:  # none left: finalize cut them all (JUMPS), which is no verdict on the lookup
+            seq.drafter.verdict(accepted)
         self.draft_stats.accepted += accepted
         for index, token in enumerate(samples[: accepted + 1]):
             logprob = logprobs[first + index] if logprobs is not None else None
@@ -486,11 +499,15 @@ class Pipeline:
         first, end = int(step.logit_start[row]), index + len(guesses)
         host.mask_rows[index:end] = np.arange(first + 1, first + 1 + len(guesses))
         host.bitmask[index:end] = -1
+        jumps = self.jump_forward and seq.forced_tokens is not None
         committed = 0
         try:
             for position, token in enumerate(guesses):
                 matcher.commit(token)
                 committed += 1
+                if jumps and _would_jump(seq):  # (JUMPS) this position's sample must not be committed
+                    del guesses[position:]  # so no draft from d(position + 1) on is accepted
+                    break
                 host.bitmask[index + position] = 0
                 self._fill_one(seq, bitmask, index + position)
         except Exception as error:
@@ -517,13 +534,17 @@ class Pipeline:
         for index in range(num_masked):
             row = int(step.row_of_logit[host.mask_rows[index]])
             seq = step.rows[row]
-            if seq.finalized or seq.forced_tokens is None or row in step.drafts:  # a verify row: no pin
+            if seq.finalized or seq.forced_tokens is None:
                 continue
-            # F starts at this step's output index, num_scheduled - 1, and must end below max_tokens
-            forced = seq.forced_tokens()[: min(seq.max_tokens - seq.num_scheduled + 1, MAX_JUMP)]
+            # F starts at this row's first output index, num_scheduled - 1 (less a verify row's
+            # drafts, which it counts), and must end below max_tokens
+            scheduled = seq.num_scheduled
+            if row in step.drafts:
+                scheduled -= int(step.logit_start[row + 1] - step.logit_start[row]) - 1
+            forced = seq.forced_tokens()[: min(seq.max_tokens - scheduled + 1, MAX_JUMP)]
             final = bool(forced) and seq.ends_after(forced)
             if not final:  # the sample after F must stay below max_tokens, and F fit the next step
-                forced = forced[: min(seq.max_tokens - seq.num_scheduled, budget + 1)]
+                forced = forced[: min(seq.max_tokens - scheduled, budget + 1)]
                 if len(forced) < 2:
                     continue
             if not _narrow(host.bitmask[index], forced[0]):
@@ -587,6 +608,13 @@ def check_speculative(speculative: str | None, runner: ModelRunner, region_heads
             "load it with speculative=None"
         )
     return speculative
+
+
+def _would_jump(seq: Sequence) -> bool:
+    """Whether finalize may pin a forced run at the matcher's current state (`Pipeline._pin_forced`:
+    two forced tokens or more, or any that complete the output): a superset of the states it pins at."""
+    forced = seq.forced_tokens()
+    return len(forced) > 1 or (len(forced) == 1 and seq.ends_after(forced))
 
 
 def _narrow(mask: np.ndarray, token: int) -> bool:

@@ -216,6 +216,51 @@ def test_drafts_compose_with_jump_forward(h, pipelined):
     assert results[0] == results[1]
 
 
+def spelled_twice(h):
+    """A trie grammar in which one stretch of text has two tokenizations: after `stem` it allows x
+    (then y) or z alone (x y and z spell the same text), and reports the canonical x y as forced
+    there, as llguidance does; decoding without drafts narrows that position to x and jumps over
+    x y (pipeline.py, JUMP-FORWARD), so a verify row that samples it freely may pick z instead."""
+
+    class SpelledTwice(h.TrieMatcher):
+        def __init__(self, stem: list[int], x: int, y: int, z: int, tail: list[int]) -> None:
+            super().__init__([stem + [x, y] + tail, stem + [z] + tail])
+            self.split, self.canonical = stem, [x, y]
+
+        def forced_tokens(self) -> list[int]:
+            return list(self.canonical) if self.tokens == self.split else []
+
+        def ends_after(self, tokens: list[int]) -> bool:
+            return False
+
+    return SpelledTwice
+
+
+@pytest.mark.parametrize("pipelined", [True, False])
+def test_drafts_never_sample_where_decoding_jumps_over_a_forced_run(h, pipelined):
+    """Every forced run is taken where decoding without drafts takes it, with its canonical tokens:
+    no logit row of a verify step samples a position where the grammar forces a run."""
+    SpelledTwice = spelled_twice(h)
+    results = []
+    for speculative in (None, "ngram"):
+        rng = random.Random(12)
+        outs, jumps, accepted = [], 0, 0
+        for i in range(8):  # one call at a time: steps of few rows carry drafts
+            pipe = spec_pipeline(pipelined, speculative, jump_forward=True)
+            stem = [rng.randrange(1, 40) for _ in range(4)]
+            x, y, z = rng.sample(range(40, VOCAB), 3)
+            seq = add(pipe, stem * 2, max_tokens=20, matcher=SpelledTwice(stem, x, y, z, stem), stop=(EOS,), seed=i)
+            run_to_idle(pipe)
+            assert_idle_and_free(pipe)
+            assert seq.request.matcher.accepts(seq.handle.result(0).token_ids)
+            outs += outputs([seq])
+            jumps, accepted = jumps + pipe.stats.jumps, accepted + pipe.draft_stats.accepted
+        results.append((outs, jumps, accepted))
+    (plain, plain_jumps, _), (drafted, jumps, accepted) = results
+    assert plain_jumps == 8 and accepted > 0
+    assert drafted == plain and jumps == plain_jumps
+
+
 # ---- caps, stops, zombies, pages ------------------------------------------------------------------
 
 
