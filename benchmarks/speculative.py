@@ -13,12 +13,17 @@ prompt ids and the same compiled automaton, greedy:
 The two engines take turns call by call (a concurrent batch counts as one call), the order of each
 pair alternating, so that the machine's load falls on both alike; every workload is run once on
 both before timing (decode graphs traced, the same warm-up for both) with other documents and
-asks than the timed ones, so no timed prompt finds its own pages in the prefix cache. Each row:
-seconds without and with drafts (summed over calls and rounds), the speedup, whether every output
-has the same token ids in both (and how many calls do), the drafts launched / accepted, and what
-the machine's load moves less than wall time: the engine steps (forwards) and the device's busy
-seconds of each. The load average before and
-after is part of the report: on a shared machine the figures move with it.
+asks than the timed ones, so no timed prompt finds its own pages in the prefix cache; after each
+timed call its engine's background traces are waited for, outside the timing. Each row: seconds
+without and with drafts (summed over calls and rounds), the speedup, the seconds to each call's
+first text (its prefill, which drafts cannot shorten, and one step) and the speedup of the rest,
+whether every output has the same token ids in both (and how many calls do), the drafts launched /
+accepted, and what the machine's load moves less than wall time: the engine steps (forwards) and
+the device's busy seconds of each. Then one line per call: its seconds and steps, and where its
+drafts came from and went (lookups, lookups with no match, launches backed off or without room,
+draft tokens proposed, cut by the grammar, launched, accepted, and verify rows that accepted
+none). The load average before and after is part of the report: on a shared machine the figures
+move with it.
 """
 
 from __future__ import annotations
@@ -174,12 +179,13 @@ def run_calls(models: dict[str, foveal.Model], workload: Workload, rounds: int) 
 
     Per engine, the seconds to each call's first text are summed apart ("first_s": its prefill,
     which drafts cannot shorten, and one step) from the rest ("decode_s")."""
-    calls = {name: workload.calls(model) for name, model in models.items()}
     total = {name: dict.fromkeys(("seconds", "first_s", "device_s", *STEP_COUNTS), 0.0) for name in models}
     drafts = dict.fromkeys(DRAFT_COUNTS, 0)
     per_call, outputs = [], {name: [] for name in models}
     turn = 0
     for _ in range(rounds):
+        # fresh requests each round: a matcher is one output's state (a used one accepts nothing more)
+        calls = {name: workload.calls(model) for name, model in models.items()}
         for index in range(len(calls["off"])):
             order = list(models) if turn % 2 == 0 else list(reversed(models))
             turn += 1
