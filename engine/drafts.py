@@ -39,7 +39,8 @@ MAX_DRAFT = 3
 # step of as many rows carries none. A forward over many rows reads the weights once for all of
 # them already, so extra positions cost compute there rather than ride along; few rows keep the
 # kernels a batch-1 decode runs (quantized runners switch kernels with the row count, and a
-# position's logits should not depend on whether it was guessed).
+# position's logits should not depend on whether it was guessed: quant.SplitLinear runs its int4
+# kernel up to quant.FEW_ROWS = 4 rows, and this must not exceed it).
 MAX_LAUNCH_ROWS = 4
 # The shortest match that may propose (docs/speculative.md has the measurement): a match of 3
 # tokens drafts least, and a single token drafts for free text guesses that fail 4 times in 5.
