@@ -195,6 +195,14 @@ def fp16_kernel_available() -> bool:
     return "fbgemm" in torch.backends.quantized.supported_engines
 
 
+# fbgemm's fp16 GEMM runs a launch's rows in blocks of up to 6, and its 1- and 2-row blocks round
+# differently from the others: a decode row's output would differ from the same row's in a launch of
+# 3 to 6 rows (a speculative verify launch, or a few calls batched), flipping near-ties of greedy
+# decoding. Launches of fewer rows are padded to this many, so that up to 6 rows a row's output is
+# the same whatever shares its launch; the pad costs nothing measurable, the weight's bytes dominate.
+MIN_HALF_ROWS = 3
+
+
 class HalfLinear(nn.Module):
     """y = x @ W.T + b with W held as fp16 in fbgemm's packed layout; x and y are float32."""
 
@@ -211,7 +219,11 @@ class HalfLinear(nn.Module):
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = torch.ops.quantized.linear_dynamic_fp16(x.reshape(-1, self.in_features), self.packed)
+        flat = x.reshape(-1, self.in_features)
+        rows = flat.shape[0]
+        if rows < MIN_HALF_ROWS:  # the same micro-kernel as a launch of a few more rows (MIN_HALF_ROWS)
+            flat = F.pad(flat, (0, 0, 0, MIN_HALF_ROWS - rows))
+        out = torch.ops.quantized.linear_dynamic_fp16(flat, self.packed)[:rows]
         return out.view(*x.shape[:-1], self.out_features)
 
     def dequantize(self) -> torch.Tensor:
