@@ -34,6 +34,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from foveal.engine.models.attention import PagedContext, paged_attention
+from foveal.engine.models.quant import fuse_int4
 
 SUPPORTED_LAYERS = ("LlamaDecoderLayer", "GemmaDecoderLayer")
 
@@ -41,15 +42,32 @@ SUPPORTED_LAYERS = ("LlamaDecoderLayer", "GemmaDecoderLayer")
 class _Layer:
     """What one decoder layer's forward reads, resolved once."""
 
-    __slots__ = ("input_norm", "post_norm", "q", "k", "v", "o", "gate", "up", "down", "act", "scaling")
+    __slots__ = (
+        "input_norm",
+        "post_norm",
+        "q",
+        "k",
+        "v",
+        "o",
+        "gate",
+        "up",
+        "down",
+        "act",
+        "scaling",
+        "qkv",
+        "gate_up",
+    )
 
-    def __init__(self, layer: nn.Module, gemma: bool) -> None:
+    def __init__(self, layer: nn.Module, gemma: bool, fuse: bool) -> None:
         attn, mlp = layer.self_attn, layer.mlp
         self.input_norm = _norm_weight(layer.input_layernorm, gemma)
         self.post_norm = _norm_weight(layer.post_attention_layernorm, gemma)
         self.q, self.k, self.v, self.o = attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj
         self.gate, self.up, self.down, self.act = mlp.gate_proj, mlp.up_proj, mlp.down_proj, mlp.act_fn
         self.scaling: float = attn.scaling
+        # One int4 launch for q/k/v and one for gate/up where the layers allow it (quant.fuse_int4).
+        self.qkv = fuse_int4([self.q, self.k, self.v]) if fuse else None
+        self.gate_up = fuse_int4([self.gate, self.up]) if fuse else None
 
 
 def _norm_weight(norm: nn.Module, gemma: bool) -> torch.Tensor:
@@ -60,13 +78,13 @@ def _norm_weight(norm: nn.Module, gemma: bool) -> torch.Tensor:
 class LeanDecoder:
     """The decoder stack of a Llama- or Gemma-style text model, called with the runner's flat batch."""
 
-    def __init__(self, model: nn.Module) -> None:
+    def __init__(self, model: nn.Module, fuse: bool = True) -> None:
         decoder = model.get_decoder()
         text = model.config.get_text_config()
         gemma = type(decoder.layers[0]).__name__.startswith("Gemma")
         self.embed = decoder.embed_tokens
         self.rotary = decoder.rotary_emb
-        self.layers = [_Layer(layer, gemma) for layer in decoder.layers]
+        self.layers = [_Layer(layer, gemma, fuse) for layer in decoder.layers]
         self.final_norm = _norm_weight(decoder.norm, gemma)
         self.eps: float = text.rms_norm_eps
         self.head = model.get_output_embeddings()
@@ -105,15 +123,17 @@ class LeanDecoder:
         shape = (x.shape[-1],)
         for index, layer in enumerate(self.layers):
             h = F.rms_norm(x, shape, layer.input_norm, self.eps)
-            q = layer.q(h).view(tokens, self.heads, self.head_dim)
-            k = layer.k(h).view(tokens, self.kv_heads, self.head_dim)
-            v = layer.v(h).view(tokens, self.kv_heads, self.head_dim)
+            q, k, v = layer.qkv(h) if layer.qkv is not None else (layer.q(h), layer.k(h), layer.v(h))
+            q = q.view(tokens, self.heads, self.head_dim)
+            k = k.view(tokens, self.kv_heads, self.head_dim)
+            v = v.view(tokens, self.kv_heads, self.head_dim)
             q = q * cos + q.roll(half, -1) * sin
             k = k * cos + k.roll(half, -1) * sin
             attn = paged_attention(ctx, index, q, k, v, layer.scaling)
             x = x + layer.o(attn.reshape(tokens, width))
             h = F.rms_norm(x, shape, layer.post_norm, self.eps)
-            x = x + layer.down(layer.act(layer.gate(h)) * layer.up(h))
+            gate, up = layer.gate_up(h) if layer.gate_up is not None else (layer.gate(h), layer.up(h))
+            x = x + layer.down(layer.act(gate) * up)
         if last is not None:
             x = x[last]
         x = F.rms_norm(x, shape, self.final_norm, self.eps)

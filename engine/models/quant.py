@@ -270,6 +270,76 @@ class SplitLinear(nn.Module):
         return f"int4 up to {FEW_ROWS} rows, fp16 above, in_features={self.in_features}, out_features={self.out_features}"
 
 
+class FusedInt4(nn.Module):
+    """Several int4 layers over one input (a layer's q/k/v, or gate/up) run as one int4 launch.
+
+    The int4 kernel's cost per launch is more than its weights' bytes at one row: a dispatch, and
+    for `SplitLinear` parts two bf16 conversions, each paid per projection. Concatenating the
+    parts' output features makes one launch of the same groups and codes; each output column is
+    reduced over the same inputs in the same order as in its own layer, so the outputs are the
+    parts' own, bit for bit. The parts' packed codes become views of the fused tensor (one copy of
+    the weights in memory, the parts still usable on their own, e.g. by transformers' forward).
+    Launches beyond the parts' int4 rows (`SplitLinear`: more than `FEW_ROWS`) run the parts.
+
+    Build it with `fuse_int4`, which says None where the parts cannot be fused."""
+
+    def __init__(self, parts: list[QuantLinear | SplitLinear], int4: QuantLinear) -> None:
+        super().__init__()
+        self.parts = nn.ModuleList(parts)
+        self.int4 = int4
+        self.sizes = [p.out_features for p in parts]
+        self.in_features, self.out_features = int4.in_features, int4.out_features
+        self.split = isinstance(parts[0], SplitLinear)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        flat = x.reshape(-1, self.in_features)
+        if not self.split:  # int4 QuantLinears: their own rows logic, on the fused weight
+            out = self.int4(flat)
+        elif flat.shape[0] > FEW_ROWS:
+            return tuple(part(x) for part in self.parts)
+        else:
+            out = self.int4(flat.to(torch.bfloat16)).to(x.dtype)
+        out = out.view(*x.shape[:-1], self.out_features)
+        return out.split(self.sizes, dim=-1)
+
+    def extra_repr(self) -> str:
+        return f"int4 over {self.sizes} output features, in_features={self.in_features}"
+
+
+def fuse_int4(parts: list[nn.Module]) -> FusedInt4 | None:
+    """One int4 launch for `parts` (module docstring of FusedInt4), or None where they cannot share
+    one: not all int4 `QuantLinear`s or all `SplitLinear`s, different inputs, groups or dtypes, a
+    bias on some only, or a packed layout that does not concatenate (torch's 32-row blocks, every
+    part a whole number of them: `pack_int4`)."""
+    if len(parts) < 2 or not _blocked_layout_holds():
+        return None
+    if all(isinstance(p, SplitLinear) for p in parts):
+        int4s = [p.int4 for p in parts]
+    elif all(isinstance(p, QuantLinear) and p.mode == "int4" for p in parts):
+        int4s = list(parts)
+    else:
+        return None
+    first = int4s[0]
+    same = all(
+        (q.in_features, q.group_size, q.weight_dtype)
+        == (first.in_features, first.group_size, first.weight_dtype)
+        and q.out_features % 32 == 0
+        and (q.bias is None) == (first.bias is None)
+        for q in int4s
+    )
+    if not same:
+        return None
+    packed = torch.cat([q.packed for q in int4s])
+    scales = torch.cat([q.scales for q in int4s], dim=1)  # [K / group, N, 2]
+    bias = None if first.bias is None else torch.cat([q.bias.detach() for q in int4s])
+    start = 0
+    for q in int4s:  # the parts read the fused codes: one copy in memory
+        q.packed = packed[start : start + q.out_features]
+        start += q.out_features
+    fused = QuantLinear("int4", packed, scales, first.in_features, start, bias, first.group_size)
+    return FusedInt4(parts, fused)
+
+
 class HalfEmbedding(nn.Module):
     """Token embeddings stored as fp16, looked up as float32 (a GGUF's vocabulary matrix under "fp16")."""
 
