@@ -28,8 +28,9 @@ token ids (the chat template foveal's skills build), greedy, the same number of 
 `--kernels ROWS` times only foveal's linear kernels instead (no model, no llama.cpp): every linear of
 SmolLM2-135M (30 layers and the head, random weights) for launches of each number of ROWS, per
 kernel: fbgemm fp16, torch's int4 and int8 weight-only kernels (bf16 activations), quant.SplitLinear
-(float32 in and out, int4 up to its FEW_ROWS and fp16 above) and dense fp32; the table behind the
-kernel choice in docs/quantization.md.
+(float32 in and out, int4 up to its FEW_ROWS and fp16 above), the same with each layer's q/k/v and
+gate/up as one launch each ("fused": quant.fuse_int4, what the lean forward runs) and dense fp32;
+the table behind the kernel choice in docs/quantization.md.
 Every output of a JSON row is checked against the schema (`valid`: the share that parse and
 validate). The report also records the machine (CPU, load average) since the machine is shared.
 """
@@ -355,7 +356,7 @@ def print_table(report: dict) -> None:
 # SmolLM2-135M's linears: one decoder layer's (q, k, v, o, gate, up, down) as [out, in], and the head
 SMOLLM2_LAYER = [(576, 576), (192, 576), (192, 576), (576, 576), (1536, 576), (1536, 576), (576, 1536)]
 SMOLLM2_HEAD, SMOLLM2_LAYERS = (49152, 576), 30
-KERNELS = ("fp16", "int4", "split", "int8", "fp32")
+KERNELS = ("fp16", "int4", "split", "fused", "int8", "fp32")
 
 
 def kernel_layer(kind: str, n: int, k: int) -> tuple[Any, torch.dtype]:
@@ -377,27 +378,43 @@ def kernel_layer(kind: str, n: int, k: int) -> tuple[Any, torch.dtype]:
     return SplitLinear(int4, HalfLinear(int4.dequantize())), torch.float32
 
 
+def kernel_launches(kind: str, layers: int) -> tuple[list[tuple[Any, int]], torch.dtype]:
+    """Every linear launch of `layers` SmolLM2 layers and the head on one kernel: (layer, in_features)
+    pairs, and the activation dtype. "fused": SplitLinears with q/k/v and gate/up as one launch each
+    (quant.fuse_int4, what the lean forward runs), 4 launches a layer instead of 7."""
+    from foveal.engine.models.quant import fuse_int4
+
+    head, dtype = kernel_layer("split" if kind == "fused" else kind, *SMOLLM2_HEAD)
+    launches = []
+    for _ in range(layers):
+        built = [kernel_layer("split" if kind == "fused" else kind, n, k)[0] for n, k in SMOLLM2_LAYER]
+        ins = [k for _, k in SMOLLM2_LAYER]
+        if kind == "fused":
+            q, k, v, o, gate, up, down = built
+            built, ins = [fuse_int4([q, k, v]), o, fuse_int4([gate, up]), down], [576, 576, 576, 1536]
+        launches += list(zip(built, ins, strict=True))
+    return [*launches, (head, SMOLLM2_HEAD[1])], dtype
+
+
 def kernels(rows: list[int], kinds: tuple[str, ...] = KERNELS, repeats: int = 7, layers: int = SMOLLM2_LAYERS) -> dict:
     """Milliseconds of one launch of `rows` rows through every linear of SmolLM2-135M (its 30 layers'
     and the head; weights larger than the caches, as in a decode step), per kernel, on torch's
     current thread count: the fastest of `repeats` runs, each kernel's rows in turn."""
-    shapes = SMOLLM2_LAYER * layers + [SMOLLM2_HEAD]
     table: dict[str, dict[int, float]] = {}
     with torch.inference_mode():
         for kind in kinds:
-            built = [kernel_layer(kind, n, k) for n, k in shapes]
-            dtype = built[0][1]
+            launches, dtype = kernel_launches(kind, layers)
             table[kind] = {}
             for m in rows:
                 xs = {k: torch.randn(m, k, dtype=dtype) for k in (576, 1536)}
                 times = []
                 for _ in range(repeats + 1):  # the first run warms the caches and the allocator
                     begin = time.perf_counter()
-                    for (layer, _), (_, k) in zip(built, shapes, strict=True):
+                    for layer, k in launches:
                         layer(xs[k])
                     times.append(time.perf_counter() - begin)
                 table[kind][m] = 1e3 * min(times[1:])
-            del built
+            del launches
     return {"threads": torch.get_num_threads(), "load_average": os.getloadavg(), "ms": table}
 
 

@@ -119,18 +119,20 @@ class LeanDecoder:
         cos = cos[0].unsqueeze(1)  # [T, 1, D]
         sin = sin[0]
         sin = torch.cat([-sin[:, :half], sin[:, half:]], dim=-1).unsqueeze(1)  # rotate_half's signs
-        tokens, width = x.shape[0], self.heads * self.head_dim
+        width = self.heads * self.head_dim
         shape = (x.shape[-1],)
         for index, layer in enumerate(self.layers):
             h = F.rms_norm(x, shape, layer.input_norm, self.eps)
             q, k, v = layer.qkv(h) if layer.qkv is not None else (layer.q(h), layer.k(h), layer.v(h))
-            q = q.view(tokens, self.heads, self.head_dim)
-            k = k.view(tokens, self.kv_heads, self.head_dim)
-            v = v.view(tokens, self.kv_heads, self.head_dim)
+            # -1, not the token count: a count read from a shape is a traced value, its arithmetic
+            # a few nodes per use in every replay
+            q = q.view(-1, self.heads, self.head_dim)
+            k = k.view(-1, self.kv_heads, self.head_dim)
+            v = v.view(-1, self.kv_heads, self.head_dim)
             q = q * cos + q.roll(half, -1) * sin
             k = k * cos + k.roll(half, -1) * sin
             attn = paged_attention(ctx, index, q, k, v, layer.scaling)
-            x = x + layer.o(attn.reshape(tokens, width))
+            x = x + layer.o(attn.reshape(-1, width))
             h = F.rms_norm(x, shape, layer.post_norm, self.eps)
             gate, up = layer.gate_up(h) if layer.gate_up is not None else (layer.gate(h), layer.up(h))
             x = x + layer.down(layer.act(gate) * up)

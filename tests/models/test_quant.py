@@ -198,7 +198,7 @@ def test_split_linear_takes_int4_for_few_rows_and_fp16_for_many(rows, monkeypatc
     layer, int4 = _split()
     x = torch.randn(rows, 96)
     used = []
-    monkeypatch.setattr(int4, "forward", lambda flat: used.append("int4") or QuantLinear.forward(int4, flat))
+    monkeypatch.setattr(int4, "int4_mm", lambda flat: used.append("int4") or QuantLinear.int4_mm(int4, flat))
     out = layer(x)
     assert out.dtype == torch.float32 and out.shape == (rows, 64)
     assert used == (["int4"] if rows <= quant.FEW_ROWS else [])
