@@ -2,6 +2,7 @@
 
     python -m benchmarks.llamacpp [--threads 2] [--requests 32] [--calls 8] [--free-tokens 128]
                                   [--quantize int8|int4|fp16] [--no-outlines] [--rounds 3]
+                                  [--decode-threads 1,2]
                                   [--out out/benchmarks/llamacpp.json]
     python -m benchmarks.llamacpp --kernels 1,2,4,6,8,16 [--threads 1]
     python -m benchmarks.llamacpp --step 8
@@ -26,6 +27,9 @@ token ids (the chat template foveal's skills build), greedy, the same number of 
     of the same GGUF, benchmarks.peers; `--no-outlines` leaves it out). requests/s. foveal and
     transformers + outlines take turns for `--rounds` rounds (3); each row is its median round, and
     the ratio between them is the median of the rounds' ratios (each pair ran back to back).
+`--decode-threads 1,2` adds a foveal row per count to the free-text and JSON rows: each call is made
+once per count in turn (with llama.cpp's after them), the engine's launches of fewer than
+`device.SMALL_LAUNCH_TOKENS` tokens (decode) on that many intra-op threads (the engine's own: 1).
 `--kernels ROWS` times only foveal's linear kernels instead (no model, no llama.cpp): every linear of
 SmolLM2-135M (30 layers and the head, random weights) for launches of each number of ROWS, per
 kernel: fbgemm fp16, torch's int4 and int8 weight-only kernels (bf16 activations), quant.SplitLinear
@@ -126,20 +130,41 @@ def llama_one_by_one(llm: Any, prompts: list[list[int]], schema: dict | None, ma
 
 
 def taking_turns(
-    model: foveal.Model, llm: Any, asks: list[str], output_type: Any, schema: dict | None, max_tokens: int
-) -> tuple[dict, dict]:
+    model: foveal.Model,
+    llm: Any,
+    asks: list[str],
+    output_type: Any,
+    schema: dict | None,
+    max_tokens: int,
+    decode_threads: tuple[int, ...] = (),
+) -> tuple[list[tuple[str, dict]], dict]:
     """foveal's and llama.cpp's runs of `asks`, the two taking turns call by call, so that each
-    pair of calls meets the same load on a shared machine."""
-    ours: dict[str, list] = {"texts": [], "seconds": [], "tokens": []}
+    pair of calls meets the same load on a shared machine. `decode_threads`: foveal makes each call
+    once per count, its launches under `device.SMALL_LAUNCH_TOKENS` tokens on that many threads
+    (the engine's own choice first, as the row "foveal"); empty: the engine's choice only."""
+    device = model.engine.device
+    default = getattr(device, "small_launch_threads", None)
+    counts = [default] + [c for c in decode_threads if c != default] if decode_threads else [default]
+    names = ["foveal"] + [f"foveal, decode on {c} thread(s)" for c in counts[1:]]
+    ours = {name: {"texts": [], "seconds": [], "tokens": []} for name in names}
     theirs: dict[str, list] = {"texts": [], "seconds": [], "tokens": []}
-    for ask, ids in zip(asks, prompt_ids(model, asks), strict=True):
-        for run, one in (
-            (ours, foveal_one_by_one(model, [ask], output_type, max_tokens)),
-            (theirs, llama_one_by_one(llm, [ids], schema, max_tokens)),
-        ):
-            for key, values in one.items():
-                run[key] += values
-    return ours, theirs
+    try:
+        for index, (ask, ids) in enumerate(zip(asks, prompt_ids(model, asks), strict=True)):
+            runs = []
+            # every other call reversed: a later call of the same ask finds more of it in the prefix cache
+            order = list(zip(names, counts, strict=True))[:: -1 if index % 2 else 1]
+            for name, count in order:
+                if count is not None:
+                    device.small_launch_threads = count
+                runs.append((ours[name], foveal_one_by_one(model, [ask], output_type, max_tokens)))
+            runs.append((theirs, llama_one_by_one(llm, [ids], schema, max_tokens)))
+            for run, one in runs:
+                for key, values in one.items():
+                    run[key] += values
+    finally:
+        if default is not None:
+            device.small_launch_threads = default
+    return list(ours.items()), theirs
 
 
 # ---- rows -----------------------------------------------------------------------------------------------------
@@ -193,6 +218,7 @@ def run(
     gguf: Any = None,
     quantize: str | None = None,
     rounds: int = 3,
+    decode_threads: tuple[int, ...] = (),
 ) -> dict:
     path = gguf or smollm2_gguf()
     model, foveal_load = load_foveal(path, threads, quantize)
@@ -213,14 +239,14 @@ def run(
         # timed calls reach (a serving process has them); llama.cpp needs none but gets the same.
         foveal_one_by_one(model, ["Tell me about the sea."], None, free_tokens)
         llama_one_by_one(llm, prompt_ids(model, ["Tell me about the sea."]), None, free_tokens)
-        ours, theirs = taking_turns(model, llm, free_asks, None, None, free_tokens)
-        report["free_text"] = [free_row("foveal", ours), free_row("llama.cpp", theirs)]
+        ours, theirs = taking_turns(model, llm, free_asks, None, None, free_tokens, decode_threads)
+        report["free_text"] = [*(free_row(n, r) for n, r in ours), free_row("llama.cpp", theirs)]
         work = peers.json_workload(calls)
         foveal_one_by_one(model, peers.json_workload(1).asks, work.foveal_type, work.max_tokens)  # warm
         ours, theirs = taking_turns(
-            model, llm, work.asks, work.foveal_type, peers.PERSON_SCHEMA, work.max_tokens
+            model, llm, work.asks, work.foveal_type, peers.PERSON_SCHEMA, work.max_tokens, decode_threads
         )
-        report["json_call"] = [json_row("foveal", ours), json_row("llama.cpp", theirs)]
+        report["json_call"] = [*(json_row(n, r) for n, r in ours), json_row("llama.cpp", theirs)]
         report["concurrent_json"] = concurrent(model, llm, requests, outlines, rounds)
     finally:
         model.close()
@@ -302,8 +328,15 @@ def ratios(report: dict) -> dict:
     out = {}
     f, ll = pick(report["free_text"], "foveal"), pick(report["free_text"], "llama.cpp")
     out["free_text_tokens_per_s_vs_llamacpp"] = f["tokens_per_s"] / ll["tokens_per_s"]
+    ll_free = ll["tokens_per_s"]
     f, ll = pick(report["json_call"], "foveal"), pick(report["json_call"], "llama.cpp")
     out["json_call_latency_vs_llamacpp"] = f["median_ms"] / ll["median_ms"]
+    for row in report["free_text"]:  # --decode-threads: one more foveal row per thread count
+        if row["contender"].startswith("foveal, "):
+            out[f"free_text_tokens_per_s_vs_llamacpp ({row['contender'][8:]})"] = row["tokens_per_s"] / ll_free
+    for row in report["json_call"]:
+        if row["contender"].startswith("foveal, "):
+            out[f"json_call_latency_vs_llamacpp ({row['contender'][8:]})"] = row["median_ms"] / ll["median_ms"]
     rows = report["concurrent_json"]
     f = pick(rows, "foveal")
     for prefix, key in (("llama.cpp", "llamacpp"), ("transformers", "outlines")):
@@ -579,6 +612,12 @@ def main(argv: list[str] | None = None) -> None:
         help="only time foveal's kernels on SmolLM2's linears for these launch sizes (e.g. 1,2,4,6,8,16)",
     )
     parser.add_argument(
+        "--decode-threads",
+        metavar="COUNTS",
+        help="foveal makes each free-text and JSON call once per count (e.g. 1,2), its small launches "
+        "(decode) on that many threads; rows per count beside the engine's own",
+    )
+    parser.add_argument(
         "--step",
         type=int,
         metavar="ROUNDS",
@@ -605,6 +644,7 @@ def main(argv: list[str] | None = None) -> None:
         not args.no_outlines,
         quantize=args.quantize,
         rounds=args.rounds,
+        decode_threads=tuple(int(c) for c in args.decode_threads.split(",")) if args.decode_threads else (),
     )
     print_table(report)
     print(f"wrote {write_json(args.out, report)}")

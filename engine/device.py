@@ -96,6 +96,7 @@ class CpuDevice:
         self.job_s: dict[str, float] = {}
         self.job_n: dict[str, int] = {}
         self.threads = torch.get_num_threads()  # what the process asked for when the engine started
+        self.small_launch_threads = 1  # for launches under SMALL_LAUNCH_TOKENS (benchmarks set it to compare)
         self._thread = threading.Thread(target=self._work, name="foveal-device", daemon=True)
         self._thread.start()
 
@@ -121,7 +122,7 @@ class CpuDevice:
 
     def threads_for(self, tokens: int) -> int:
         """Intra-op threads for a forward of `tokens` query tokens (the docstring's measurement)."""
-        return 1 if tokens < SMALL_LAUNCH_TOKENS else self.threads
+        return self.small_launch_threads if tokens < SMALL_LAUNCH_TOKENS else self.threads
 
     def copy_to_host(self, name: str, fn: Job) -> threading.Lock:
         event = threading.Lock()
