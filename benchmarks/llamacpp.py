@@ -429,7 +429,8 @@ def kernel_launches(kind: str, layers: int) -> tuple[list[tuple[Any, int]], torc
         ins = [k for _, k in SMOLLM2_LAYER]
         if kind == "fused":
             q, k, v, o, gate, up, down = built
-            built, ins = [fuse_int4([q, k, v]), o, fuse_int4([gate, up]), down], [576, 576, 576, 1536]
+            qkv, gate_up = fuse_int4([[q, k, v], [gate, up]])
+            built, ins = [qkv, o, gate_up, down], [576, 576, 576, 1536]
         launches += list(zip(built, ins, strict=True))
     return [*launches, (head, SMOLLM2_HEAD[1])], dtype
 

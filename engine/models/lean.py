@@ -58,16 +58,14 @@ class _Layer:
         "gate_up",
     )
 
-    def __init__(self, layer: nn.Module, gemma: bool, fuse: bool) -> None:
+    def __init__(self, layer: nn.Module, gemma: bool) -> None:
         attn, mlp = layer.self_attn, layer.mlp
         self.input_norm = _norm_weight(layer.input_layernorm, gemma)
         self.post_norm = _norm_weight(layer.post_attention_layernorm, gemma)
         self.q, self.k, self.v, self.o = attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj
         self.gate, self.up, self.down, self.act = mlp.gate_proj, mlp.up_proj, mlp.down_proj, mlp.act_fn
         self.scaling: float = attn.scaling
-        # One int4 launch for q/k/v and one for gate/up where the layers allow it (quant.fuse_int4).
-        self.qkv = fuse_int4([self.q, self.k, self.v]) if fuse else None
-        self.gate_up = fuse_int4([self.gate, self.up]) if fuse else None
+        self.qkv = self.gate_up = None  # one int4 launch each where the layers allow it (LeanDecoder)
 
 
 def _norm_weight(norm: nn.Module, gemma: bool) -> torch.Tensor:
@@ -84,7 +82,16 @@ class LeanDecoder:
         gemma = type(decoder.layers[0]).__name__.startswith("Gemma")
         self.embed = decoder.embed_tokens
         self.rotary = decoder.rotary_emb
-        self.layers = [_Layer(layer, gemma, fuse) for layer in decoder.layers]
+        self.layers = [_Layer(layer, gemma) for layer in decoder.layers]
+        if fuse:  # q/k/v and gate/up as one int4 launch each (quant.fuse_int4), all layers at once
+            groups = [
+                group
+                for layer in self.layers
+                for group in ([layer.q, layer.k, layer.v], [layer.gate, layer.up])
+            ]
+            fused = iter(fuse_int4(groups))
+            for layer in self.layers:
+                layer.qkv, layer.gate_up = next(fused), next(fused)
         self.final_norm = _norm_weight(decoder.norm, gemma)
         self.eps: float = text.rms_norm_eps
         self.head = model.get_output_embeddings()

@@ -252,7 +252,7 @@ def test_fused_int4_gives_each_part_its_own_output_bit_for_bit(kind, rows):
     )  # a leading batch dimension, as the lean forward's [T, hidden] or more
     with torch.inference_mode():
         before = [part(x) for part in parts]
-        fused = fuse_int4(parts)
+        (fused,) = fuse_int4([parts])
         assert fused is not None
         outs = fused(x)
         after = [part(x) for part in parts]
@@ -270,12 +270,17 @@ def test_fuse_int4_refuses_parts_that_cannot_share_a_launch():
 
     split = _parts("split", sizes=(64, 32))
     int4 = _parts("int4", sizes=(64, 32))
-    assert fuse_int4([split[0], int4[1]]) is None  # a SplitLinear and a bare int4 layer
-    assert fuse_int4([split[0], HalfLinear(torch.randn(32, 96))]) is None  # a Q8_0 layer kept as fp16
-    assert fuse_int4([int4[0], _parts("int4", sizes=(32,), k=128)[0]]) is None  # other inputs
-    assert fuse_int4([int4[0], _parts("int4", sizes=(48,))[0]]) is None  # not whole 32-row blocks
-    assert fuse_int4([int4[0], _parts("int4", sizes=(32,), bias=True)[0]]) is None  # a bias on one only
-    assert fuse_int4(int4[:1]) is None
+    assert fuse_int4([[split[0], int4[1]]]) == [None]  # a SplitLinear and a bare int4 layer
+    assert fuse_int4([[split[0], HalfLinear(torch.randn(32, 96))]]) == [None]  # a Q8_0 layer kept as fp16
+    assert fuse_int4([[int4[0], _parts("int4", sizes=(32,), k=128)[0]]]) == [None]  # other inputs
+    assert fuse_int4([[int4[0], _parts("int4", sizes=(48,))[0]]]) == [None]  # not whole 32-row blocks
+    assert fuse_int4([[int4[0], _parts("int4", sizes=(32,), bias=True)[0]]]) == [None]  # a bias on one only
+    assert fuse_int4([int4[:1]]) == [None]
+    # several groups at once: None where a group cannot fuse, one allocation for the codes of the rest
+    first, refused, second = fuse_int4([int4, [split[0], int4[1]], _parts("int4", sizes=(32, 32))])
+    assert refused is None and first is not None and second is not None
+    storage = first.int4.packed.untyped_storage().data_ptr()
+    assert second.int4.packed.untyped_storage().data_ptr() == storage
 
 
 def test_lean_forward_runs_qkv_and_gate_up_as_one_int4_launch_each(checkpoints, monkeypatch):
