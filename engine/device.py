@@ -15,8 +15,8 @@ SOLUTION
     both threads; a `threading.Event` costs several times more per step). `run(name, fn)` queues
     compute work; `copy_to_host(name, fn)` queues a copy and returns the event that `wait` blocks on.
     On CPU the worker also picks each forward's intra-op thread count (`threads_for`): launches of
-    fewer than `SMALL_LAUNCH_TOKENS` query tokens run on one thread, larger ones on the count torch
-    had when the device was made. A small launch has too little work per op to share: the scheduler
+    fewer than `SMALL_LAUNCH_TOKENS` query tokens run on `small_launch_threads` (one), larger ones
+    on the count torch had when the device was made. A small launch has too little work per op to share: the scheduler
     thread's bookkeeping preempts one of the OpenMP threads and every parallel op then waits for
     it, so a batch-1 decode step is faster on one thread, while large launches still gain from all
     of them (benchmarks/llamacpp.py's free-text and 32-request JSON workloads show both). torch's

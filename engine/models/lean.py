@@ -13,7 +13,8 @@ SOLUTION
     [T, hidden] batch: one fused `rms_norm` per norm, rotary as `x * cos + roll(x) * sin_signed`
     with cos/sin built once per forward by the model's own rotary module, the paged attention of
     `attention.py` called directly (its decode path needs no padding and no repeated K/V), and the
-    modules' own projections (nn.Linear or foveal's QuantLinear, whatever the loader put there). The
+    modules' own projections (nn.Linear or foveal's QuantLinear, whatever the loader put there;
+    int4 q/k/v and gate/up run as one launch each, `quant.fuse_int4`). The
     logits of each sequence's last token are taken before the final norm and the head. Launches
     with images go through transformers' forward (the family's own merge of image features).
 
@@ -22,7 +23,8 @@ INVARIANTS
       (fp32 parity of every family in tests/models/test_parity.py goes through this path for text
       launches and every decode launch).
     - Weights are shared with the transformers model, never copied (the Gemma norm's 1 + w is the one
-      derived vector, a few KB a layer).
+      derived vector, a few KB a layer; fused int4 projections hold the codes once, the model's
+      layers reading views of them).
     - Layers of any other shape are refused by `LeanDecoder.supports` (the runner then keeps
       transformers' forward for every launch; `HFRunner.lean is None` says so).
 """

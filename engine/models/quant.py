@@ -37,7 +37,9 @@ SOLUTION
     is what a GGUF's Q4 blocks become by default on x86 (gguf.py): decode reads 4-bit weights, a
     prefill or a large batch runs fbgemm. The choice of kernels and the crossover are measured in
     docs/quantization.md (torchao adds no CPU kernel of its own; inductor's code for a weight-only
-    matmul compiled for a minute and ran slower).
+    matmul compiled for a minute and ran slower). `FusedInt4` (`fuse_int4`) runs several int4
+    layers over one input, a decoder's q/k/v or gate/up, as one launch with the same groups, so
+    that a batch-1 step pays one dispatch and two conversions for them instead of one per layer.
 
 INVARIANTS
     - `dequantize()` returns exactly the weight the kernel multiplies by (up to the kernel's own
