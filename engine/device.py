@@ -15,8 +15,8 @@ SOLUTION
     both threads; a `threading.Event` costs several times more per step). `run(name, fn)` queues
     compute work; `copy_to_host(name, fn)` queues a copy and returns the event that `wait` blocks on.
     On CPU the worker also picks each forward's intra-op thread count (`threads_for`): launches of
-    fewer than `SMALL_LAUNCH_TOKENS` query tokens run on one thread, larger ones on the count torch
-    had when the device was made. A small launch has too little work per op to share: the scheduler
+    fewer than `SMALL_LAUNCH_TOKENS` query tokens run on `small_launch_threads` (one), larger ones
+    on the count torch had when the device was made. A small launch has too little work per op to share: the scheduler
     thread's bookkeeping preempts one of the OpenMP threads and every parallel op then waits for
     it, so a batch-1 decode step is faster on one thread, while large launches still gain from all
     of them (benchmarks/llamacpp.py's free-text and 32-request JSON workloads show both). torch's
@@ -96,6 +96,7 @@ class CpuDevice:
         self.job_s: dict[str, float] = {}
         self.job_n: dict[str, int] = {}
         self.threads = torch.get_num_threads()  # what the process asked for when the engine started
+        self.small_launch_threads = 1  # for launches under SMALL_LAUNCH_TOKENS (benchmarks set it to compare)
         self._thread = threading.Thread(target=self._work, name="foveal-device", daemon=True)
         self._thread.start()
 
@@ -121,7 +122,7 @@ class CpuDevice:
 
     def threads_for(self, tokens: int) -> int:
         """Intra-op threads for a forward of `tokens` query tokens (the docstring's measurement)."""
-        return 1 if tokens < SMALL_LAUNCH_TOKENS else self.threads
+        return self.small_launch_threads if tokens < SMALL_LAUNCH_TOKENS else self.threads
 
     def copy_to_host(self, name: str, fn: Job) -> threading.Lock:
         event = threading.Lock()

@@ -41,6 +41,7 @@ FORWARD_INPUTS = (
     "gather_dst",
     "gather_src",
 )
+SLIDING_INPUTS = ("sliding_kv_index", "sliding_block_tables")
 SAMPLE_INPUTS = ("temperature", "top_p", "top_k", "seeds", "counters", "random_rows", "mask_rows", "bitmask")
 REGION_INPUTS = ("kinds", "region_rows")
 
@@ -103,6 +104,10 @@ def _forward(runner: ModelRunner, step: Step, previous_slot: DecodeSlot, heads: 
         max_context_len=step.max_context_len,
         prefill=step.prefill_inputs,
     )
+    if step.sliding:  # the sliding-window layers' pages (sliding.py)
+        slot.upload(SLIDING_INPUTS, (tokens, rows))
+        batch.sliding_kv_index = dev.sliding_kv_index[:tokens]
+        batch.sliding_block_tables = dev.sliding_block_tables[:rows, : step.table_width]
     slot.logits = runner.forward(batch)
     if heads is not None:  # its last-token hidden states, for the sample job's region rows
         slot.hidden = heads.last_hidden

@@ -39,7 +39,7 @@ from .lanes import Lanes
 from .matcher import FillMasks, Matcher, conforms, fill_masks_each, require
 from .pipeline import Pipeline
 from .request import FinishReason, Request, RequestHandle, RequestOutput, seed_as_int64
-from .runner import ModelRunner, Quiesce
+from .runner import ModelRunner, Quiesce, sliding_window
 from .scheduler import Sequence
 from .slot import DecodeSlot
 from .trace import Trace
@@ -58,6 +58,9 @@ class EngineConfig:
     page_size: int = DEFAULT_PAGE_SIZE
     num_pages: int | None = None  # KV pages; None: as many as kv_cache_bytes holds, <= max_batch sequences
     kv_cache_bytes: int | None = None  # None: a quarter of free device memory (RAM on CPU)
+    # pages of the sliding-window layers' own pool (runner.SlidingWindow, sliding.py), where each
+    # sequence holds only its window; None: enough for every lane, or num_pages if that is less
+    sliding_pages: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     seed: int = 0  # draws the seeds of requests that give none
     fill_masks: FillMasks = fill_masks_each  # pass foveal.grammars.fill_masks for one native call
@@ -83,6 +86,7 @@ class Engine:
         require(runner, ModelRunner, "runner", "foveal.engine.runner.ModelRunner")
         self.config = config = limits.resolve(config or EngineConfig(), runner)
         self.runner = runner
+        self._window = sliding_window(runner)
         self._quiesce = runner.quiesce if conforms(runner, Quiesce) else None
         self.tokenizer = tokenizer
         self.trace = Trace(config.trace)
@@ -94,6 +98,7 @@ class Engine:
             max_batch=config.max_batch,
             max_step_tokens=config.max_step_tokens,
             prefill_chunk=config.prefill_chunk,
+            sliding_pages=config.sliding_pages,
             page_size=config.page_size,
             num_pages=config.num_pages,
             max_model_len=config.max_model_len,
@@ -139,7 +144,7 @@ class Engine:
         TypeError for a matcher that does not implement `Matcher`."""
         if request.matcher is not None:
             require(request.matcher, Matcher, "matcher", "foveal.engine.matcher.Matcher")
-        limits.check_request(request, self.config, self.runner.vocab_size, self.tokenizer)
+        limits.check_request(request, self.config, self.runner.vocab_size, self.tokenizer, self._window)
         seed = prefix_seed(request.prompt_ids, request.prefill) if self.config.prefix_cache else None
         chain = [] if seed is None else prefix_chain(request.prompt_ids, self.config.page_size, seed)
         with self._cond:

@@ -101,6 +101,10 @@ class PagePool:
             self._refs[page] += 1
         return pages
 
+    def is_cached(self, digest: bytes) -> bool:
+        """Whether a page is registered under `digest` (held or evictable); takes no reference."""
+        return digest in self._page_of
+
     def register(self, page: int, digest: bytes) -> None:
         """Make a held page, whose K/V is written, findable by `digest` (first come, first kept)."""
         if self._refs[page] == 0:

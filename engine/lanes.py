@@ -27,10 +27,12 @@ from .request import SamplingParams
 
 
 class Lanes:
-    def __init__(self, count: int, max_pages: int) -> None:
+    def __init__(self, count: int, max_pages: int, sliding: bool = False) -> None:
         self.count = count
         self.prompt_len = np.zeros(count, dtype=np.int64)
         self.block_table = np.full((count, max_pages), -1, dtype=np.int32)
+        # the sliding-window layers' pages (sliding.py): changed by each launch, not only at admission
+        self.sliding_table = np.full((count, max_pages), -1, dtype=np.int32) if sliding else None
         self.temperature = np.zeros(count, dtype=np.float32)
         self.top_p = np.ones(count, dtype=np.float32)
         self.top_k = np.zeros(count, dtype=np.int64)
@@ -46,9 +48,10 @@ class Lanes:
         return len(self._free)
 
     def take(
-        self, prompt_len: int, pages: list[int], sampling: SamplingParams, seed: int
+        self, prompt_len: int, pages: list[int], sampling: SamplingParams, seed: int, sliding: list[int] = ()
     ) -> int:
-        """A lane for a sequence being admitted, with its fixed state written into it."""
+        """A lane for a sequence being admitted, with its fixed state written into it (and its
+        sliding pages so far: those the prefix cache held)."""
         if not self._free:  # unreachable while the bound in the docstring holds
             raise RuntimeError(f"all {self.count} lanes are taken: a sequence was not released (engine bug)")
         lane = self._free.pop()
@@ -56,6 +59,9 @@ class Lanes:
         self.prompt_len[lane] = prompt_len
         self.block_table[lane] = -1
         self.block_table[lane, : len(pages)] = pages
+        if self.sliding_table is not None:
+            self.sliding_table[lane] = -1
+            self.sliding_table[lane, : len(sliding)] = sliding
         self.temperature[lane] = sampling.temperature
         self.top_p[lane] = sampling.top_p
         self.top_k[lane] = sampling.top_k

@@ -28,7 +28,9 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from .kv_cache import DEFAULT_PAGE_SIZE, pages_needed
-from .runner import ModelRunner
+from .pipeline import DECODE_SPAN
+from .runner import ModelRunner, sliding_window
+from .sliding import hold_pages
 
 if TYPE_CHECKING:
     from .engine import EngineConfig
@@ -51,7 +53,10 @@ ADMISSION_WINDOW_S = 0.002
 
 def resolve(config: EngineConfig, runner: ModelRunner) -> EngineConfig:
     """A copy of `config` with every size the caller left None derived from the runner."""
-    names = ("max_batch", "page_size", "max_model_len", "max_step_tokens", "num_pages", "kv_cache_bytes", "prefill_chunk")
+    names = (
+        "max_batch", "page_size", "max_model_len", "max_step_tokens", "num_pages", "kv_cache_bytes", "prefill_chunk",
+        "sliding_pages",
+    )
     for name in names:
         value = getattr(config, name)
         if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
@@ -63,13 +68,23 @@ def resolve(config: EngineConfig, runner: ModelRunner) -> EngineConfig:
     step_tokens = config.max_step_tokens or max(model_len, config.max_batch, DEFAULT_MAX_STEP_TOKENS)
     if step_tokens < config.max_batch:
         raise ValueError("max_step_tokens must be >= max_batch (each decode row is one token)")
-    num_pages = config.num_pages or _pages_from_budget(config, runner, model_len)
     chunk = config.prefill_chunk or DEFAULT_PREFILL_CHUNK
+    window = sliding_window(runner)
+    if window is None and config.sliding_pages is not None:
+        raise ValueError("sliding_pages is set, but this model has no sliding-window KV of its own; leave it None")
+    holds = None if window is None else _sliding_holds(config, window, model_len, step_tokens, chunk)
+    num_pages, sliding_pages = config.num_pages, config.sliding_pages
+    if num_pages is None:
+        num_pages, sliding_pages = _pages_from_budget(config, runner, model_len, holds)
+    elif holds is not None and sliding_pages is None:
+        sequences = min(config.max_batch, max(1, num_pages // pages_needed(model_len, config.page_size)))
+        sliding_pages = min(num_pages, max(holds[1], sequences * holds[0]))
     return dataclasses.replace(
         config,
         max_model_len=model_len,
         max_step_tokens=step_tokens,
         num_pages=num_pages,
+        sliding_pages=sliding_pages,
         prefill_chunk=chunk,
         admission_window_s=_admission_window(config.admission_window_s, runner.device),
     )
@@ -90,18 +105,45 @@ def _admission_window(window: float | None, device: torch.device) -> float:
     return float(window)
 
 
-def _pages_from_budget(config: EngineConfig, runner: ModelRunner, model_len: int) -> int:
-    """Pages for `max_batch` sequences of `model_len` tokens, or what the budget holds if less (at
-    least one whole sequence: a smaller cache could never run a long request)."""
+def _sliding_holds(config: EngineConfig, window: int, model_len: int, step_tokens: int, chunk: int) -> tuple[int, int]:
+    """Sliding-window pages (sliding.py) held at most by a text sequence of `model_len` positions
+    (prefilled in chunks), and by any one sequence (a prompt with an image of up to max_step_tokens,
+    prefilled in one launch)."""
+    text = hold_pages(model_len, model_len, False, config.page_size, window, chunk, DECODE_SPAN)
+    one = hold_pages(step_tokens, model_len, True, config.page_size, window, chunk, DECODE_SPAN)
+    return text, max(text, one)
+
+
+def _pages_from_budget(
+    config: EngineConfig, runner: ModelRunner, model_len: int, holds: tuple[int, int] | None
+) -> tuple[int, int | None]:
+    """(pages, sliding pages): pages for `max_batch` sequences of `model_len` tokens, or what the
+    budget holds if less (at least one whole sequence: a smaller cache could never run a long
+    request). With a sliding-window pool (`holds`: `_sliding_holds`), a sequence costs its pages of
+    the other tensors and only its window's of the sliding ones: the budget is split for as many
+    such sequences as it holds (up to max_batch), and what the sliding pool leaves goes to pages."""
     budget = config.kv_cache_bytes or default_budget_bytes(runner.device)
-    per_sequence = pages_needed(model_len, config.page_size)
-    pages = min(config.max_batch * per_sequence, pages_for_budget(runner, budget, config.page_size))
+    page_size = config.page_size
+    per_sequence = pages_needed(model_len, page_size)
+    most = config.max_batch * per_sequence
+    pages = min(most, pages_for_budget(runner, budget, page_size))
+    sliding = None
+    if holds is not None:
+        sliding_page = runner.sliding_kv_bytes_per_token() * page_size
+        full_page = runner.kv_bytes_per_token() * page_size - sliding_page
+        sliding = config.sliding_pages
+        if sliding is None:
+            sequences = min(config.max_batch, budget // (per_sequence * full_page + holds[0] * sliding_page))
+            sliding = max(holds[1], sequences * holds[0])
+        if sliding < pages:  # fewer sliding pages than pages: the bytes they leave are more pages
+            pages = min(most, (budget - sliding * sliding_page) // full_page if full_page else most)
+        sliding = min(sliding, pages) if config.sliding_pages is None else sliding
     if pages < per_sequence:
         raise ValueError(
-            f"a KV cache of {budget} bytes holds {pages} pages of {config.page_size} tokens; one sequence of "
+            f"a KV cache of {budget} bytes holds {pages} pages of {page_size} tokens; one sequence of "
             f"{model_len} tokens needs {per_sequence}: raise kv_cache_bytes or lower max_model_len"
         )
-    return pages
+    return pages, sliding
 
 
 def pages_for_budget(runner: ModelRunner, budget_bytes: int, page_size: int = DEFAULT_PAGE_SIZE) -> int:
@@ -123,8 +165,11 @@ def default_budget_bytes(device: torch.device, fraction: float = DEFAULT_KV_FRAC
     return int(os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") * fraction)
 
 
-def check_request(request: Request, config: EngineConfig, vocab_size: int, tokenizer: Any) -> None:
-    """Raise ValueError, with what to change, for a request this engine can never run."""
+def check_request(
+    request: Request, config: EngineConfig, vocab_size: int, tokenizer: Any, window: int | None = None
+) -> None:
+    """Raise ValueError, with what to change, for a request this engine can never run (`window`:
+    the runner's sliding window, runner.SlidingWindow)."""
     prompt_len, max_tokens = len(request.prompt_ids), request.sampling.max_tokens
     context = config.max_model_len
     if prompt_len == 0:
@@ -148,6 +193,16 @@ def check_request(request: Request, config: EngineConfig, vocab_size: int, token
         raise ValueError(
             f"the request needs more KV pages than the pool has ({config.num_pages}); lower max_tokens"
         )
+    if config.sliding_pages is not None and window is not None:
+        hold = hold_pages(
+            prompt_len, prompt_len + max_tokens - 1, request.prefill is not None, config.page_size, window,
+            config.prefill_chunk, DECODE_SPAN,
+        )
+        if hold > config.sliding_pages:
+            raise ValueError(
+                f"the request needs {hold} pages of the sliding-window KV pool, which has {config.sliding_pages}; "
+                "raise sliding_pages or lower prefill_chunk"
+            )
     if request.sampling.stop and tokenizer is None:
         raise ValueError("stop strings need text: create the Engine with a tokenizer, or use stop_token_ids")
     if any(not 0 <= t < vocab_size for t in request.prompt_ids):

@@ -89,10 +89,10 @@ SPECULATIVE DECODING (`speculative="ngram"`; drafts.py)
     whose context equals decoding's (every draft before it accepted) samples what decoding would:
     greedy and seeded outputs are token-identical to decoding without drafts, in both modes, and
     for any distribution this is the rejection sampling of a one-hot proposal (accept d with
-    probability p(d); otherwise a sample of p without d). That is exact arithmetic: a runner whose
-    rounding depends on a launch's row count (a bf16 kernel) can tip a near-tie at a position
-    computed in a verify launch, as it can for a call batched with other calls. Accepted tokens are appended and their
-    text done one by one (a stop inside the run ends the output where decoding would have).
+    probability p(d); otherwise a sample of p without d). That holds token for token only if each
+    position also gets the same mask and the same arithmetic as in decoding (JUMPS, NUMERICS).
+    Accepted tokens are appended and their text done one by one (a stop inside the run ends the
+    output where decoding would have).
     The launch after a verify step (t+2) cannot know how many drafts commit t+1 accepts: the row
     sits t+2 out (`Sequence.verifying`; its num_scheduled counts every draft until the commit sets
     it to what was committed). Commit t+1 leaves its last token, not yet in the KV, as a one-token
@@ -102,6 +102,27 @@ SPECULATIVE DECODING (`speculative="ngram"`; drafts.py)
     Rejected drafts' K/V lies past the row's context in its own reserved pages, never in a
     registered prefix page, and is overwritten before any query attends to it: no page is taken
     or freed per draft. A row whose verify step is in flight when it finishes is a zombie as any.
+JUMPS (speculative decoding and jump-forward)
+    Where the grammar forces a run F, decoding narrows that position's mask to f0 (llguidance's
+    canonical tokens of the forced text; the full mask may allow another spelling) and carries F
+    as one query. A verify row's logit row sampling there would pick freely among the spellings,
+    and compute F's positions as decode rows instead of one query. So no logit row of a verify
+    row samples where the grammar forces a run (`_would_jump`: two forced tokens or more, or any
+    that end the output; a superset of where `_pin_forced` pins): the probe at launch cuts the
+    drafts before such a state, and finalize, which sees the matcher after the real sample (the
+    guess the drafts followed may have been wrong), cuts the accepted drafts there too; where the
+    row's first logit row is such a state, `_pin_forced` pins it as any row, and its drafts are
+    void (the commit takes its first sample as a pinned row's, then F as decoding would).
+NUMERICS
+    A position's logits must not depend on whether it was guessed. A verify launch (up to
+    `drafts.MAX_LAUNCH_ROWS` rows, one token each) differs from a decode launch in its rows, and
+    rows are read in whole pages of the launch's longest context. Runner kernels whose rounding
+    depends on the row count would change the logits (the engine's quantized linears do not below
+    their few-row threshold: quant.py); CPU attention rounds with the keys it pads a row to, so
+    a row's drafts stay in the KV page of its first position (a guessed position then sees the
+    keys its decode launch would have). Calls batched with others are padded to their neighbours'
+    longest context, drafts or not; a verify row sitting a launch out changes its neighbours'
+    padding, so there the identity holds only as far as the kernels are exact.
 INVARIANTS (tests/engine/test_pipeline_steps.py steps ticks one by one and checks each)
     1. Greedy or seeded outputs are token-identical in pipelined and blocking mode.
     2. Nothing is emitted after a stop; a zombie's token is dropped.
@@ -127,6 +148,7 @@ import math
 import time
 from collections import deque
 from collections.abc import Callable
+from functools import partial
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -139,9 +161,10 @@ from .kv_cache import PagePool, pages_needed
 from .lanes import Lanes
 from .matcher import FillMasks, bitmask_words, conforms, require
 from .request import FinishReason, TokenLogprob
-from .runner import ModelRunner, shares_pages
+from .runner import ModelRunner, shares_pages, sliding_window
 from .scheduler import Scheduler, Sequence
 from .sequences import Sequences
+from .sliding import SlidingPages
 from .slot import POISON, DecodeSlot, SlotState
 from .stats import Stats
 from .step import Step, stage
@@ -152,6 +175,8 @@ if TYPE_CHECKING:
 
 Committed = list[tuple[Sequence, int]]  # (sequence, token) pairs whose text is still due
 MAX_JUMP = 64  # forced tokens one jump carries at most (a longer forced run takes several)
+# query positions a decode launch gives one row at most: a jump, or a verify step's input and drafts (sliding.py)
+DECODE_SPAN = max(MAX_JUMP, drafts.MAX_DRAFT + 1)
 
 
 class Pipeline:
@@ -170,6 +195,7 @@ class Pipeline:
         jump_forward: bool = False,
         speculative: str | None = None,
         prefill_chunk: int | None = None,
+        sliding_pages: int | None = None,
         debug: bool = False,
         debug_hook: Callable[[str], None] | None = None,
         trace: Trace | None = None,
@@ -190,8 +216,15 @@ class Pipeline:
         self.max_batch = max_batch
         self.pool = PagePool(num_pages, page_size)
         max_pages = pages_needed(max_model_len, page_size)
-        self.lanes = Lanes(2 * max_batch, max_pages)
-        self.scheduler = Scheduler(self.pool, self.lanes, max_batch, max_step_tokens, prefill_chunk)
+        window = sliding_window(runner) if sliding_pages is not None else None
+        # the sliding-window layers' own pool (sliding.py), for a runner that has such layers
+        self.sliding = None
+        if window is not None:
+            self.sliding = SlidingPages(sliding_pages, page_size, window, prefill_chunk or max_step_tokens, DECODE_SPAN)
+        self.lanes = Lanes(2 * max_batch, max_pages, sliding=self.sliding is not None)
+        if self.sliding is not None:
+            self.sliding.table = self.lanes.sliding_table
+        self.scheduler = Scheduler(self.pool, self.lanes, max_batch, max_step_tokens, prefill_chunk, self.sliding)
         self.sequences = Sequences(self.scheduler, self.stats)
         self.slots = [
             DecodeSlot(i, device, max_batch, max_step_tokens, max_pages, bitmask_words(runner.vocab_size))
@@ -203,7 +236,10 @@ class Pipeline:
         # some steps may sample region values (regions.py): the runner's heads, or None
         self.heads: regions.RegionHeads | None = runner if conforms(runner, regions.RegionHeads) else None
         self.region_logprobs = self.heads is not None and conforms(runner, regions.RegionLogprobs)
-        runner.allocate_kv(num_pages, page_size)
+        if self.sliding is not None:
+            runner.allocate_kv(num_pages, page_size, sliding_pages=sliding_pages)
+        else:
+            runner.allocate_kv(num_pages, page_size)
 
     def has_work(self) -> bool:
         return bool(self.inflight) or self.scheduler.has_work()
@@ -231,7 +267,7 @@ class Pipeline:
         step = Step(self.step_number, slot, rows)
         if self.speculative:
             self._plan_drafts(step)
-        prefill_rows = stage(step, self.lanes, self.page_size, self._row_numbers)
+        prefill_rows = stage(step, self.lanes, self.page_size, self._row_numbers, self.sliding)
         for row, (seq, extra) in enumerate(zip(rows, step.extra.tolist(), strict=True)):
             # a partial chunk samples nothing; a verify row counts every draft until its commit says
             seq.num_scheduled += 0 if row in step.partial else 1 + extra
@@ -260,34 +296,55 @@ class Pipeline:
         room for logit rows and query tokens."""
         rows = step.rows
         room = min(self.max_batch, drafts.MAX_LAUNCH_ROWS) - len(rows)  # logit rows beyond one a row
+        if room < 1:  # a step of many rows: nothing to look at (as cheap as decoding without drafts)
+            return
         decoding = [row for row, seq in enumerate(rows) if seq.num_scheduled > 0 and seq.num_prefilled == seq.prompt_len]
-        if not decoding or room < 1:
+        if not decoding:
             return
         tokens = self.scheduler.max_step_tokens - sum(
             seq.chunk if seq.num_scheduled == 0 else len(seq.jump or (0,)) for seq in rows
         )
+        stats = self.draft_stats
         for row in decoding:
             seq = rows[row]
             if not seq.can_draft or (seq.jump is not None and len(seq.jump) > 1):
                 continue  # a forced run is its own multi-token query: no drafts after it
-            # the drafts' last sample must stay below max_tokens (its K/V position is then reserved)
-            cap = min(drafts.MAX_DRAFT, seq.max_tokens - 1 - seq.num_scheduled, room, tokens)
+            # the drafts' last sample must stay below max_tokens (its K/V position is then reserved);
+            # and their positions stay in the page of the row's first one: attention's rounding
+            # depends on the keys it pads a launch's rows to (whole pages of its longest context),
+            # so a guessed position must see the keys its decode would (NUMERICS)
+            page_room = -(seq.prompt_len + seq.num_scheduled) % self.page_size
+            cap = min(drafts.MAX_DRAFT, seq.max_tokens - 1 - seq.num_scheduled, room, tokens, page_room)
             if cap < 1:
+                stats.capped += 1
                 continue
             # Pipelined, a decode row's previous sample is still in flight: the lookup's first token
             # is its guess, and only what follows it is drafted (the gathered input is the real sample).
             guessed = seq.num_scheduled - seq.num_committed
             if seq.drafter is None:
                 seq.drafter = Drafter(seq.request.prompt_ids)
+            backing_off = seq.drafter.skip > 0
             proposal = seq.drafter.propose(seq.token_ids, cap + guessed)
-            if seq.matcher is not None and len(proposal) > guessed:
-                proposal = proposal[: drafts.probe(seq.matcher.commit, seq.rollback, proposal)]
+            if backing_off:
+                stats.backed_off += 1
+                continue
+            stats.lookups += 1
+            if len(proposal) <= guessed:  # nothing past the guess of the sample in flight
+                stats.no_match += 1
+                continue
+            stats.proposed += len(proposal) - guessed
+            if seq.matcher is not None:
+                # no logit row where the grammar forces a run: decoding would jump over it (JUMPS)
+                stop = partial(_would_jump, seq) if self.jump_forward and seq.forced_tokens is not None else None
+                kept = max(drafts.probe(seq.matcher.commit, seq.rollback, proposal, stop, guessed), guessed)
+                stats.cut += len(proposal) - kept
+                proposal = proposal[:kept]
             if len(proposal) > guessed:
                 step.drafts[row] = proposal[guessed:]
                 room -= len(proposal) - guessed
                 tokens -= len(proposal) - guessed
-                self.draft_stats.verify_rows += 1
-                self.draft_stats.drafted += len(proposal) - guessed
+                stats.verify_rows += 1
+                stats.drafted += len(proposal) - guessed
 
     # ---- 2. commit ----------------------------------------------------------------------------
     def commit_previous(self, launched: Step | None) -> Committed:
@@ -319,10 +376,15 @@ class Pipeline:
             token = samples[last]
             if row in step.partial and not seq.finalized:  # a prompt chunk that is not its last: no token
                 continue
-            if not seq.finalized and row in step.drafts:
+            if not seq.finalized and row in step.drafts and row not in step.pinned:
                 first = starts[row]
                 self._commit_verified(seq, step.drafts[row], samples[first : last + 1], logprobs, first)
             elif not seq.finalized:
+                if row in step.drafts:  # a verify row finalize pinned (_pin_forced): its drafts are void
+                    last = starts[row]
+                    token = samples[last]
+                    seq.verifying = False
+                    seq.num_scheduled -= starts[row + 1] - 1 - last  # it counted every draft at launch
                 if seq.num_committed == 0 and seq.prefix_chain:  # its prompt's K/V is written now
                     self.scheduler.register_prefix(seq)
                 forced = step.pinned.get(row)
@@ -358,7 +420,9 @@ class Pipeline:
         while accepted < len(guesses) and samples[accepted] == guesses[accepted]:
             accepted += 1
         seq.verifying = False
-        seq.drafter.verdict(accepted)
+        if guesses:  # none left: finalize cut them all (JUMPS), which is no verdict on the lookup
+            seq.drafter.verdict(accepted)
+            self.draft_stats.rejected += not accepted
         self.draft_stats.accepted += accepted
         for index, token in enumerate(samples[: accepted + 1]):
             logprob = logprobs[first + index] if logprobs is not None else None
@@ -486,11 +550,15 @@ class Pipeline:
         first, end = int(step.logit_start[row]), index + len(guesses)
         host.mask_rows[index:end] = np.arange(first + 1, first + 1 + len(guesses))
         host.bitmask[index:end] = -1
+        jumps = self.jump_forward and seq.forced_tokens is not None
         committed = 0
         try:
             for position, token in enumerate(guesses):
                 matcher.commit(token)
                 committed += 1
+                if jumps and _would_jump(seq):  # (JUMPS) this position's sample must not be committed
+                    del guesses[position:]  # so no draft from d(position + 1) on is accepted
+                    break
                 host.bitmask[index + position] = 0
                 self._fill_one(seq, bitmask, index + position)
         except Exception as error:
@@ -517,13 +585,17 @@ class Pipeline:
         for index in range(num_masked):
             row = int(step.row_of_logit[host.mask_rows[index]])
             seq = step.rows[row]
-            if seq.finalized or seq.forced_tokens is None or row in step.drafts:  # a verify row: no pin
+            if seq.finalized or seq.forced_tokens is None:
                 continue
-            # F starts at this step's output index, num_scheduled - 1, and must end below max_tokens
-            forced = seq.forced_tokens()[: min(seq.max_tokens - seq.num_scheduled + 1, MAX_JUMP)]
+            # F starts at this row's first output index, num_scheduled - 1 (less a verify row's
+            # drafts, which it counts), and must end below max_tokens
+            scheduled = seq.num_scheduled
+            if row in step.drafts:
+                scheduled -= int(step.logit_start[row + 1] - step.logit_start[row]) - 1
+            forced = seq.forced_tokens()[: min(seq.max_tokens - scheduled + 1, MAX_JUMP)]
             final = bool(forced) and seq.ends_after(forced)
             if not final:  # the sample after F must stay below max_tokens, and F fit the next step
-                forced = forced[: min(seq.max_tokens - seq.num_scheduled, budget + 1)]
+                forced = forced[: min(seq.max_tokens - scheduled, budget + 1)]
                 if len(forced) < 2:
                     continue
             if not _narrow(host.bitmask[index], forced[0]):
@@ -587,6 +659,13 @@ def check_speculative(speculative: str | None, runner: ModelRunner, region_heads
             "load it with speculative=None"
         )
     return speculative
+
+
+def _would_jump(seq: Sequence) -> bool:
+    """Whether finalize may pin a forced run at the matcher's current state (`Pipeline._pin_forced`:
+    two forced tokens or more, or any that complete the output): a superset of the states it pins at."""
+    forced = seq.forced_tokens()
+    return len(forced) > 1 or (len(forced) == 1 and seq.ends_after(forced))
 
 
 def _narrow(mask: np.ndarray, token: int) -> bool:

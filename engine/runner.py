@@ -28,6 +28,8 @@ SOLUTION
       - `SharedPages` (optional): `rows_share_pages = True`, a runner whose rows may read K/V that
         other rows of the same launch write (above); speculative decoding needs it (and is refused
         without it);
+      - `SlidingWindow` (optional): sliding-window layers whose K/V lives in a pool of its own,
+        of which each sequence holds only its window (sliding.py);
       - `regions.RegionHeads` (optional): region values sampled on the device (regions.py).
 
 INVARIANTS
@@ -63,6 +65,9 @@ class ForwardBatch:
     max_context_len: the longest context in the batch; a host int.
     prefill:       per sequence, its `PrefillInputs` (images, prefix length) or None; an empty list
                    when no sequence has any (always for decode steps).
+    sliding_block_tables, sliding_kv_index: the same for the K/V tensors of a `SlidingWindow`
+                   runner's sliding layers, in their own page pool (sliding.py); None for other runners.
+                   Entries of pages the window has passed are -1.
     A "sequence" here is a row of the launch; rows may share pages (a verify step's positions,
     above), which only runners that declare `SharedPages` are given.
     """
@@ -76,6 +81,8 @@ class ForwardBatch:
     max_query_len: int
     max_context_len: int
     prefill: list[PrefillInputs | None] = field(default_factory=list)
+    sliding_block_tables: torch.Tensor | None = None
+    sliding_kv_index: torch.Tensor | None = None
 
     @property
     def num_seqs(self) -> int:
@@ -124,6 +131,24 @@ class SharedPages(Protocol):
     launches (pipeline.py, SPECULATIVE DECODING); a runner without it gets none."""
 
     rows_share_pages: bool
+
+
+@runtime_checkable
+class SlidingWindow(Protocol):
+    """A runner some of whose KV tensors serve only sliding-window layers, of one window: it keeps
+    them in a page pool of their own, in which a sequence holds only its window's pages (sliding.py).
+    `sliding_window`: the window in positions (a query at p reads keys p - window + 1 .. p), None
+    when the runner has no such tensor; `sliding_kv_bytes_per_token()`: those tensors' share of
+    `kv_bytes_per_token()`; `allocate_kv(num_pages, page_size, sliding_pages=n)` gives them n pages."""
+
+    sliding_window: int | None
+
+    def sliding_kv_bytes_per_token(self) -> int: ...
+
+
+def sliding_window(runner: ModelRunner) -> int | None:
+    """The window of `runner`'s sliding-only KV tensors (`SlidingWindow`), or None."""
+    return runner.sliding_window if conforms(runner, SlidingWindow) else None
 
 
 def shares_pages(runner: ModelRunner) -> bool:

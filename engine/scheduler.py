@@ -43,6 +43,7 @@ from .lanes import Lanes
 from .matcher import ForcedTokens, Matcher, Rollback, conforms, own_mask
 from .regions import RegionSteps
 from .request import FinishReason, Request, RequestHandle, TokenLogprob
+from .sliding import SlidingPages
 
 
 @dataclass(slots=True, eq=False)
@@ -66,6 +67,10 @@ class Sequence:
     rollback: Callable[[int], None] | None = field(init=False, default=None)  # Rollback
     can_draft: bool = field(init=False, default=True)  # no region steps; no matcher, or one with Rollback
     pages: list[int] | None = None
+    # its sliding-window layers' pages by page index, -1 where not held (sliding.py; empty without them)
+    sliding: list[int] = field(default_factory=list)
+    sliding_base: int = 0  # pages before it are released
+    sliding_credit: int = 0  # sliding pages it may still take
     lane: int = -1  # its row in the Lanes arrays, from admission to release
     token_ids: list[int] = field(default_factory=list)
     num_committed: int = 0  # output tokens committed (including a final EOS / stop token)
@@ -113,7 +118,13 @@ class Sequence:
 
 class Scheduler:
     def __init__(
-        self, pool: PagePool, lanes: Lanes, max_batch: int, max_step_tokens: int, prefill_chunk: int | None = None
+        self,
+        pool: PagePool,
+        lanes: Lanes,
+        max_batch: int,
+        max_step_tokens: int,
+        prefill_chunk: int | None = None,
+        sliding: SlidingPages | None = None,
     ) -> None:
         if lanes.count < 2 * max_batch:
             raise ValueError(f"need 2 * max_batch = {2 * max_batch} lanes, got {lanes.count}")
@@ -122,6 +133,7 @@ class Scheduler:
         self.max_batch = max_batch
         self.max_step_tokens = max_step_tokens
         self.prefill_chunk = prefill_chunk or max_step_tokens
+        self.sliding = sliding  # the sliding-window layers' pages, for runners that have them
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
 
@@ -141,7 +153,7 @@ class Scheduler:
             pages = self._reserve(seq, self.max_step_tokens - tokens)
             if pages is None:
                 break
-            lane = self.lanes.take(seq.prompt_len, pages, seq.request.sampling, seq.seed)
+            lane = self.lanes.take(seq.prompt_len, pages, seq.request.sampling, seq.seed, seq.sliding)
             self.waiting.popleft()  # only now: if take() raised, shutdown finds seq where remove() looks
             seq.pages, seq.lane = pages, lane
             seq.num_prefilled = seq.num_cached
@@ -163,24 +175,39 @@ class Scheduler:
         prefill inputs) does not fit the step's budget whole.
 
         At least one prompt token is always computed (its logits start the answer), so the page
-        holding the last prompt token is never taken from the cache.
+        holding the last prompt token is never taken from the cache. With sliding-window pages
+        (sliding.py) the hit goes only as far as their pool holds the window before it, and the
+        sliding pool must be able to set the sequence's pages aside too.
         """
         page_size = self.pool.page_size
         reusable = seq.prefix_chain[: (seq.prompt_len - 1) // page_size]
         cached = self.pool.lookup(reusable) if reusable else []
+        window: list[int] = []
+        if self.sliding is not None and cached:
+            hit, window = self.sliding.lookup(seq.prefix_chain, len(cached))
+            self.pool.free(cached[hit:])
+            cached = cached[:hit]
         need = seq.pages_to_reserve(page_size) - len(cached)
         whole = seq.request.prefill is not None  # images / a bidirectional prefix: one launch
         too_long = whole and seq.prompt_len - len(cached) * page_size > step_tokens_left
-        if too_long or not self.pool.can_allocate(need):
+        num_cached = len(cached) * page_size
+        admitted = not too_long and self.pool.can_allocate(need)
+        if admitted and self.sliding is not None:
+            admitted = self.sliding.admit(seq, num_cached, window)
+        if not admitted:
             self.pool.free(cached)
+            if window:
+                self.sliding.pool.free(window)
             return None
-        seq.num_cached = len(cached) * page_size
+        seq.num_cached = num_cached
         return cached + self.pool.allocate(need)
 
     def register_prefix(self, seq: Sequence) -> None:
         """Offer `seq`'s full prompt pages to the prefix cache (their K/V has been computed)."""
         for page, digest in zip(seq.pages, seq.prefix_chain, strict=False):
             self.pool.register(page, digest)
+        if self.sliding is not None:
+            self.sliding.register(seq)
 
     def remove(self, seq: Sequence) -> None:
         """Take a finished sequence out of the queues (its pages are released separately)."""
@@ -195,4 +222,6 @@ class Scheduler:
         seq.released = True
         if seq.pages is not None:
             self.pool.free(seq.pages)
+            if self.sliding is not None:
+                self.sliding.release(seq)
             self.lanes.give_back(seq.lane)

@@ -45,6 +45,8 @@ class StepTensors:
     query_start: torch.Tensor  # [B + 1] int32
     context_lens: torch.Tensor  # [B] int32
     block_tables: torch.Tensor  # [B, P] int32
+    sliding_kv_index: torch.Tensor  # [T] int64, in the sliding-window layers' pool (sliding.py; unused without)
+    sliding_block_tables: torch.Tensor  # [B, P] int32, their pages
     gather_dst: torch.Tensor  # [B] int64 decode tokens' places in input_ids
     gather_src: torch.Tensor  # [B] int64 their rows in the previous step's sampled ids
     temperature: torch.Tensor  # [B] float32
@@ -70,6 +72,8 @@ class StepTensors:
             query_start=ints(max_batch + 1, dtype=torch.int32),
             context_lens=ints(max_batch, dtype=torch.int32),
             block_tables=ints(max_batch, max_pages, dtype=torch.int32),
+            sliding_kv_index=ints(max_tokens),
+            sliding_block_tables=ints(max_batch, max_pages, dtype=torch.int32),
             gather_dst=ints(max_batch),
             gather_src=ints(max_batch),
             temperature=ints(max_batch, dtype=torch.float32),

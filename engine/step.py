@@ -42,6 +42,7 @@ from .kv_cache import pages_needed
 from .lanes import Lanes
 from .request import PrefillInputs
 from .scheduler import Sequence
+from .sliding import SlidingPages
 from .slot import DecodeSlot
 
 
@@ -65,17 +66,21 @@ class Step:
     logit_start: np.ndarray | None = None  # [B + 1] each row's first logit row (by stage())
     row_of_logit: np.ndarray | None = None  # [L] the row of each logit row (by stage())
     num_logits: int = 0  # logit rows: rows + drafts (by stage())
+    sliding: bool = False  # it stages sliding-window pages too (by stage())
 
     @property
     def num_rows(self) -> int:
         return len(self.rows)
 
 
-def stage(step: Step, lanes: Lanes, page_size: int, row_numbers: np.ndarray) -> list[int]:
+def stage(
+    step: Step, lanes: Lanes, page_size: int, row_numbers: np.ndarray, sliding: SlidingPages | None = None
+) -> list[int]:
     """Write the step's inputs into its slot's host buffers; returns the prefill rows.
 
     `row_numbers` is np.arange(max_batch + 1), reused so that a decode-only step allocates nothing.
     A jump row's forced tokens (`Sequence.jump`) are consumed here: the launch owns them now.
+    `sliding`: the sliding-window layers' pages, which each row moves on to its query (sliding.py).
     """
     output_index = np.array([seq.num_scheduled for seq in step.rows], dtype=np.int64)
     step.lane_of_row = np.array([seq.lane for seq in step.rows], dtype=np.int64)
@@ -96,6 +101,9 @@ def stage(step: Step, lanes: Lanes, page_size: int, row_numbers: np.ndarray) -> 
         context[row], query_len[row] = seq.num_prefilled, seq.chunk
         if seq.num_prefilled < seq.prompt_len:
             step.partial.add(row)
+    if sliding is not None:
+        for seq, last, length in zip(step.rows, context.tolist(), query_len.tolist(), strict=True):
+            sliding.advance(seq, last - length, last - 1)
     query_starts = _stage_positions(step, lanes, page_size, output_index + extra, context, query_len, row_numbers)
     _stage_logit_rows(step, lanes, output_index + extra, context, query_starts, row_numbers)
     _stage_input_sources(step, lanes, query_starts, chunk_start, jump_rows, row_numbers)
@@ -133,14 +141,18 @@ def _stage_positions(
         query_starts, positions, lane_of_token = row_numbers[: num_rows + 1], context - 1, lane
         step.max_query_len = 1
     num_tokens = len(positions)
-    pages = lanes.block_table[lane_of_token, positions // page_size]
+    page_index, offset = positions // page_size, positions % page_size
     host.positions[:num_tokens] = positions
-    host.kv_index[:num_tokens] = pages * page_size + positions % page_size
+    host.kv_index[:num_tokens] = lanes.block_table[lane_of_token, page_index] * page_size + offset
     host.query_start[: num_rows + 1] = query_starts
     host.context_lens[:num_rows] = context
     step.max_context_len = int(context.max())
-    step.table_width = pages_needed(step.max_context_len, page_size)
-    host.block_tables[:num_rows, : step.table_width] = lanes.block_table[lane, : step.table_width]
+    width = step.table_width = pages_needed(step.max_context_len, page_size)
+    host.block_tables[:num_rows, :width] = lanes.block_table[lane, :width]
+    if lanes.sliding_table is not None:
+        step.sliding = True
+        host.sliding_kv_index[:num_tokens] = lanes.sliding_table[lane_of_token, page_index] * page_size + offset
+        host.sliding_block_tables[:num_rows, :width] = lanes.sliding_table[lane, :width]
     step.num_tokens = num_tokens
     return query_starts
 
@@ -172,7 +184,12 @@ def _stage_logit_rows(
     host.query_start[1 : num_logits + 1] = query_starts[row + 1] - back
     step.max_query_len = int(np.diff(host.query_start[: num_logits + 1]).max())
     host.context_lens[:num_logits] = context[row] - back
-    host.block_tables[:num_logits, : step.table_width] = lanes.block_table[step.lane_of_row[row], : step.table_width]
+    lane_of_logit = step.lane_of_row[row]
+    host.block_tables[:num_logits, : step.table_width] = lanes.block_table[lane_of_logit, : step.table_width]
+    if lanes.sliding_table is not None:
+        host.sliding_block_tables[:num_logits, : step.table_width] = lanes.sliding_table[
+            lane_of_logit, : step.table_width
+        ]
 
 
 def _stage_input_sources(

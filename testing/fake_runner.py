@@ -18,7 +18,10 @@ SOLUTION
     tensors live on the GPU and the delay is a queued GPU spin (`torch.cuda._sleep`), so the host
     returns at once, as it does from a real launch.
     With `window=w` the logits depend on the last w tokens only, so greedy text soon repeats
-    itself (a stand-in for copying, which prompt-lookup drafts feed on).
+    itself (a stand-in for copying, which prompt-lookup drafts feed on). With `sliding=True` as
+    well it declares runner.SlidingWindow: those w tokens are read from a pool of their own
+    through the batch's sliding block tables (engine/sliding.py), so a page released while still
+    in the window changes the output (or fails the read).
     Rows of one launch may share pages (runner.SharedPages): every row's entries are written before
     any row reads its context back.
 INVARIANTS
@@ -65,9 +68,14 @@ class FakeRunner:
         boost: dict[int, float] | None = None,
         device: str | torch.device = "cpu",
         window: int | None = None,
+        sliding: bool = False,
     ) -> None:
+        if sliding and window is None:
+            raise ValueError("sliding=True needs a window")
         self.vocab_size = vocab_size
         self.window = window
+        self.sliding_window = window if sliding else None  # runner.SlidingWindow
+        self.sliding_ids: torch.Tensor | None = None
         self.device = torch.device(device)
         self.max_positions: int | None = None
         self.delay_s = delay_s
@@ -86,16 +94,24 @@ class FakeRunner:
     def kv_bytes_per_token(self) -> int:
         return 8
 
-    def allocate_kv(self, num_pages: int, page_size: int) -> None:
+    def sliding_kv_bytes_per_token(self) -> int:
+        return 8 if self.sliding_window else 0
+
+    def allocate_kv(self, num_pages: int, page_size: int, sliding_pages: int | None = None) -> None:
         self.kv = torch.full((num_pages * page_size,), -1, dtype=torch.int64, device=self.device)
         self.ids = torch.full_like(self.kv, -1)  # the token at each position (for `window`)
+        if sliding_pages is not None:  # the window's tokens, in their own pool
+            self.sliding_ids = torch.full((sliding_pages * page_size,), -1, dtype=torch.int64, device=self.device)
         self.page_size = page_size
 
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
         start, ps = time.perf_counter(), self.page_size
         self.kv.index_copy_(0, batch.kv_index, _term(batch.input_ids, batch.positions))
         self.ids.index_copy_(0, batch.kv_index, batch.input_ids)
-        tables, lens = batch.block_tables, batch.context_lens.long()
+        tables, lens, id_cache = batch.block_tables, batch.context_lens.long(), self.ids
+        if batch.sliding_block_tables is not None:
+            self.sliding_ids.index_copy_(0, batch.sliding_kv_index, batch.input_ids)
+            tables, id_cache = batch.sliding_block_tables, self.sliding_ids
         offsets = torch.arange(tables.shape[1] * ps, device=self.device)
         valid = offsets[None, :] < lens[:, None]
         slots = tables.long().repeat_interleave(ps, dim=1) * ps + offsets % ps
@@ -104,7 +120,7 @@ class FakeRunner:
         else:  # the last `window` tokens, weighted by their place in the window
             first = (lens - self.window).clamp(min=0)[:, None]
             valid &= offsets[None, :] >= first
-            ids = self.ids.index_select(0, torch.where(valid, slots, 0).view(-1)).view(slots.shape)
+            ids = id_cache.index_select(0, torch.where(valid, slots, 0).view(-1)).view(slots.shape)
             terms = _term(ids, offsets[None, :] - first)
         rows = _mix(torch.where(valid, terms, 0).sum(dim=1)) % self.table.shape[0]
         logits = self.table.index_select(0, rows)

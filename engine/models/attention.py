@@ -18,7 +18,10 @@ SOLUTION
     A layer that attends over a sliding window (transformers passes its `sliding_window`) gets the
     same mask with the keys at or before `position - window` masked out, built once per window per
     forward. A layer that reads another layer's K/V (KV sharing: `module.foveal_kv_shared`, its
-    `foveal_kv_index` the producer's) writes nothing and attends over the producer's pages.
+    `foveal_kv_index` the producer's) writes nothing and attends over the producer's pages. The KV
+    tensors of sliding layers may live in a page pool of their own (`PagedKV.sliding`,
+    engine/sliding.py), which keeps only each sequence's window: they are written and gathered
+    through the batch's sliding block tables, whose passed pages read the scratch page (masked).
 
 INVARIANTS
     - Only the KV rows named in `kv_index` are written; only pages named in `block_tables` (and the
@@ -55,6 +58,11 @@ class PagedKV:
     v: list[torch.Tensor]
     page_size: int
     scratch_page: int  # one page past the engine's: block-table padding and padding rows point here
+    # the tensors of sliding-window layers kept in a pool of their own (engine/sliding.py), its
+    # window and its scratch page; empty when every tensor is in the main pool
+    sliding: frozenset[int] = frozenset()
+    window: int | None = None
+    sliding_scratch_page: int = -1
 
 
 @dataclass(slots=True)
@@ -74,6 +82,9 @@ class PagedContext:
     # window (None: full attention) -> its mask, and its GQA-folded form (CPU), built once per forward
     window_masks: dict[int, torch.Tensor] = field(default_factory=dict)
     grouped_masks: dict[int | None, torch.Tensor] = field(default_factory=dict)
+    # the same two indices in the sliding-window pool (None: no tensor is there)
+    sliding_kv_index: torch.Tensor | None = None
+    sliding_gather_index: torch.Tensor | None = None
 
     def mask_for(self, window: int | None) -> torch.Tensor:
         """The additive mask of a layer with a sliding `window` (None: `mask`), built on first use."""
@@ -130,10 +141,12 @@ def build_context(
     device = batch.input_ids.device
     num_seqs, max_q = batch.num_seqs, batch.max_query_len
     pages = -(-batch.max_context_len // kv.page_size)
-    table = batch.block_tables[:, :pages].to(torch.int64)
-    table = torch.where(table < 0, kv.scratch_page, table)
-    offsets = torch.arange(kv.page_size, device=device)
-    gather_index = (table[:, :, None] * kv.page_size + offsets).reshape(-1)
+    gather_index = _gather_index(batch.block_tables, pages, kv.page_size, kv.scratch_page)
+    sliding_gather = None
+    if kv.sliding:
+        if batch.sliding_block_tables is None:
+            raise ValueError("this runner keeps sliding-window K/V in a pool of its own: the batch needs its tables")
+        sliding_gather = _gather_index(batch.sliding_block_tables, pages, kv.page_size, kv.sliding_scratch_page)
     num_keys = pages * kv.page_size
     key_pos = torch.arange(num_keys, device=device)
     in_context = key_pos[None, None, :] < batch.context_lens.to(torch.int64)[:, None, None]  # [B, 1, L]
@@ -173,7 +186,17 @@ def build_context(
         max_query_len=max_q,
         num_keys=num_keys,
         query_pos=query_pos,
+        sliding_kv_index=batch.sliding_kv_index if kv.sliding else None,
+        sliding_gather_index=sliding_gather,
     )
+
+
+def _gather_index(block_tables: torch.Tensor, pages: int, page_size: int, scratch_page: int) -> torch.Tensor:
+    """[B * pages * page_size] the KV row of each key position of each sequence; -1 entries read the scratch page."""
+    table = block_tables[:, :pages].to(torch.int64)
+    table = torch.where(table < 0, scratch_page, table)
+    offsets = torch.arange(page_size, device=block_tables.device)
+    return (table[:, :, None] * page_size + offsets).reshape(-1)
 
 
 def paged_attention(
@@ -192,17 +215,25 @@ def paged_attention(
     window's length in positions (None: full attention).
     """
     k_cache, v_cache = ctx.kv.k[index], ctx.kv.v[index]
+    kv_index, gather_index = ctx.kv_index, ctx.gather_index
+    if index in ctx.kv.sliding:  # its own pool, which keeps only the window's pages
+        if window is None or window > ctx.kv.window:
+            raise ValueError(
+                f"KV tensor {index} keeps a window of {ctx.kv.window} positions; a layer with window {window} "
+                "cannot read it (the runner's KV layout pairs layers and windows wrongly)"
+            )
+        kv_index, gather_index = ctx.sliding_kv_index, ctx.sliding_gather_index
     if key is not None:
-        k_cache.index_copy_(0, ctx.kv_index, key.to(k_cache.dtype))
-        v_cache.index_copy_(0, ctx.kv_index, value.to(v_cache.dtype))
+        k_cache.index_copy_(0, kv_index, key.to(k_cache.dtype))
+        v_cache.index_copy_(0, kv_index, value.to(v_cache.dtype))
     mask = ctx.mask_for(window)
 
     # index_select over the flat KV rows, not k_cache[gather_index]: same rows, ~5x faster on CPU
     # (advanced indexing takes a generic path; 32 x 128 keys: 49 vs 243 us per tensor).
     num_seqs, kv_heads, dim = ctx.num_seqs, k_cache.shape[1], k_cache.shape[2]
     gathered = (num_seqs, ctx.num_keys, kv_heads, dim)
-    keys = k_cache.index_select(0, ctx.gather_index).view(gathered).transpose(1, 2)  # [B, Hkv, L, D]
-    values = v_cache.index_select(0, ctx.gather_index).view(gathered).transpose(1, 2)
+    keys = k_cache.index_select(0, gather_index).view(gathered).transpose(1, 2)  # [B, Hkv, L, D]
+    values = v_cache.index_select(0, gather_index).view(gathered).transpose(1, 2)
     heads = query.shape[1]
     if ctx.query_seq is None:
         # Decode: sequence i's one query is token i. The query heads that share a KV head become that

@@ -37,7 +37,9 @@ SOLUTION
     is what a GGUF's Q4 blocks become by default on x86 (gguf.py): decode reads 4-bit weights, a
     prefill or a large batch runs fbgemm. The choice of kernels and the crossover are measured in
     docs/quantization.md (torchao adds no CPU kernel of its own; inductor's code for a weight-only
-    matmul compiled for a minute and ran slower).
+    matmul compiled for a minute and ran slower). `FusedInt4` (`fuse_int4`) runs several int4
+    layers over one input, a decoder's q/k/v or gate/up, as one launch with the same groups, so
+    that a batch-1 step pays one dispatch and two conversions for them instead of one per layer.
 
 INVARIANTS
     - `dequantize()` returns exactly the weight the kernel multiplies by (up to the kernel's own
@@ -50,6 +52,7 @@ from __future__ import annotations
 
 from concurrent.futures import ThreadPoolExecutor
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -158,6 +161,11 @@ class QuantLinear(nn.Module):
             out = out + self.bias
         return out.view(*x.shape[:-1], self.out_features)
 
+    def int4_mm(self, flat: torch.Tensor) -> torch.Tensor:
+        """The int4 kernel alone on a flat [rows, in_features] input of the scales' dtype (no bias,
+        no reshapes: a few ops fewer per launch in a traced step, where each op costs its dispatch)."""
+        return torch.ops.aten._weight_int4pack_mm_for_cpu(flat, self.packed, self.group_size, self.scales)
+
     @property
     def weight_dtype(self) -> torch.dtype:
         return self.scales.dtype
@@ -195,6 +203,14 @@ def fp16_kernel_available() -> bool:
     return "fbgemm" in torch.backends.quantized.supported_engines
 
 
+# fbgemm's fp16 GEMM runs a launch's rows in blocks of up to 6, and its 1- and 2-row blocks round
+# differently from the others: a decode row's output would differ from the same row's in a launch of
+# 3 to 6 rows (a speculative verify launch, or a few calls batched), flipping near-ties of greedy
+# decoding. Launches of fewer rows are padded to this many, so that up to 6 rows a row's output is
+# the same whatever shares its launch; the pad costs nothing measurable, the weight's bytes dominate.
+MIN_HALF_ROWS = 3
+
+
 class HalfLinear(nn.Module):
     """y = x @ W.T + b with W held as fp16 in fbgemm's packed layout; x and y are float32."""
 
@@ -211,7 +227,11 @@ class HalfLinear(nn.Module):
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = torch.ops.quantized.linear_dynamic_fp16(x.reshape(-1, self.in_features), self.packed)
+        flat = x.reshape(-1, self.in_features)
+        rows = flat.shape[0]
+        if rows < MIN_HALF_ROWS:  # the same micro-kernel as a launch of a few more rows (MIN_HALF_ROWS)
+            flat = F.pad(flat, (0, 0, 0, MIN_HALF_ROWS - rows))
+        out = torch.ops.quantized.linear_dynamic_fp16(flat, self.packed)[:rows]
         return out.view(*x.shape[:-1], self.out_features)
 
     def dequantize(self) -> torch.Tensor:
@@ -253,11 +273,11 @@ class SplitLinear(nn.Module):
         self.in_features, self.out_features = half.in_features, half.out_features
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        flat = x.reshape(-1, self.in_features)
-        if flat.shape[0] > FEW_ROWS:
+        if x.dim() != 2:
+            return self(x.reshape(-1, self.in_features)).view(*x.shape[:-1], self.out_features)
+        if x.shape[0] > FEW_ROWS:
             return self.fp16(x)
-        out = self.int4(flat.to(torch.bfloat16)).to(x.dtype)
-        return out.view(*x.shape[:-1], self.out_features)
+        return self.int4.int4_mm(x.to(torch.bfloat16)).to(x.dtype)
 
     def dequantize(self, rows: int = 1) -> torch.Tensor:
         """The float32 weight [N, K] a launch of `rows` rows multiplies by."""
@@ -268,6 +288,108 @@ class SplitLinear(nn.Module):
 
     def extra_repr(self) -> str:
         return f"int4 up to {FEW_ROWS} rows, fp16 above, in_features={self.in_features}, out_features={self.out_features}"
+
+
+class FusedInt4(nn.Module):
+    """Several int4 layers over one input (a layer's q/k/v, or gate/up) run as one int4 launch.
+
+    The int4 kernel's cost per launch is more than its weights' bytes at one row: a dispatch, and
+    for `SplitLinear` parts two bf16 conversions, each paid per projection. Concatenating the
+    parts' output features makes one launch of the same groups and codes; each output column is
+    reduced over the same inputs in the same order as in its own layer, so the outputs are the
+    parts' own, bit for bit. The parts' packed codes become views of the fused tensor (one copy of
+    the weights in memory, the parts still usable on their own, e.g. by transformers' forward).
+    Launches beyond the parts' int4 rows (`SplitLinear`: more than `FEW_ROWS`) run the parts.
+
+    Build them with `fuse_int4`, which says None where the parts cannot be fused."""
+
+    def __init__(self, parts: list[QuantLinear | SplitLinear], int4: QuantLinear) -> None:
+        super().__init__()
+        self.parts = nn.ModuleList(parts)
+        self.int4 = int4
+        self.sizes = [p.out_features for p in parts]
+        self.in_features, self.out_features = int4.in_features, int4.out_features
+        self.split = isinstance(parts[0], SplitLinear)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        if x.dim() != 2:
+            outs = self(x.reshape(-1, self.in_features))
+            return tuple(out.view(*x.shape[:-1], n) for out, n in zip(outs, self.sizes, strict=True))
+        if not self.split:  # int4 QuantLinears: their own rows logic, on the fused weight
+            out = self.int4(x)
+        elif x.shape[0] > FEW_ROWS:
+            return tuple(part(x) for part in self.parts)
+        else:
+            out = self.int4.int4_mm(x.to(torch.bfloat16)).to(x.dtype)
+        return out.split(self.sizes, dim=-1)
+
+    def extra_repr(self) -> str:
+        return f"int4 over {self.sizes} output features, in_features={self.in_features}"
+
+
+def fuse_int4(groups: list[list[nn.Module]]) -> list[FusedInt4 | None]:
+    """One int4 launch for each group of layers over one input (FusedInt4), or None for a group
+    whose layers cannot share one: not all int4 `QuantLinear`s or all `SplitLinear`s, different
+    inputs, groups or dtypes, a bias on some only, or a packed layout that does not concatenate
+    (torch's 32-row blocks, every part a whole number of them: `pack_int4`).
+
+    The fused codes of every group go into one allocation, copied by numpy (`_concatenate`): an
+    allocation per group and torch's parallel copies made SmolLM2's 60 groups take 0.4-1.7 s on a
+    loaded 2-core machine."""
+    plans = [_int4_parts(parts) for parts in groups]
+    buffer = torch.empty(sum(q.packed.numel() for int4s in plans if int4s for q in int4s), dtype=torch.uint8)
+    fused: list[FusedInt4 | None] = []
+    at = 0
+    for parts, int4s in zip(groups, plans, strict=True):
+        if int4s is None:
+            fused.append(None)
+            continue
+        first = int4s[0]
+        rows = sum(q.out_features for q in int4s)
+        packed = buffer[at : at + rows * first.packed.shape[1]].view(rows, first.packed.shape[1])
+        at += packed.numel()
+        np.concatenate([q.packed.numpy() for q in int4s], out=packed.numpy())
+        scales = _concatenate([q.scales for q in int4s], dim=1)  # [K / group, N, 2]
+        bias = None if first.bias is None else torch.cat([q.bias.detach() for q in int4s])
+        start = 0
+        for q in int4s:  # the parts read the fused codes: one copy in memory
+            q.packed = packed[start : start + q.out_features]
+            start += q.out_features
+        int4 = QuantLinear("int4", packed, scales, first.in_features, rows, bias, first.group_size)
+        fused.append(FusedInt4(parts, int4))
+    return fused
+
+
+_INT_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def _concatenate(tensors: list[torch.Tensor], dim: int) -> torch.Tensor:
+    """torch.cat by numpy (bits as integers: numpy has no bf16): one thread, where torch's copies
+    run parallel regions that wait, on a loaded machine, for a preempted thread (3-6x longer here)."""
+    as_int = _INT_OF_SIZE[tensors[0].element_size()]
+    joined = np.concatenate([t.view(as_int).numpy() for t in tensors], axis=dim)
+    return torch.from_numpy(joined).view(tensors[0].dtype)
+
+
+def _int4_parts(parts: list[nn.Module]) -> list[QuantLinear] | None:
+    """The int4 layers of `parts` if one launch can run them all (fuse_int4), else None."""
+    if len(parts) < 2 or not _blocked_layout_holds():
+        return None
+    if all(isinstance(p, SplitLinear) for p in parts):
+        int4s = [p.int4 for p in parts]
+    elif all(isinstance(p, QuantLinear) and p.mode == "int4" for p in parts):
+        int4s = list(parts)
+    else:
+        return None
+    first = int4s[0]
+    same = all(
+        (q.in_features, q.group_size, q.weight_dtype, q.packed.dtype)
+        == (first.in_features, first.group_size, first.weight_dtype, torch.uint8)
+        and q.out_features % 32 == 0
+        and (q.bias is None) == (first.bias is None)
+        for q in int4s
+    )
+    return int4s if same else None
 
 
 class HalfEmbedding(nn.Module):

@@ -31,7 +31,9 @@ INVARIANTS
     - Each decoder layer attends over the KV tensors `kv_layout` names (default: its own, all of one
       shape). A family whose layers differ in KV shape (Gemma 4's full-attention layers: other head
       counts and sizes) or share another layer's K/V overrides `layout_kv`; a sharing layer owns no
-      KV tensor and writes none, so `kv_bytes_per_token` counts only the tensors that exist.
+      KV tensor and writes none, so `kv_bytes_per_token` counts only the tensors that exist. The
+      tensors that only sliding layers of one window read (`KVLayout.windows`) get a page pool of
+      their own when the engine asks (`allocate_kv(..., sliding_pages=)`, engine/sliding.py).
     - Launches without images run `LeanDecoder` (lean.py) when the text model's layers are of a
       shape it reproduces (`self.lean` is then set), transformers' forward otherwise; both give the
       same logits (tested per family through greedy parity).
@@ -40,7 +42,7 @@ INVARIANTS
 from __future__ import annotations
 
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -61,6 +63,18 @@ class KVLayout:
     index: tuple[int, ...]  # per decoder layer: its KV tensor (a sharing layer: its producer's; -1: none)
     shared: tuple[bool, ...]  # per decoder layer: it reads the producer's K/V and writes none
     shapes: tuple[tuple[int, int], ...]  # per KV tensor: (kv_heads, head_dim)
+    # per KV tensor: the sliding window of every layer reading it, or None (a full-attention layer reads it)
+    windows: tuple[int | None, ...] | None = None
+
+    def sliding_window(self) -> int | None:
+        """The window of the tensors only sliding layers read, when they all share one (sliding.py
+        keeps those in a pool of their own); None: no such tensor, or windows of several sizes."""
+        found = {w for w in self.windows or () if w is not None}
+        return found.pop() if len(found) == 1 else None
+
+    def sliding_tensors(self) -> frozenset[int]:
+        window = self.sliding_window()
+        return frozenset(i for i, w in enumerate(self.windows or ()) if window is not None and w == window)
 
 
 class HFRunner:
@@ -100,6 +114,8 @@ class HFRunner:
             trace_decode = self.device.type == "cpu"
         self.decode_graphs = DecodeGraphs(self._eager, self.model) if trace_decode else None
         self.kv_layout: KVLayout = self.layout_kv(model)
+        # runner.SlidingWindow: the engine keeps these tensors' pages for each sequence's window only
+        self.sliding_window: int | None = self.kv_layout.sliding_window()
         for layer, index, shared in zip(
             model.get_decoder().layers, self.kv_layout.index, self.kv_layout.shared, strict=True
         ):
@@ -120,14 +136,30 @@ class HFRunner:
     def kv_bytes_per_token(self) -> int:
         return 2 * sum(heads * dim for heads, dim in self.kv_layout.shapes) * self.dtype.itemsize
 
-    def allocate_kv(self, num_pages: int, page_size: int) -> None:
-        rows = (num_pages + 1) * page_size  # + the scratch page
-        make = lambda heads, dim: kv_zeros((rows, heads, dim), self.dtype, self.device)  # noqa: E731
+    def sliding_kv_bytes_per_token(self) -> int:
+        """The share of `kv_bytes_per_token` in tensors only sliding layers read (runner.SlidingWindow)."""
+        shapes = self.kv_layout.shapes
+        return 2 * sum(shapes[i][0] * shapes[i][1] for i in self.kv_layout.sliding_tensors()) * self.dtype.itemsize
+
+    def allocate_kv(self, num_pages: int, page_size: int, sliding_pages: int | None = None) -> None:
+        """KV tensors of `num_pages` pages (+ a scratch page); with `sliding_pages`, the sliding-only
+        tensors (runner.SlidingWindow) get that many pages of their own pool instead."""
+        sliding = self.kv_layout.sliding_tensors() if sliding_pages is not None else frozenset()
+
+        def make(index: int) -> torch.Tensor:
+            pages = sliding_pages if index in sliding else num_pages
+            heads, dim = self.kv_layout.shapes[index]
+            return kv_zeros(((pages + 1) * page_size, heads, dim), self.dtype, self.device)
+
+        tensors = range(len(self.kv_layout.shapes))
         self.kv = PagedKV(
-            k=[make(*shape) for shape in self.kv_layout.shapes],
-            v=[make(*shape) for shape in self.kv_layout.shapes],
+            k=[make(i) for i in tensors],
+            v=[make(i) for i in tensors],
             page_size=page_size,
             scratch_page=num_pages,
+            sliding=sliding,
+            window=self.sliding_window if sliding else None,
+            sliding_scratch_page=sliding_pages if sliding else -1,
         )
         if self.decode_graphs is not None:
             self.decode_graphs.clear()  # traces hold the old KV tensors' shapes
@@ -143,11 +175,11 @@ class HFRunner:
         if kv is None:
             raise RuntimeError("allocate_kv(num_pages, page_size) must be called before forward()")
         if batch.is_decode and self.decode_graphs is not None and not batch.prefill:
-            return self.decode_graphs(batch, kv.k, kv.v, kv.page_size, kv.scratch_page)
+            return self.decode_graphs(batch, kv.k, kv.v, kv.page_size, kv.scratch_page, kv.sliding_scratch_page)
         return self._eager(batch, kv.k, kv.v)
 
     def _eager(self, batch: ForwardBatch, ks: list[torch.Tensor], vs: list[torch.Tensor]) -> torch.Tensor:
-        kv = PagedKV(ks, vs, self.kv.page_size, self.kv.scratch_page)
+        kv = replace(self.kv, k=ks, v=vs)  # the traced graphs pass the KV tensors as inputs
         prefix = prefix_lens(batch, self.device) if self.arch.prefix_attention else None
         context = build_context(batch, kv, prefix, self.dtype, self.attention_blocks(batch))
         # images whose tokens the prefix cache held entirely need no features (nor an encoder run)

@@ -23,7 +23,8 @@ INVARIANTS
     - A replay gives the same logits as the eager forward on the same batch, at every table width
       (tests/models/test_traced.py; per family through multi-step greedy parity, where every
       decode launch is a replay).
-    - Padding rows write only the scratch page; real rows' KV indices are the batch's own.
+    - Padding rows write only the scratch page (and the sliding pool's: engine/sliding.py); real
+      rows' KV indices are the batch's own.
     - The KV tensors are inputs of the graph, never constants baked into it, so replays write the
       live cache. A trace made in the background runs on an all-padding batch: it writes only the
       scratch page, which no real row reads unmasked.
@@ -115,12 +116,24 @@ class _Step(torch.nn.Module):
             setattr(self, f"packed_{index}", packed)
 
     def forward(self, input_ids, positions, query_start, context_lens, block_tables, kv_index, ks, vs):
+        return self.eager(self.batch(input_ids, positions, query_start, context_lens, block_tables, kv_index), list(ks), list(vs))
+
+    def batch(self, input_ids, positions, query_start, context_lens, block_tables, kv_index) -> ForwardBatch:
         # Read from the table's shape, not a host int: under the tracer a shape is a traced value,
         # so the graph's key count follows the width of the table it is given (any width).
         max_context_len = block_tables.shape[1] * self.page_size
-        batch = ForwardBatch(
-            input_ids, positions, query_start, context_lens, block_tables, kv_index, 1, max_context_len
-        )
+        return ForwardBatch(input_ids, positions, query_start, context_lens, block_tables, kv_index, 1, max_context_len)
+
+
+class _SlidingStep(_Step):
+    """The traced unit of a runner with a sliding-window page pool: its tables and KV indices are inputs too."""
+
+    def forward(
+        self, input_ids, positions, query_start, context_lens, block_tables, kv_index, ks, vs, sliding_tables,
+        sliding_kv_index,
+    ):
+        batch = self.batch(input_ids, positions, query_start, context_lens, block_tables, kv_index)
+        batch.sliding_block_tables, batch.sliding_kv_index = sliding_tables, sliding_kv_index
         return self.eager(batch, list(ks), list(vs))
 
 
@@ -167,16 +180,21 @@ class DecodeGraphs:
         self.prepare = tuple(bucket(rows) for rows in prepare)
 
     def __call__(
-        self, batch: ForwardBatch, ks: list, vs: list, page_size: int, scratch_page: int
+        self, batch: ForwardBatch, ks: list, vs: list, page_size: int, scratch_page: int, sliding_scratch: int = -1
     ) -> torch.Tensor:
+        """Replay (or trace) the decode launch `batch`; `sliding_scratch`: the scratch page of the
+        runner's sliding-window pool, when the batch has its tables (engine/sliding.py)."""
         n, width = batch.num_seqs, batch.block_tables.shape[1]
         key = (bucket(n), bucket(width))
         args = (*self._pad(batch, *key, page_size, scratch_page), tuple(ks), tuple(vs))
+        if batch.sliding_block_tables is not None:
+            tables = self._pad_tables(batch.sliding_block_tables, *key, sliding_scratch)
+            args = (*args, tables, self._grow(batch.sliding_kv_index, key[0] - n, sliding_scratch * page_size))
         graph = self.graphs.get(key) or self._by_rows.get(key[0])
         if graph is None and not self._background:
             graph = self._by_rows[key[0]] = self._trace(args, page_size)
         elif graph is None:
-            self._trace_later(key, args, page_size, scratch_page)
+            self._trace_later(key, args, page_size, scratch_page, sliding_scratch)
             return self.eager(batch, ks, vs)
         self.graphs[key] = graph
         return _replay(graph, args)[:n]
@@ -193,21 +211,23 @@ class DecodeGraphs:
             return
         for rows in self.prepare:
             args = self._idle_batch(rows, kv)
-            self._trace_later((rows, 1), args, kv.page_size, kv.scratch_page)
+            self._trace_later((rows, 1), args, kv.page_size, kv.scratch_page, kv.sliding_scratch_page)
 
     def wait(self) -> None:
         """Block until the traces started so far have ended (each holds the runner, hence the
         weights, while it runs); a trace that failed says so at the next launch of its bucket."""
         futures.wait(list(self._pending.values()))
 
-    def _trace_later(self, key: tuple[int, int], args: tuple, page_size: int, scratch_page: int) -> None:
+    def _trace_later(
+        self, key: tuple[int, int], args: tuple, page_size: int, scratch_page: int, sliding_scratch: int = -1
+    ) -> None:
         rows = key[0]
         started = self._pending.get(rows)
         if started is not None:
             if started.done() and started.exception() is not None:
                 raise RuntimeError(f"tracing the decode step of {rows} rows failed") from started.exception()
             return
-        idle = self._idle_args(args, page_size, scratch_page)
+        idle = self._idle_args(args, page_size, scratch_page, sliding_scratch)
         generation = self._generation
 
         def trace() -> None:
@@ -224,62 +244,75 @@ class DecodeGraphs:
         with warnings.catch_warnings(), own_compilation_unit():
             # TracerWarnings about Python ints: the rows are fixed per bucket
             warnings.simplefilter("ignore")
-            return torch.jit.trace(_Step(self.eager, page_size, self.model), args, check_trace=False)
+            step = (_SlidingStep if len(args) > 8 else _Step)(self.eager, page_size, self.model)
+            return torch.jit.trace(step, args, check_trace=False)
 
     @staticmethod
     def _idle_batch(rows: int, kv: PagedKV) -> tuple:
         """Inputs of a decode launch of `rows` padding rows on the KV tensors `kv`."""
         device = kv.k[0].device
-        return (
+
+        def scratch(page: int) -> tuple[torch.Tensor, torch.Tensor]:  # a table and KV indices in `page`
+            table = torch.full((rows, 1), page, dtype=torch.int32, device=device)
+            return table, torch.full((rows,), page * kv.page_size, dtype=torch.int64, device=device)
+
+        args = (
             torch.zeros(rows, dtype=torch.int64, device=device),
             torch.zeros(rows, dtype=torch.int64, device=device),
             torch.arange(rows + 1, dtype=torch.int32, device=device),
             torch.ones(rows, dtype=torch.int32, device=device),
-            torch.full((rows, 1), kv.scratch_page, dtype=torch.int32, device=device),
-            torch.full((rows,), kv.scratch_page * kv.page_size, dtype=torch.int64, device=device),
+            *scratch(kv.scratch_page),
             tuple(kv.k),
             tuple(kv.v),
         )
+        return (*args, *scratch(kv.sliding_scratch_page)) if kv.sliding else args
 
     @staticmethod
-    def _idle_args(args: tuple, page_size: int, scratch_page: int) -> tuple:
+    def _idle_args(args: tuple, page_size: int, scratch_page: int, sliding_scratch: int = -1) -> tuple:
         """The bucket's inputs with every row a padding row (token 0 at position 0, keys and values
-        in the scratch page only): a trace run beside the live forwards touches no engine page."""
-        input_ids, positions, query_start, context_lens, tables, kv_index, ks, vs = args
-        tables = torch.full_like(tables, -1)
-        tables[:, 0] = scratch_page
-        return (
+        in the scratch pages only): a trace run beside the live forwards touches no engine page."""
+        input_ids, positions, query_start, context_lens, tables, kv_index, ks, vs = args[:8]
+
+        def scratch(tables: torch.Tensor, kv_index: torch.Tensor, page: int) -> tuple[torch.Tensor, torch.Tensor]:
+            tables = torch.full_like(tables, -1)
+            tables[:, 0] = page
+            return tables, torch.full_like(kv_index, page * page_size)
+
+        idle = (
             torch.zeros_like(input_ids),
             torch.zeros_like(positions),
             query_start.clone(),
             torch.ones_like(context_lens),
-            tables,
-            torch.full_like(kv_index, scratch_page * page_size),
+            *scratch(tables, kv_index, scratch_page),
             ks,
             vs,
         )
+        return (*idle, *scratch(*args[8:], sliding_scratch)) if len(args) > 8 else idle
+
+    @classmethod
+    def _pad(cls, batch: ForwardBatch, rows: int, cols: int, page_size: int, scratch_page: int) -> tuple:
+        extra = rows - batch.num_seqs
+        return (
+            cls._grow(batch.input_ids, extra, 0),
+            cls._grow(batch.positions, extra, 0),
+            torch.arange(rows + 1, dtype=batch.query_start.dtype, device=batch.input_ids.device),
+            cls._grow(batch.context_lens, extra, 1),
+            cls._pad_tables(batch.block_tables, rows, cols, scratch_page),
+            cls._grow(batch.kv_index, extra, scratch_page * page_size),
+        )
 
     @staticmethod
-    def _pad(batch: ForwardBatch, rows: int, cols: int, page_size: int, scratch_page: int) -> tuple:
-        n, width = batch.num_seqs, batch.block_tables.shape[1]
-        extra = rows - n
-        device = batch.input_ids.device
+    def _grow(t: torch.Tensor, extra: int, value: int) -> torch.Tensor:
+        return torch.cat([t, t.new_full((extra,), value)]) if extra else t
 
-        def grow(t: torch.Tensor, value: int) -> torch.Tensor:
-            return torch.cat([t, t.new_full((extra,), value)]) if extra else t
-
-        tables = batch.block_tables
+    @staticmethod
+    def _pad_tables(tables: torch.Tensor, rows: int, cols: int, scratch_page: int) -> torch.Tensor:
+        """`tables` padded to `cols` pages with -1 and to `rows` rows of padding rows (the scratch page)."""
+        n, width = tables.shape
         if cols > width:
             tables = torch.cat([tables, tables.new_full((n, cols - width), -1)], dim=1)
-        if extra:
-            pad = tables.new_full((extra, cols), -1)
+        if rows > n:
+            pad = tables.new_full((rows - n, cols), -1)
             pad[:, 0] = scratch_page
             tables = torch.cat([tables, pad])
-        return (
-            grow(batch.input_ids, 0),
-            grow(batch.positions, 0),
-            torch.arange(rows + 1, dtype=batch.query_start.dtype, device=device),
-            grow(batch.context_lens, 1),
-            tables,
-            grow(batch.kv_index, scratch_page * page_size),
-        )
+        return tables

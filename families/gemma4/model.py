@@ -143,7 +143,7 @@ def kv_layout(text: Any) -> KVLayout:
     producer's (the last non-sharing layer of the same attention type, transformers' pairing)."""
     modes, types = text.kv_sharing_modes, text.layer_types
     first_shared = text.num_hidden_layers - text.num_kv_shared_layers
-    index, shared, shapes = [], [], []
+    index, shared, shapes, windows = [], [], [], []
     for layer in range(text.num_hidden_layers):
         if modes[layer] == "reuse":
             producer = max(i for i in range(first_shared) if types[i] == types[layer])
@@ -154,7 +154,8 @@ def kv_layout(text: Any) -> KVLayout:
             index.append(len(shapes))
             shared.append(False)
             shapes.append((layer_config.num_key_value_heads, layer_config.head_dim))
-    return KVLayout(tuple(index), tuple(shared), tuple(shapes))
+            windows.append(text.sliding_window if types[layer] == "sliding_attention" else None)
+    return KVLayout(tuple(index), tuple(shared), tuple(shapes), tuple(windows))
 
 
 class Gemma4Runner(HFRunner):

@@ -94,3 +94,40 @@ def test_the_kernel_table_times_every_kernel_for_every_launch_size(capsys):
     assert all(set(by_rows) == {1, 6} and min(by_rows.values()) > 0 for by_rows in report["ms"].values())
     llamacpp.print_kernels(report)
     assert "split" in capsys.readouterr().out
+
+
+@pytest.mark.slow  # loads the cached SmolLM2 GGUF and traces its decode step four times
+def test_the_step_anatomy_times_every_part_on_each_thread_count():
+    try:
+        smollm2_gguf(download=False)
+    except ModelLoadError as error:
+        pytest.skip(f"the SmolLM2 GGUF is not cached: {error}")
+    report = llamacpp.step_anatomy(rounds=1, threads=(1, 2), repeats=1)
+    assert report["fused_logits_equal"]  # fused projections give the separate ones' logits exactly
+    parts = {(row["part"], row["threads"]) for row in report["rows"]}
+    assert len(parts) == 4 * 2 and all(row["ms"] > 0 for row in report["rows"])
+    bytes_read = report["bytes_per_token"]
+    assert bytes_read["foveal_layers_mb"] == pytest.approx(bytes_read["llamacpp_layers_mb"])  # the same Q4_1 codes
+
+
+def test_decode_thread_rows_get_ratios_of_their_own_and_the_engines_row_stays_the_headline():
+    free = [
+        {"contender": "foveal", "tokens_per_s": 30.0},
+        {"contender": "foveal, decode on 2 thread(s)", "tokens_per_s": 45.0},
+        {"contender": "llama.cpp", "tokens_per_s": 50.0},
+    ]
+    calls = [
+        {"contender": "foveal", "median_ms": 400.0},
+        {"contender": "foveal, decode on 2 thread(s)", "median_ms": 300.0},
+        {"contender": "llama.cpp", "median_ms": 1000.0},
+    ]
+    report = {
+        "load": [{"contender": "foveal", "seconds": 1.0}, {"contender": "llama.cpp", "seconds": 1.0}],
+        "free_text": free,
+        "json_call": calls,
+        "concurrent_json": [{"contender": "foveal (all at once)", "requests_per_s": 1.0}],
+    }
+    ratios = llamacpp.ratios(report)
+    assert ratios["free_text_tokens_per_s_vs_llamacpp"] == pytest.approx(0.6)
+    assert ratios["free_text_tokens_per_s_vs_llamacpp (decode on 2 thread(s))"] == pytest.approx(0.9)
+    assert ratios["json_call_latency_vs_llamacpp (decode on 2 thread(s))"] == pytest.approx(0.3)

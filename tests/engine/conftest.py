@@ -139,6 +139,9 @@ def run_both(
             assert eng.wait_idle(10)
             assert eng.free_pages() == eng.config.num_pages
             assert eng.lanes.num_free == eng.lanes.count
+            sliding = eng.pipeline.sliding
+            if sliding is not None:  # the sliding-window pool too (engine/sliding.py)
+                assert sliding.pool.num_free == sliding.pool.num_pages and sliding.credit == 0
     return results[0], results[1]
 
 

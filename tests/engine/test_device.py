@@ -77,3 +77,21 @@ def test_small_cpu_forwards_run_on_one_thread_and_put_the_count_back(h):
         assert runner.seen[1:] and all(threads == 1 for _, threads in runner.seen[1:])  # batch-1 decode
     finally:
         torch.set_num_threads(before)
+
+
+def test_small_cpu_forwards_take_the_devices_small_launch_threads(h):
+    """`CpuDevice.small_launch_threads` (benchmarks compare 1 and 2): decode forwards run on it."""
+    from foveal.engine import Request, SamplingParams
+    from foveal.testing import FakeRunner
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        runner = _ThreadsSeen(FakeRunner(vocab_size=h.VOCAB, seed=1))
+        with h.engine(runner=runner) as eng:
+            eng.device.small_launch_threads = 2
+            assert eng.device.threads_for(1) == 2
+            eng.submit(Request([1, 2, 3], SamplingParams(max_tokens=4, ignore_eos=True))).result(10)
+        assert runner.seen and all(threads == 2 for _, threads in runner.seen)
+    finally:
+        torch.set_num_threads(before)

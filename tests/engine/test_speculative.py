@@ -51,6 +51,21 @@ def test_prompt_lookup_proposes_the_continuation_of_the_longest_earlier_match():
     assert lookup.propose(2) == [5, 9]
 
 
+def test_a_match_that_reaches_the_contexts_end_goes_on_with_its_period():
+    """A repeated run ("0000", "ab-ab-") has fewer tokens after its latest match than asked for:
+    the proposal repeats the run instead of stopping short."""
+    assert PromptLookup([9, 0, 0, 0]).propose(3) == [0, 0, 0]
+    assert PromptLookup([4, 1, 2, 3, 1, 2, 3, 1, 2]).propose(4) == [3, 1, 2, 3]
+
+
+def test_a_one_token_match_proposes_only_when_asked_and_only_without_a_longer_one():
+    lookup = PromptLookup([5, 1, 9, 9, 2, 7, 1])
+    assert lookup.propose(3) == []  # no earlier bigram (7, 1)
+    assert lookup.propose(3, min_match=1) == [9, 9, 2]  # the latest earlier 1
+    lookup.extend([9])
+    assert lookup.propose(2, min_match=1) == [9, 2]  # the bigram (1, 9) wins over the later lone 9
+
+
 def test_a_drafter_backs_off_after_rejections_and_recovers_on_acceptance():
     drafter = Drafter([1, 2, 3, 1, 2, 3, 1, 2])
     assert drafter.propose([], 2) == [3, 1]
@@ -214,6 +229,97 @@ def test_drafts_compose_with_jump_forward(h, pipelined):
         assert_idle_and_free(pipe)
         results.append((outputs(seqs), pipe.stats.jumps))
     assert results[0] == results[1]
+
+
+def spelled_twice(h):
+    """A trie grammar in which one stretch of text has two tokenizations: after `stem` it allows x
+    (then y) or z alone (x y and z spell the same text), and reports the canonical x y as forced
+    there, as llguidance does; decoding without drafts narrows that position to x and jumps over
+    x y (pipeline.py, JUMP-FORWARD), so a verify row that samples it freely may pick z instead."""
+
+    class SpelledTwice(h.TrieMatcher):
+        def __init__(self, stem: list[int], x: int, y: int, z: int, tail: list[int]) -> None:
+            super().__init__([stem + [x, y] + tail, stem + [z] + tail])
+            self.split, self.canonical = stem, [x, y]
+
+        def forced_tokens(self) -> list[int]:
+            return list(self.canonical) if self.tokens == self.split else []
+
+        def ends_after(self, tokens: list[int]) -> bool:
+            return False
+
+    return SpelledTwice
+
+
+@pytest.mark.parametrize("pipelined", [True, False])
+def test_drafts_never_sample_where_decoding_jumps_over_a_forced_run(h, pipelined):
+    """Every forced run is taken where decoding without drafts takes it, with its canonical tokens:
+    no logit row of a verify step samples a position where the grammar forces a run."""
+    SpelledTwice = spelled_twice(h)
+    results = []
+    for speculative in (None, "ngram"):
+        rng = random.Random(12)
+        outs, jumps, accepted = [], 0, 0
+        for i in range(8):  # one call at a time: steps of few rows carry drafts
+            pipe = spec_pipeline(pipelined, speculative, jump_forward=True)
+            stem = [rng.randrange(1, 40) for _ in range(4)]
+            x, y, z = rng.sample(range(40, VOCAB), 3)
+            seq = add(pipe, stem * 2, max_tokens=20, matcher=SpelledTwice(stem, x, y, z, stem), stop=(EOS,), seed=i)
+            run_to_idle(pipe)
+            assert_idle_and_free(pipe)
+            assert seq.request.matcher.accepts(seq.handle.result(0).token_ids)
+            outs += outputs([seq])
+            jumps, accepted = jumps + pipe.stats.jumps, accepted + pipe.draft_stats.accepted
+        results.append((outs, jumps, accepted))
+    (plain, plain_jumps, _), (drafted, jumps, accepted) = results
+    assert plain_jumps == 8 and accepted > 0
+    assert drafted == plain and jumps == plain_jumps
+
+
+def test_a_verify_row_whose_guess_was_wrong_is_pinned_where_the_real_sample_forces_a_run(h):
+    """Pipelined, a verify row's drafts follow a guess of the sample in flight. When that sample
+    differs and leads to a state that forces a run, finalize pins the row as decoding without drafts
+    would (narrowed to the run's first token, the run carried next) and its drafts are void."""
+
+    class Forcing(h.TrieMatcher):
+        def __init__(self, options, forced):
+            super().__init__(options)
+            self.forced = forced
+
+        def forced_tokens(self):
+            return list(self.forced.get(tuple(self.tokens), []))
+
+        def ends_after(self, tokens):
+            return False
+
+    stem, tail = [11, 12, 13, 14], [7, 8, 9]
+    probe_runner = FakeRunner(vocab_size=VOCAB, seed=2, window=1)
+    a, b = sorted((40, 41), key=lambda t: float(probe_runner.reference_logits(stem)[t]))  # b: the greedy one
+    x, z = sorted((50, 51), key=lambda t: float(probe_runner.reference_logits(stem + [b])[t]))  # z preferred to x
+
+    class Guessing(Drafter):
+        """Proposes the guess a (and what follows it) once the stem is committed, nothing else."""
+
+        __slots__ = ()
+
+        def propose(self, output, n):
+            return [a, *tail][:n] if output == stem else []
+
+    results = []
+    for speculative in (None, "ngram"):
+        pipe = spec_pipeline(True, speculative, jump_forward=True, runner=FakeRunner(vocab_size=VOCAB, seed=2, window=1),
+                             page_size=16, num_pages=16)  # room for drafts in the row's page
+        launches = recording_launches(pipe)
+        matcher = Forcing([stem + [a] + tail, stem + [b, x, 60] + tail, stem + [b, z] + tail], {tuple(stem + [b]): [x, 60]})
+        seq = add(pipe, [1, 2, 3], max_tokens=20, matcher=matcher, stop=(EOS,))
+        seq.drafter = Guessing(seq.request.prompt_ids)
+        run_to_idle(pipe)
+        assert_idle_and_free(pipe)
+        results.append((outputs([seq]), pipe.stats.jumps))
+        voided = [launch for launch in launches if set(launch.drafts) & set(launch.step.pinned)]
+        assert bool(voided) == (speculative is not None)
+    assert results[0] == results[1]
+    assert results[0][0][0][0] == stem + [b, x, 60] + tail
 
 
 # ---- caps, stops, zombies, pages ------------------------------------------------------------------

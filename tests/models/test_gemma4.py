@@ -17,8 +17,10 @@ import torch
 
 import foveal
 from foveal.engine import EngineConfig
+from foveal.engine.kv_cache import pages_needed
 from foveal.engine.models import ModelLoadError
 from foveal.engine.models.attention import PagedContext
+from foveal.engine.sliding import SlidingPages
 from foveal.families import load
 from foveal.testing import parity, tiny_gemma4
 
@@ -108,10 +110,67 @@ def test_engine_matches_transformers(pipelined, folder, expected):
         pipelined=pipelined, page_size=4, num_pages=256, max_model_len=256, eos_token_ids=family.eos_token_ids
     )
     rounds = parity.engine_rounds(family.runner, family.tokenizer, prompts, config, MAX_NEW)
+    assert family.runner.kv.sliding  # the sliding layers' pages are a pool of their own (engine/sliding.py)
     assert rounds.first == expected
-    assert rounds.again == expected  # from the prefix cache's pages and the image cache
+    assert rounds.again == expected  # from the prefix cache's pages (both pools') and the image cache
     assert family.runner.image_cache.stats.misses == 2  # each keyed prompt's images encoded once
     assert rounds.prefix_hit_rate > 0
+
+
+LONG_NEW = 24  # tokens of the long-context parity: the text prompt and these span many windows
+
+
+def _long_prompts(family):
+    """The test prompts and a text prompt of many windows: a long context for the sliding pool."""
+    rendered = family.tokenizer.apply_chat_template(
+        [{"role": "user", "content": " ".join(tiny_gemma4.PROMPTS * 2)}], tokenize=False, add_generation_prompt=True
+    )
+    return [*tiny_gemma4.prompts(family), family.processor(rendered, None, add_special_tokens=False)]
+
+
+@pytest.fixture(scope="module")
+def long_expected(folder):
+    family = load(folder, device="cpu")
+    reference = parity.reference_model(folder)
+    runs = [parity.reference_greedy(reference, p, family.runner.arch, LONG_NEW) for p in _long_prompts(family)]
+    return [[t for t in tokens if t not in family.eos_token_ids] for tokens, _ in runs]
+
+
+SLIDING_PAGES = 48  # of 4 tokens: fewer than the long prompt's context needs (pages must be reused)
+
+
+def _sliding_run(family, pipelined, **kw):
+    config = EngineConfig(
+        pipelined=pipelined, page_size=4, num_pages=256, max_model_len=256, prefill_chunk=8,
+        sliding_pages=SLIDING_PAGES, eos_token_ids=family.eos_token_ids, **kw,
+    )
+    return parity.engine_rounds(family.runner, family.tokenizer, _long_prompts(family), config, LONG_NEW)
+
+
+@pytest.mark.parametrize("pipelined", [True, False])
+def test_sliding_layers_keep_only_their_window(pipelined, folder, long_expected):
+    """The sliding layers' K/V lives in a pool of 48 pages (engine/sliding.py), fewer than the long
+    prompt's context alone: greedy tokens still equal transformers', first run and again (the image
+    cache; prefix hits need the window's pages still cached, which this small a pool evicts: the
+    test above reads them), and every page is back at idle."""
+    family = load(folder, device="cpu")
+    prompts = _long_prompts(family)
+    assert pages_needed(len(prompts[-1].token_ids) + LONG_NEW, 4) > SLIDING_PAGES
+    rounds = _sliding_run(family, pipelined)
+    assert rounds.first == long_expected
+    assert rounds.again == long_expected
+    assert rounds.free_pages == 256  # and the sliding pool's (parity.engine_rounds checks it)
+    kv = family.runner.kv
+    assert kv.sliding == frozenset({0, 2}) and kv.window == tiny_gemma4.WINDOW
+    assert kv.k[0].shape[0] == (SLIDING_PAGES + 1) * 4 and kv.k[1].shape[0] == (256 + 1) * 4  # memory: the window's
+
+
+def test_releasing_a_sliding_page_early_breaks_parity(folder, long_expected, monkeypatch):
+    """The test above can fail: a pool that lets go of a page one page inside the window moves tokens."""
+    family = load(folder, device="cpu")
+    early = lambda self, position: max(0, position - self.window + 1 + self.page_size) // self.page_size  # noqa: E731
+    monkeypatch.setattr(SlidingPages, "_first_needed", early)
+    assert _sliding_run(family, True).first != long_expected
 
 
 def test_prompts_are_the_templates(folder):

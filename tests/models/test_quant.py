@@ -198,7 +198,7 @@ def test_split_linear_takes_int4_for_few_rows_and_fp16_for_many(rows, monkeypatc
     layer, int4 = _split()
     x = torch.randn(rows, 96)
     used = []
-    monkeypatch.setattr(int4, "forward", lambda flat: used.append("int4") or QuantLinear.forward(int4, flat))
+    monkeypatch.setattr(int4, "int4_mm", lambda flat: used.append("int4") or QuantLinear.int4_mm(int4, flat))
     out = layer(x)
     assert out.dtype == torch.float32 and out.shape == (rows, 64)
     assert used == (["int4"] if rows <= quant.FEW_ROWS else [])
@@ -219,3 +219,96 @@ def test_split_linear_keeps_the_shape_of_its_input_and_refuses_mismatched_halves
     with pytest.raises(ValueError, match="bf16 scales"):
         fp32_scales = QuantLinear.int4_from_float(torch.randn(64, 96), None, torch.float32)
         SplitLinear(fp32_scales, HalfLinear(torch.randn(64, 96)))
+
+
+def _parts(kind: str, sizes=(64, 32, 32), k: int = 96, bias: bool = False):
+    """Layers over one input, as a decoder's q/k/v: SplitLinears, or int4 QuantLinears (bf16)."""
+    from foveal.engine.models.quant import SplitLinear
+
+    torch.manual_seed(1)
+    parts = []
+    for n in sizes:
+        int4 = QuantLinear.int4_from_float(
+            torch.randn(n, k), torch.randn(n) if bias else None, torch.bfloat16
+        )
+        parts.append(SplitLinear(int4, HalfLinear(int4.dequantize())) if kind == "split" else int4)
+    return parts
+
+
+@pytest.mark.skipif(not fp16_kernel_available(), reason="SplitLinear's many-row path is fbgemm's")
+@pytest.mark.parametrize("kind", ["split", "int4"])
+@pytest.mark.parametrize("rows", [1, 3, 4, 6])
+def test_fused_int4_gives_each_part_its_own_output_bit_for_bit(kind, rows):
+    """One int4 launch over the parts' concatenated output features reduces each column over the
+    same inputs in the same order: the outputs are the parts' own, exactly, at every row count
+    (above FEW_ROWS a SplitLinear fusion runs the parts' fp16), and the parts, now reading views of
+    the fused codes, still give what they gave before."""
+    from foveal.engine.models.quant import fuse_int4
+
+    parts = _parts(kind, bias=kind == "int4")
+    dtype = torch.float32 if kind == "split" else torch.bfloat16
+    x = torch.randn(2, rows, 96).to(
+        dtype
+    )  # a leading batch dimension, as the lean forward's [T, hidden] or more
+    with torch.inference_mode():
+        before = [part(x) for part in parts]
+        (fused,) = fuse_int4([parts])
+        assert fused is not None
+        outs = fused(x)
+        after = [part(x) for part in parts]
+    assert len(outs) == len(parts)
+    for out, a, b in zip(outs, before, after, strict=True):
+        assert out.dtype == dtype and out.shape == a.shape
+        assert torch.equal(out, a) and torch.equal(b, a)
+    storage = fused.int4.packed.untyped_storage().data_ptr()
+    int4s = [p.int4 if kind == "split" else p for p in parts]
+    assert all(q.packed.untyped_storage().data_ptr() == storage for q in int4s)  # one copy of the codes
+
+
+def test_fuse_int4_refuses_parts_that_cannot_share_a_launch():
+    from foveal.engine.models.quant import fuse_int4
+
+    split = _parts("split", sizes=(64, 32))
+    int4 = _parts("int4", sizes=(64, 32))
+    assert fuse_int4([[split[0], int4[1]]]) == [None]  # a SplitLinear and a bare int4 layer
+    assert fuse_int4([[split[0], HalfLinear(torch.randn(32, 96))]]) == [None]  # a Q8_0 layer kept as fp16
+    assert fuse_int4([[int4[0], _parts("int4", sizes=(32,), k=128)[0]]]) == [None]  # other inputs
+    assert fuse_int4([[int4[0], _parts("int4", sizes=(48,))[0]]]) == [None]  # not whole 32-row blocks
+    assert fuse_int4([[int4[0], _parts("int4", sizes=(32,), bias=True)[0]]]) == [None]  # a bias on one only
+    assert fuse_int4([int4[:1]]) == [None]
+    # several groups at once: None where a group cannot fuse, one allocation for the codes of the rest
+    first, refused, second = fuse_int4([int4, [split[0], int4[1]], _parts("int4", sizes=(32, 32))])
+    assert refused is None and first is not None and second is not None
+    storage = first.int4.packed.untyped_storage().data_ptr()
+    assert second.int4.packed.untyped_storage().data_ptr() == storage
+
+
+def test_lean_forward_runs_qkv_and_gate_up_as_one_int4_launch_each(checkpoints, monkeypatch):
+    """Tiny random Llama under quantize="int4": a decode step makes 4 int4 launches a layer (q/k/v,
+    o, gate/up, down) instead of 7, and greedy decoding through traced steps gives the tokens and
+    logits of the separate projections, exactly."""
+    loaded = load(checkpoints["llama"], device="cpu", quantize="int4")
+    runner = loaded.runner
+    prompts = [loaded.processor(p) for p in tiny.PROMPTS[:3]]
+    fused = parity.greedy(parity.trace_in_launch(runner), prompts, 5)
+    runner.lean = LeanDecoder(runner.model, fuse=False)
+    separate = parity.greedy(parity.trace_in_launch(runner), prompts, 5)
+    assert fused.tokens == separate.tokens
+    assert all(
+        torch.equal(a, b)
+        for x, y in zip(fused.logits, separate.logits, strict=True)
+        for a, b in zip(x, y, strict=True)
+    )
+
+    layers = runner.model.config.num_hidden_layers
+    launches = []
+    forward = QuantLinear.forward
+    monkeypatch.setattr(QuantLinear, "forward", lambda self, x: launches.append(self) or forward(self, x))
+    runner.decode_graphs = None  # eager, so that each launch is a Python call
+    batch = parity.make_batch([([3], 5, [0, 1], None)], 4, "cpu")
+    for lean, per_layer in ((LeanDecoder(runner.model, fuse=False), 7), (LeanDecoder(runner.model), 4)):
+        launches.clear()
+        runner.lean = lean
+        runner.forward(batch)
+        head = runner.model.get_output_embeddings()
+        assert len([q for q in launches if q is not head]) == per_layer * layers
