@@ -45,3 +45,14 @@ def data_dir() -> Path:
 def smollm2_dir() -> Path:
     """The SmolLM2 tokenizer folder (49,152 tokens; EOS <|im_end|> = 2), shipped in foveal.testing."""
     return SMOLLM2_TOKENIZER
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _weight_cache_off():
+    """GGUF loads prepare their weights from the file: the weight cache (engine/models/weight_cache.py)
+    stays off unless a test turns it on with a folder of its own (tests/models/test_weight_cache.py,
+    test_gguf_tiny.py), so that no test writes into the user's ~/.cache/foveal. Session-wide, so
+    that module-scoped fixtures' loads are covered too."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("FOVEAL_WEIGHT_CACHE", "0")
+        yield

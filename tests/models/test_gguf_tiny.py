@@ -201,6 +201,7 @@ def _own_weight_cache(tmp_path, monkeypatch):
     """Each test's loads prepare the weights from the file and write their weight cache entries
     (weight_cache.py) into the test's own folder, not the user's cache."""
     monkeypatch.setenv("FOVEAL_CACHE", str(tmp_path / "cache"))
+    monkeypatch.delenv("FOVEAL_WEIGHT_CACHE", raising=False)
 
 
 @pytest.fixture(scope="module")
