@@ -97,6 +97,9 @@ def test_a_second_call_with_the_same_keys_does_not_run_the_vision_tower_and_give
     family, checkpoints
 ):
     loaded = load(checkpoints[family], device="cpu")
+    # every decode launch a replay, in both runs: a background trace that ends between them would make
+    # the first run's decode eager and the second's a replay, which round apart (~1e-6)
+    parity.trace_in_launch(loaded.runner)
     calls = count_encoder_calls(loaded, family)
     prompts = keyed(loaded, 3, ["k0", "k1", "k2"])
     miss = parity.greedy(loaded.runner, prompts, 4)

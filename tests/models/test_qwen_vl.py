@@ -186,6 +186,7 @@ def test_cached_image_features_give_identical_results_without_the_vision_tower(f
     """A second call with the same image keys does not run the vision tower (Qwen3-VL: its DeepStack
     maps come back from the cache too) and gives the same logits, bit for bit."""
     loaded = load(qwen[family], device="cpu")
+    parity.trace_in_launch(loaded.runner)  # every decode launch a replay in both runs (test_image_cache.py)
     calls = []
     loaded.runner.model.model.visual.register_forward_hook(lambda *_: calls.append(1))
     prompts = [
