@@ -78,7 +78,7 @@ def resolve(config: EngineConfig, runner: ModelRunner) -> EngineConfig:
         num_pages, sliding_pages = _pages_from_budget(config, runner, model_len, holds)
     elif holds is not None and sliding_pages is None:
         sequences = min(config.max_batch, max(1, num_pages // pages_needed(model_len, config.page_size)))
-        sliding_pages = min(num_pages, max(holds[1], sequences * holds[0]))
+        sliding_pages = min(num_pages, _windows_of(sequences, holds))
     return dataclasses.replace(
         config,
         max_model_len=model_len,
@@ -114,6 +114,12 @@ def _sliding_holds(config: EngineConfig, window: int, model_len: int, step_token
     return text, max(text, one)
 
 
+def _windows_of(sequences: int, holds: tuple[int, int]) -> int:
+    """Sliding pages for the windows of `sequences` text sequences, and never fewer than one
+    sequence can hold (`_sliding_holds`)."""
+    return max(holds[1], sequences * holds[0])
+
+
 def _pages_from_budget(
     config: EngineConfig, runner: ModelRunner, model_len: int, holds: tuple[int, int] | None
 ) -> tuple[int, int | None]:
@@ -134,7 +140,7 @@ def _pages_from_budget(
         sliding = config.sliding_pages
         if sliding is None:
             sequences = min(config.max_batch, budget // (per_sequence * full_page + holds[0] * sliding_page))
-            sliding = max(holds[1], sequences * holds[0])
+            sliding = _windows_of(sequences, holds)
         if sliding < pages:  # fewer sliding pages than pages: the bytes they leave are more pages
             pages = min(most, (budget - sliding * sliding_page) // full_page if full_page else most)
         sliding = min(sliding, pages) if config.sliding_pages is None else sliding

@@ -217,13 +217,12 @@ class Pipeline:
         self.pool = PagePool(num_pages, page_size)
         max_pages = pages_needed(max_model_len, page_size)
         window = sliding_window(runner) if sliding_pages is not None else None
+        self.lanes = Lanes(2 * max_batch, max_pages, sliding=window is not None)
         # the sliding-window layers' own pool (sliding.py), for a runner that has such layers
         self.sliding = None
         if window is not None:
-            self.sliding = SlidingPages(sliding_pages, page_size, window, prefill_chunk or max_step_tokens, DECODE_SPAN)
-        self.lanes = Lanes(2 * max_batch, max_pages, sliding=self.sliding is not None)
-        if self.sliding is not None:
-            self.sliding.table = self.lanes.sliding_table
+            chunk = prefill_chunk or max_step_tokens
+            self.sliding = SlidingPages(sliding_pages, page_size, window, chunk, DECODE_SPAN, self.lanes.sliding_table)
         self.scheduler = Scheduler(self.pool, self.lanes, max_batch, max_step_tokens, prefill_chunk, self.sliding)
         self.sequences = Sequences(self.scheduler, self.stats)
         self.slots = [

@@ -48,9 +48,12 @@ if TYPE_CHECKING:
 
 
 class SlidingPages:
-    def __init__(self, num_pages: int, page_size: int, window: int, prefill_chunk: int, decode_span: int) -> None:
+    def __init__(
+        self, num_pages: int, page_size: int, window: int, prefill_chunk: int, decode_span: int, table: np.ndarray
+    ) -> None:
         """`decode_span`: the most query positions a decode launch gives one row (a jump, or a
-        verify step's input and drafts); `prefill_chunk`: a text prompt's tokens per launch."""
+        verify step's input and drafts); `prefill_chunk`: a text prompt's tokens per launch;
+        `table`: the lanes' sliding block tables (`Lanes.sliding_table`), which `advance` writes."""
         if window < 1:
             raise ValueError(f"a sliding window is >= 1 position, got {window}")
         self.pool = PagePool(num_pages, page_size)
@@ -59,7 +62,7 @@ class SlidingPages:
         self.prefill_chunk = prefill_chunk
         self.decode_span = decode_span
         self.credit = 0  # pages admitted sequences may still take
-        self.table: np.ndarray | None = None  # the lanes' sliding block tables (set by Lanes' owner)
+        self.table = table
 
     # ---- sizes ------------------------------------------------------------------------------------
     def hold_limit(self, seq: Sequence, num_cached: int) -> int:
@@ -126,6 +129,11 @@ class SlidingPages:
         for index in range(seq.sliding_base, min(len(seq.sliding), len(seq.prefix_chain))):
             if seq.sliding[index] >= 0:
                 self.pool.register(seq.sliding[index], seq.prefix_chain[index])
+
+    @property
+    def idle(self) -> bool:
+        """Every page free or evictable and no credit out: what the pool is when no sequence holds any."""
+        return self.pool.num_free == self.pool.num_pages and self.credit == 0
 
     def release(self, seq: Sequence) -> None:
         """Free every page `seq` still holds and return its credit (when no step in flight holds it)."""

@@ -202,7 +202,7 @@ def engine_rounds(runner: Any, tokenizer: Any, prompts: list[PromptInputs], conf
         engine.wait_idle(10)
         free = engine.free_pages()
         sliding = engine.pipeline.sliding  # the sliding-window pool (engine/sliding.py): all back too
-        if sliding is not None and (sliding.pool.num_free != sliding.pool.num_pages or sliding.credit):
+        if sliding is not None and not sliding.idle:
             raise AssertionError(f"sliding pages not all back at idle: {sliding.pool.num_free} of {sliding.pool.num_pages}")
     return EngineRounds([o.token_ids for o in first], [o.token_ids for o in last], hit_rate, free)
 

@@ -84,7 +84,7 @@ LAYER_LINEARS = {
 }
 LAYER_NORMS = {"attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm"}
 DIRECT_ARCHITECTURES = ("llama",)
-SPLIT = "split"  # linear_from_gguf's mode for the default on x86: Q4 blocks as SplitLinear
+SPLIT = "split"  # prepare's mode for the default on x86: Q4 blocks as SplitLinear
 REQUIRED_METADATA = ("block_count", "embedding_length", "feed_forward_length", "attention.head_count")
 
 
@@ -321,18 +321,6 @@ def load_quantized(
         ]
         model = LlamaForCausalLM(config, embed, layers, final_norm, head.result())
     return model.eval()
-
-
-def linear_from_gguf(
-    info: Any,
-    data: np.ndarray,
-    dtype: torch.dtype,
-    mode: str | None,
-    permute_heads: int | None,
-    head: bool = False,
-) -> QuantLinear | HalfLinear | SplitLinear:
-    """One GGUF weight [N, K] as the layer `prepare` describes."""
-    return layer_from(prepare(info, data, dtype, mode, permute_heads, head))
 
 
 # The parts of one prepared weight (`prepare`), by name: what `layer_from` builds a layer of.

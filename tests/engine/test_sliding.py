@@ -33,9 +33,7 @@ def _seq(prompt_len: int, max_tokens: int, lane: int = 0, chain: list[bytes] = (
 
 
 def _pages(num_pages: int = 64, window: int = 6, chunk: int = 8, span: int = 4) -> SlidingPages:
-    pages = SlidingPages(num_pages, PAGE, window, chunk, span)
-    pages.table = Lanes(4, 64, sliding=True).sliding_table
-    return pages
+    return SlidingPages(num_pages, PAGE, window, chunk, span, Lanes(4, 64, sliding=True).sliding_table)
 
 
 def _held(seq) -> list[int]:
@@ -75,7 +73,7 @@ def test_the_hold_limit_and_credit_keep_the_pool_from_running_out():
     assert pages.admit(c, 0, [])
     pages.release(b)
     pages.release(c)
-    assert pages.pool.num_free == 12 and pages.credit == 0
+    assert pages.pool.num_free == 12 and pages.credit == 0 and pages.idle
 
 
 def test_a_short_sequence_holds_no_more_than_its_own_pages():
