@@ -141,7 +141,8 @@ def taking_turns(
     """foveal's and llama.cpp's runs of `asks`, the two taking turns call by call, so that each
     pair of calls meets the same load on a shared machine. `decode_threads`: foveal makes each call
     once per count, its launches under `device.SMALL_LAUNCH_TOKENS` tokens on that many threads
-    (the engine's own choice first, as the row "foveal"); empty: the engine's choice only."""
+    (the engine's own choice first, as the row "foveal": its ThreadChooser's timed count); empty:
+    the engine's choice only."""
     device = model.engine.device
     default = getattr(device, "small_launch_threads", None)
     counts = [default] + [c for c in decode_threads if c != default] if decode_threads else [default]
@@ -154,16 +155,14 @@ def taking_turns(
             # every other call reversed: a later call of the same ask finds more of it in the prefix cache
             order = list(zip(names, counts, strict=True))[:: -1 if index % 2 else 1]
             for name, count in order:
-                if count is not None:
-                    device.small_launch_threads = count
+                device.small_launch_threads = count  # None: the engine's ThreadChooser times its own
                 runs.append((ours[name], foveal_one_by_one(model, [ask], output_type, max_tokens)))
             runs.append((theirs, llama_one_by_one(llm, [ids], schema, max_tokens)))
             for run, one in runs:
                 for key, values in one.items():
                     run[key] += values
     finally:
-        if default is not None:
-            device.small_launch_threads = default
+        device.small_launch_threads = default
     return list(ours.items()), theirs
 
 
@@ -247,6 +246,7 @@ def run(
             model, llm, work.asks, work.foveal_type, peers.PERSON_SCHEMA, work.max_tokens, decode_threads
         )
         report["json_call"] = [*(json_row(n, r) for n, r in ours), json_row("llama.cpp", theirs)]
+        report["decode_threads_chosen"] = model.engine.stats().get("decode_threads")  # per query-token count
         report["concurrent_json"] = concurrent(model, llm, requests, outlines, rounds)
     finally:
         model.close()
@@ -388,6 +388,8 @@ def print_table(report: dict) -> None:
             f"{r['tokens_per_s']:.0f} tok/s  valid {r['valid']:.0%}"
             + (f"  (rounds: {', '.join(f'{x:.2f}' for x in rounds)})" if rounds and len(rounds) > 1 else "")
         )
+    if report.get("decode_threads_chosen"):
+        print(f"  decode threads the engine chose, per query-token count: {report['decode_threads_chosen']}")
     print("  ratios (foveal / other): " + ", ".join(f"{k} {v:.2f}" for k, v in report["ratios"].items()))
 
 

@@ -14,14 +14,16 @@ SOLUTION
     queued and released by the worker after it ran (a lock is the cheapest such event in Python, on
     both threads; a `threading.Event` costs several times more per step). `run(name, fn)` queues
     compute work; `copy_to_host(name, fn)` queues a copy and returns the event that `wait` blocks on.
-    On CPU the worker also picks each forward's intra-op thread count (`threads_for`): launches of
-    fewer than `SMALL_LAUNCH_TOKENS` query tokens run on `small_launch_threads` (one), larger ones
-    on the count torch had when the device was made. A small launch has too little work per op to share: the scheduler
-    thread's bookkeeping preempts one of the OpenMP threads and every parallel op then waits for
-    it, so a batch-1 decode step is faster on one thread, while large launches still gain from all
-    of them (benchmarks/llamacpp.py's free-text and 32-request JSON workloads show both). torch's
-    thread count is process-wide, so a forward that changes it puts it back when it ends
-    (device_jobs.forward).
+    On CPU the worker also picks each forward's intra-op thread count (`threads_for`, called by the
+    forward job as it starts): launches of `SMALL_LAUNCH_TOKENS` query tokens or more run on the
+    count torch had when the device was made; smaller ones (decode) on the count a `ThreadChooser`
+    (engine/threads.py) finds fastest by timing them, or on `small_launch_threads` where a caller
+    fixes it (benchmarks compare counts). A small launch has little work per op: on a quiet
+    machine it still gains from every core, but where other processes hold the cores one OpenMP
+    thread is preempted and every parallel op waits for it, so one thread wins; large launches gain
+    from all of them either way (benchmarks/llamacpp.py's free-text and 32-request JSON workloads
+    show both). torch's thread count is process-wide, so a forward that changes it puts it back
+    when it ends (device_jobs.forward).
 INVARIANTS
     - Work runs in the order it was queued (one compute stream / one worker).
     - A worker error is re-raised by the next `wait`; events are still released, so nothing hangs.
@@ -40,17 +42,19 @@ from typing import Any, Protocol, runtime_checkable
 
 import torch
 
+from .threads import ThreadChooser
 from .trace import Trace
 
 Job = Callable[[], None]
-SMALL_LAUNCH_TOKENS = 8  # CPU forwards of fewer query tokens than this run on one intra-op thread
+SMALL_LAUNCH_TOKENS = 8  # CPU forwards of fewer query tokens than this get their thread count by timing
 
 
 @runtime_checkable
 class Device(Protocol):
     """What the engine calls on the device its launched work runs on (the module docstring).
 
-    Only the scheduler thread calls these; an event is opaque, good for one `wait` or several."""
+    Only the scheduler thread calls these (but `threads_for`); an event is opaque, good for one
+    `wait` or several."""
 
     device: torch.device  # where the runner's tensors live
     busy_s: float  # device busy time so far (the Engine's stats read and reset it)
@@ -74,7 +78,9 @@ class Device(Protocol):
         ...
 
     def threads_for(self, tokens: int) -> int | None:
-        """Intra-op threads for a forward of `tokens` query tokens; None: leave torch's count alone."""
+        """Intra-op threads for a forward of `tokens` query tokens; None: leave torch's count alone.
+
+        The forward job calls it where it runs (on CPU, the device's worker), as it starts."""
         ...
 
     def pin(self, t: torch.Tensor) -> torch.Tensor:
@@ -96,7 +102,9 @@ class CpuDevice:
         self.job_s: dict[str, float] = {}
         self.job_n: dict[str, int] = {}
         self.threads = torch.get_num_threads()  # what the process asked for when the engine started
-        self.small_launch_threads = 1  # for launches under SMALL_LAUNCH_TOKENS (benchmarks set it to compare)
+        self.small_launch_threads: int | None = None  # fixes the count under SMALL_LAUNCH_TOKENS (None: timed)
+        self.chooser = ThreadChooser(self.threads)
+        self._chosen: tuple[int, int] | None = None  # (tokens, threads) of the job running, when timed
         self._thread = threading.Thread(target=self._work, name="foveal-device", daemon=True)
         self._thread.start()
 
@@ -110,6 +118,10 @@ class CpuDevice:
                 except BaseException as e:  # re-raised on the scheduler thread by wait()
                     self._error = e
             t1 = time.perf_counter()
+            if self._chosen is not None:  # a small forward on the chooser's count: time it
+                if self._error is None:
+                    self.chooser.observe(*self._chosen, t1 - t0)
+                self._chosen = None
             self.busy_s += t1 - t0
             self.job_s[name] = self.job_s.get(name, 0.0) + (t1 - t0)
             self.job_n[name] = self.job_n.get(name, 0) + 1
@@ -121,8 +133,17 @@ class CpuDevice:
         self._queue.put((name, fn, None))
 
     def threads_for(self, tokens: int) -> int:
-        """Intra-op threads for a forward of `tokens` query tokens (the docstring's measurement)."""
-        return self.small_launch_threads if tokens < SMALL_LAUNCH_TOKENS else self.threads
+        """Intra-op threads for a forward of `tokens` query tokens (the module docstring).
+
+        Called on the worker by the forward job as it starts, so the worker times that job."""
+        if tokens >= SMALL_LAUNCH_TOKENS:
+            return self.threads
+        if self.small_launch_threads is not None:
+            return self.small_launch_threads
+        threads = self.chooser.pick(tokens)
+        if threading.current_thread() is self._thread:  # a forward job: the worker times it
+            self._chosen = (tokens, threads)
+        return threads
 
     def copy_to_host(self, name: str, fn: Job) -> threading.Lock:
         event = threading.Lock()

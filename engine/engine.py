@@ -184,6 +184,9 @@ class Engine:
         device = self.device
         summary = self.pipeline.stats.summary(device.busy_s, dict(device.job_s), dict(device.job_n))
         summary["speculative"] = self.pipeline.draft_stats.summary()
+        chooser = getattr(device, "chooser", None)  # CPU: decode's thread count per query-token count
+        if chooser is not None:
+            summary["decode_threads"] = chooser.choices()
         return summary
 
     def reset_stats(self) -> None:

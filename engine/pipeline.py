@@ -274,9 +274,12 @@ class Pipeline:
         for row in step.drafts:
             rows[row].verifying = True
         previous_slot = self.slots[(self.step_number - 1) % 2]
-        threads = self.device.threads_for(step.num_tokens)
-        runner, heads = self.runner, self.heads
-        self.device.run("forward", lambda: device_jobs.forward(runner, step, previous_slot, threads, heads))
+        runner, heads, device = self.runner, self.heads, self.device
+        # the count is picked where the forward runs, as it starts: the device times it (device.py)
+        self.device.run(
+            "forward",
+            lambda: device_jobs.forward(runner, step, previous_slot, device.threads_for(step.num_tokens), heads),
+        )
         slot.state, slot.step = SlotState.LAUNCHED, step
         self.inflight.append(step)
         self.step_number += 1

@@ -57,7 +57,7 @@ class _ThreadsSeen:
         return self.runner.forward(batch)
 
 
-def test_small_cpu_forwards_run_on_one_thread_and_put_the_count_back(h):
+def test_small_cpu_forwards_start_on_one_thread_and_put_the_count_back(h):
     from foveal.engine import Request, SamplingParams
     from foveal.engine.device import SMALL_LAUNCH_TOKENS
     from foveal.testing import FakeRunner
@@ -67,14 +67,14 @@ def test_small_cpu_forwards_run_on_one_thread_and_put_the_count_back(h):
     try:
         runner = _ThreadsSeen(FakeRunner(vocab_size=h.VOCAB, seed=1))
         with h.engine(runner=runner) as eng:
-            assert eng.device.threads_for(1) == 1
             assert eng.device.threads_for(SMALL_LAUNCH_TOKENS) == 2
             long_prompt = list(range(1, SMALL_LAUNCH_TOKENS + 3))
             eng.submit(Request(long_prompt, SamplingParams(max_tokens=4, ignore_eos=True))).result(10)
             eng.device.synchronize()  # the last forward has ended
             assert torch.get_num_threads() == 2  # an idle engine leaves the process's count as it found it
         assert runner.seen[0] == (len(long_prompt), 2)  # the prefill: the process's count
-        assert runner.seen[1:] and all(threads == 1 for _, threads in runner.seen[1:])  # batch-1 decode
+        # batch-1 decode: one thread until the chooser's first burst (after `burst` timed launches)
+        assert runner.seen[1:] and all(threads == 1 for _, threads in runner.seen[1:])
     finally:
         torch.set_num_threads(before)
 
@@ -93,5 +93,36 @@ def test_small_cpu_forwards_take_the_devices_small_launch_threads(h):
             assert eng.device.threads_for(1) == 2
             eng.submit(Request([1, 2, 3], SamplingParams(max_tokens=4, ignore_eos=True))).result(10)
         assert runner.seen and all(threads == 2 for _, threads in runner.seen)
+    finally:
+        torch.set_num_threads(before)
+
+
+class _SlowOnOneThread(_ThreadsSeen):
+    """A runner whose forwards take 20 ms on one intra-op thread and 2 ms on more (a quiet machine)."""
+
+    def forward(self, batch):
+        time.sleep(0.020 if torch.get_num_threads() == 1 else 0.002)
+        return super().forward(batch)
+
+
+def test_decode_forwards_move_to_the_count_the_device_times_faster(h):
+    """The device's ThreadChooser times decode forwards where they run and moves them to 2 threads."""
+    from foveal.engine import Request, SamplingParams
+    from foveal.engine.threads import ThreadChooser
+    from foveal.testing import FakeRunner
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        runner = _SlowOnOneThread(FakeRunner(vocab_size=h.VOCAB, seed=1))
+        with h.engine(runner=runner) as eng:
+            eng.device.chooser = ThreadChooser(2, period=1000, burst=3)
+            eng.submit(Request([1, 2, 3], SamplingParams(max_tokens=24, ignore_eos=True))).result(10)
+            eng.device.synchronize()
+            assert eng.stats()["decode_threads"][1] == 2  # (the 3-token prefill is a group of its own)
+            assert torch.get_num_threads() == 2  # put back after each forward
+        decode = [threads for _, threads in runner.seen[1:]]
+        assert decode[:4] == [1] * 4  # a warm-up launch and the choice's three timed ones
+        assert decode[-8:] == [2] * 8  # after the burst: the faster count, kept (no probe within 1000)
     finally:
         torch.set_num_threads(before)

@@ -1,0 +1,113 @@
+"""engine/threads.py: the decode thread count follows the launches' timings (fake clocks, no sleeps)."""
+
+from __future__ import annotations
+
+import pytest
+
+from foveal.engine.threads import ThreadChooser
+
+
+def _run(chooser: ThreadChooser, cost, launches: int, tokens: int = 1) -> list[int]:
+    """Make `launches` launches of `tokens` tokens, each taking cost(threads, index) seconds."""
+    picked = []
+    for index in range(launches):
+        threads = chooser.pick(tokens)
+        picked.append(threads)
+        chooser.observe(tokens, threads, cost(threads, index))
+    return picked
+
+
+def test_counts_are_one_the_powers_of_two_below_and_the_most():
+    assert ThreadChooser(1).counts == [1]
+    assert ThreadChooser(2).counts == [1, 2]
+    assert ThreadChooser(6).counts == [1, 2, 4, 6]
+    assert ThreadChooser(16).counts == [1, 2, 4, 8, 16]
+    with pytest.raises(ValueError, match="most, period and burst >= 1"):
+        ThreadChooser(0)
+
+
+def test_one_thread_never_probes():
+    assert set(_run(ThreadChooser(1, period=4, burst=2), lambda t, i: 1.0, 50)) == {1}
+
+
+def test_moves_to_two_threads_where_they_are_faster_and_stays():
+    chooser = ThreadChooser(2, period=100, burst=5)
+    picked = _run(chooser, lambda t, i: 0.030 if t == 1 else 0.020, 300)
+    assert picked[:6] == [1] * 6  # one warm-up launch (the first ever), then five timed ones
+    assert picked[6:12] == [2] * 6  # a burst: one warm-up launch and five timed ones
+    assert chooser.choices() == {1: 2}
+    # from 2 the neighbour is 1: probed once a period, and it loses every time
+    assert picked[12:].count(2) >= len(picked[12:]) - 2 * 6
+
+
+def test_stays_on_one_thread_where_two_are_slower_and_probes_once_a_period():
+    chooser = ThreadChooser(2, period=100, burst=5)
+    picked = _run(chooser, lambda t, i: 0.030 if t == 1 else 0.045, 1000)
+    assert chooser.choices() == {1: 1}
+    probes = picked.count(2)
+    assert probes <= 6 * (1 + 1000 // (100 + 6 + 1))  # burst + 1 per period, after the first
+    assert probes >= 6 * 2  # it keeps looking
+
+
+def test_a_small_gain_within_the_margin_does_not_move_it():
+    chooser = ThreadChooser(2, period=50, burst=5, margin=0.05)
+    _run(chooser, lambda t, i: 0.030 if t == 1 else 0.029, 200)  # 3% faster: under the margin
+    assert chooser.choices() == {1: 1}
+
+
+def test_follows_a_change_of_load():
+    chooser = ThreadChooser(2, period=40, burst=5)
+    # quiet first (two threads win), then loaded from launch 200 on (one thread wins)
+    picked = _run(chooser, lambda t, i: (0.020 if t == 2 else 0.030) if i < 200 else (0.060 if t == 2 else 0.035), 400)
+    assert picked[150:200].count(2) >= 50 - 2 * 6  # two threads but for a probe burst of one
+    assert chooser.choices() == {1: 1}
+    assert picked[300:].count(1) >= 100 - 3 * 6  # back on one thread, probing two once a period
+
+
+def test_a_much_slower_count_is_dropped_at_its_first_timed_launch_and_probed_ever_less_often():
+    chooser = ThreadChooser(2, period=50, burst=5, most_period=400)
+    picked = _run(chooser, lambda t, i: 0.030 if t == 1 else 0.060, 2000)  # an oversubscribed machine
+    bursts = [i for i in range(1, len(picked)) if picked[i] == 2 and picked[i - 1] == 1]
+    assert all(picked[i : i + 3] == [2, 2, 1] for i in bursts)  # warm-up, one timed launch, back
+    gaps = [b - a for a, b in zip(bursts, bursts[1:], strict=False)]
+    # two launches of the burst, one untimed back on one thread, then the period: doubled each time
+    assert gaps[:4] == [3 + 100, 3 + 200, 3 + 400, 3 + 400]
+    assert chooser.choices() == {1: 1}
+
+
+def test_a_warm_up_launch_far_slower_still_ends_the_burst():
+    chooser = ThreadChooser(2, period=50, burst=5)
+    picked = _run(chooser, lambda t, i: 0.030 if t == 1 else 1.0, 100)
+    assert picked[6:8] == [2, 1]  # abort**2 times the choice's median already on the warm-up launch
+
+
+def test_a_won_burst_puts_the_period_back():
+    chooser = ThreadChooser(2, period=20, burst=3, most_period=1000)
+    # two threads lose at first (bursts back off to periods of 40, 80, 160...), then win from launch 300
+    picked = _run(chooser, lambda t, i: (0.030 if t == 1 else 0.045) if i < 300 else (0.030 if t == 1 else 0.015), 700)
+    assert chooser.choices() == {1: 2}
+    won = next(i for i in range(300, 700) if picked[i : i + 4] == [2, 2, 2, 2])  # the winning burst
+    after = picked[won + 4 :]
+    assert 1 in after[: 20 + 2]  # the next burst (of one thread) comes one period of 20 later
+
+
+def test_each_token_count_chooses_for_itself():
+    chooser = ThreadChooser(2, period=100, burst=3)
+    for _ in range(40):
+        for tokens, best in ((1, 2), (4, 1)):
+            threads = chooser.pick(tokens)
+            chooser.observe(tokens, threads, 0.010 if threads == best else 0.020)
+    assert chooser.choices() == {1: 2, 4: 1}
+
+
+def test_climbs_to_the_fastest_of_several_counts():
+    chooser = ThreadChooser(8, period=20, burst=3)
+    best = {1: 0.040, 2: 0.025, 4: 0.018, 8: 0.022}
+    _run(chooser, lambda t, i: best[t], 400)
+    assert chooser.choices() == {1: 4}
+
+
+def test_a_launch_it_did_not_pick_is_ignored():
+    chooser = ThreadChooser(2, burst=2)
+    chooser.observe(3, 2, 0.001)  # a token count never picked: nothing to update
+    assert chooser.choices() == {}
