@@ -16,9 +16,11 @@ SOLUTION
     compute work; `copy_to_host(name, fn)` queues a copy and returns the event that `wait` blocks on.
     On CPU the worker also picks each forward's intra-op thread count (`threads_for`, called by the
     forward job as it starts): launches of `SMALL_LAUNCH_TOKENS` query tokens or more run on the
-    count torch had when the device was made; smaller ones (decode) on the count a `ThreadChooser`
-    (engine/threads.py) finds fastest by timing them, or on `small_launch_threads` where a caller
-    fixes it (benchmarks compare counts). A small launch has little work per op: on a quiet
+    count torch had when the device was made; those of at most `TIMED_LAUNCH_TOKENS` (decode, a
+    verify step) on the count a `ThreadChooser` (engine/threads.py) finds fastest by timing them,
+    the ones between on one thread (the only sizes where the thread count changes the rounding of
+    torch's float32 GEMM), or all of them on `small_launch_threads` where a caller fixes it
+    (benchmarks compare counts). A small launch has little work per op: on a quiet
     machine it still gains from every core, but where other processes hold the cores one OpenMP
     thread is preempted and every parallel op waits for it, so one thread wins; large launches gain
     from all of them either way (benchmarks/llamacpp.py's free-text and 32-request JSON workloads
@@ -46,7 +48,10 @@ from .threads import ThreadChooser
 from .trace import Trace
 
 Job = Callable[[], None]
-SMALL_LAUNCH_TOKENS = 8  # CPU forwards of fewer query tokens than this get their thread count by timing
+SMALL_LAUNCH_TOKENS = 8  # CPU forwards of fewer query tokens than this do not run on every thread
+# ... and those of at most this many get their count by timing; 5-7 stay on one thread, because
+# MKL's float32 GEMM rounds 5-7 rows differently on 1 and 2 threads (1-4 alike: tests/engine/test_threads.py)
+TIMED_LAUNCH_TOKENS = 4
 
 
 @runtime_checkable
@@ -140,6 +145,8 @@ class CpuDevice:
             return self.threads
         if self.small_launch_threads is not None:
             return self.small_launch_threads
+        if tokens > TIMED_LAUNCH_TOKENS:
+            return 1  # an answer must not round by the thread count a probe happened to try
         threads = self.chooser.pick(tokens)
         if threading.current_thread() is self._thread:  # a forward job: the worker times it
             self._chosen = (tokens, threads)

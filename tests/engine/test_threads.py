@@ -111,3 +111,47 @@ def test_a_launch_it_did_not_pick_is_ignored():
     chooser = ThreadChooser(2, burst=2)
     chooser.observe(3, 2, 0.001)  # a token count never picked: nothing to update
     assert chooser.choices() == {}
+
+
+def test_torchs_float32_linear_rounds_launches_of_up_to_four_rows_alike_on_one_and_two_threads():
+    """What lets the device time decode's thread count without changing answers: a launch of at
+    most TIMED_LAUNCH_TOKENS rows rounds alike on 1 and 2 threads (dense float32 checkpoints: MKL's
+    GEMM; from 5 rows on it does not, so launches of 5-7 tokens stay on one thread)."""
+    import torch
+
+    from foveal.engine.device import SMALL_LAUNCH_TOKENS, TIMED_LAUNCH_TOKENS
+
+    before = torch.get_num_threads()
+    generator = torch.Generator().manual_seed(0)
+    try:
+        for rows in range(1, TIMED_LAUNCH_TOKENS + 1):
+            for n, k in ((64, 64), (256, 64), (576, 576), (1536, 576), (576, 1536)):
+                x, w = torch.randn(rows, k, generator=generator), torch.randn(n, k, generator=generator)
+                torch.set_num_threads(1)
+                one = torch.nn.functional.linear(x, w)
+                torch.set_num_threads(2)
+                assert torch.equal(one, torch.nn.functional.linear(x, w)), (rows, n, k)
+    finally:
+        torch.set_num_threads(before)
+    assert TIMED_LAUNCH_TOKENS < SMALL_LAUNCH_TOKENS
+
+
+def test_the_device_times_only_launches_of_up_to_four_tokens():
+    import torch
+
+    from foveal.engine.device import SMALL_LAUNCH_TOKENS, TIMED_LAUNCH_TOKENS, CpuDevice
+    from foveal.engine.trace import Trace
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        device = CpuDevice(Trace())
+        device.chooser = ThreadChooser(2, period=1, burst=1)
+        for _ in range(10):  # the chooser, called off the worker: picks but times nothing
+            assert device.threads_for(TIMED_LAUNCH_TOKENS) in (1, 2)
+        assert all(device.threads_for(t) == 1 for t in range(TIMED_LAUNCH_TOKENS + 1, SMALL_LAUNCH_TOKENS))
+        assert device.threads_for(SMALL_LAUNCH_TOKENS) == 2
+        assert set(device.chooser.choices()) == {TIMED_LAUNCH_TOKENS}
+        device.close()
+    finally:
+        torch.set_num_threads(before)
