@@ -50,6 +50,25 @@ import torch.jit._state
 from foveal.engine.models.attention import PagedKV
 from foveal.engine.runner import ForwardBatch
 
+# A trace warns where foveal's modules read a traced shape as a Python int (a bucket's rows are
+# fixed: intended), and torch.jit.trace warns that it is deprecated. Each trace adds filters for
+# exactly those (`hide_trace_warnings`), in front of the process's others and leaving them as they
+# are: traces run on a background thread, where warnings.catch_warnings would swap the process's
+# filters (silencing every thread's warnings while a trace runs, dropping filters other code set
+# meanwhile). They are added at each trace, not once at import, since an import inside a
+# catch_warnings block (pytest's collection is one) would lose them.
+TRACE_WARNINGS = (
+    {"category": torch.jit.TracerWarning, "module": r"foveal\."},
+    {"category": DeprecationWarning, "module": r"torch\.jit\._trace", "message": r"`torch\.jit\.trace"},
+)
+
+
+def hide_trace_warnings() -> None:
+    """Put TRACE_WARNINGS' filters in front of the process's (once each: filterwarnings moves an
+    existing identical filter instead of adding another)."""
+    for spec in TRACE_WARNINGS:
+        warnings.filterwarnings("ignore", **spec)
+
 
 def bucket(n: int) -> int:
     """The smallest 2^k or 3 * 2^k that holds n: 1, 2, 3, 4, 6, 8, 12, 16, 24, 32, ... A bucket
@@ -241,9 +260,8 @@ class DecodeGraphs:
         self._pending[rows] = self._tracer.submit(trace)
 
     def _trace(self, args: tuple, page_size: int) -> torch.jit.ScriptModule:
-        with warnings.catch_warnings(), own_compilation_unit():
-            # TracerWarnings about Python ints: the rows are fixed per bucket
-            warnings.simplefilter("ignore")
+        hide_trace_warnings()
+        with own_compilation_unit():
             step = (_SlidingStep if len(args) > 8 else _Step)(self.eager, page_size, self.model)
             return torch.jit.trace(step, args, check_trace=False)
 

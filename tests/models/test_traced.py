@@ -85,3 +85,36 @@ def test_a_trace_reaches_the_fp16_packs_without_scripting_the_model(checkpoints)
     assert torch.allclose(runner.forward(batch), runner._eager(batch, runner.kv.k, runner.kv.v), atol=1e-5)
     graph = runner.decode_graphs.graphs[(1, 3)]
     assert not list(graph.children())  # the model's modules were not scripted into the graph
+
+
+def test_a_trace_changes_no_warning_filter_and_shows_none_of_its_own_warnings(checkpoints, monkeypatch):
+    """Traces run on a background thread: they must leave the process's warning filters alone
+    (a warnings.catch_warnings there silenced every thread's warnings while a trace ran, and
+    dropped filters set meanwhile), while the TracerWarnings foveal's modules cause stay hidden."""
+    import warnings
+
+    from foveal.engine.models.traced import TRACE_WARNINGS
+
+    loaded = load(checkpoints["llama"], device="cpu", quantize="fp16")  # HalfLinear reads a traced row count
+    runner = loaded.runner
+    runner.decode_graphs = DecodeGraphs(runner._eager, runner.model, background=False)
+    _filled(runner)
+    during, trace = [], torch.jit.trace
+
+    def spy(*args, **kwargs):
+        during.append(list(warnings.filters))
+        return trace(*args, **kwargs)
+
+    def others(filters):  # the filters that are not the trace's own
+        own = {(spec["category"], spec["module"]) for spec in TRACE_WARNINGS}
+        return [f for f in filters if (f[2], getattr(f[3], "pattern", f[3])) not in own]
+
+    monkeypatch.setattr(torch.jit, "trace", spy)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.filterwarnings("error", category=FutureWarning, module="somebody_elses")
+        before = list(warnings.filters)
+        runner.forward(_decode(2, rows=2))
+        after = list(warnings.filters)
+    assert len(during) == 1 and others(during[0]) == others(after) == before
+    tracer = [(w.filename, w.lineno) for w in caught if issubclass(w.category, torch.jit.TracerWarning)]
+    assert not tracer
