@@ -228,11 +228,13 @@ class HalfLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, self.in_features)
-        rows = flat.shape[0]
+        rows = int(flat.shape[0])  # a constant of a traced step (which fixes its rows), not an item() per replay
         if rows < MIN_HALF_ROWS:  # the same micro-kernel as a launch of a few more rows (MIN_HALF_ROWS)
             flat = F.pad(flat, (0, 0, 0, MIN_HALF_ROWS - rows))
-        out = torch.ops.quantized.linear_dynamic_fp16(flat, self.packed)[:rows]
-        return out.view(*x.shape[:-1], self.out_features)
+            out = torch.ops.quantized.linear_dynamic_fp16(flat, self.packed)[:rows]
+        else:
+            out = torch.ops.quantized.linear_dynamic_fp16(flat, self.packed)
+        return out if x.dim() == 2 else out.view(*x.shape[:-1], self.out_features)
 
     def dequantize(self) -> torch.Tensor:
         """The float32 weight [N, K] this layer multiplies by (the fp16 values)."""
@@ -278,6 +280,14 @@ class SplitLinear(nn.Module):
         if x.shape[0] > FEW_ROWS:
             return self.fp16(x)
         return self.int4.int4_mm(x.to(torch.bfloat16)).to(x.dtype)
+
+    def add_to(self, residual: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """residual + self(x) for a float32 residual [rows, out_features] and x [rows, in_features],
+        bit for bit: the int4 path's bf16 output is added as it is (float32 + bf16 computes in
+        float32, the bf16 values converted exactly), one conversion op fewer than `forward`'s."""
+        if x.shape[0] > FEW_ROWS or residual.dtype != torch.float32:
+            return residual + self(x)
+        return residual + self.int4.int4_mm(x.to(torch.bfloat16))
 
     def dequantize(self, rows: int = 1) -> torch.Tensor:
         """The float32 weight [N, K] a launch of `rows` rows multiplies by."""
