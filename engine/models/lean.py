@@ -10,11 +10,11 @@ PROBLEM
 SOLUTION
     For decoder layers of a known shape (`SUPPORTED_LAYERS`: Llama's and Gemma's, which covers the
     text models of every family foveal supports) this module runs the stack itself on the flat
-    [T, hidden] batch: RMSNorm as six plain ops in float32 (`_Norm`: torch's `rms_norm` runs as a
-    composite of more, and converts dtypes both ways), rotary as one batched matmul by a rotation
-    matrix per token for launches of a few rows and as `x * cos + roll(x) * sin_signed` for more
-    (`_Rotary`),
-    cos/sin built once per forward by the model's own rotary module, the paged attention of
+    [T, hidden] batch: RMSNorm as four plain ops in float32 (`_Norm`: torch's `rms_norm` runs as a
+    composite of more, and converts dtypes both ways), rotary as `addcmul(x * cos, roll(x),
+    sin_signed)` (`_Rotary`), applied to q and k as one tensor where the fused q/k/v launch returns
+    them side by side, with cos/sin built once per forward by the model's own rotary module, the
+    paged attention of
     `attention.py` called directly (its decode path needs no padding and no repeated K/V), and the
     modules' own projections (nn.Linear or foveal's QuantLinear, whatever the loader put there;
     int4 q/k/v and gate/up run as one launch each, `quant.fuse_int4`; an int4 projection's bf16
@@ -31,9 +31,10 @@ INVARIANTS
     - Weights are shared with the transformers model, never copied (the norms' weights scaled by
       sqrt(hidden), and Gemma's 1 + w, are the derived vectors, a few KB a layer; fused int4
       projections hold the codes once, the model's layers reading views of them).
-    - A row's logits do not depend on the other rows of its launch, for launches of 1 to
-      `quant.FEW_ROWS` rows (speculative decoding's verify launches, docs/speculative.md): every op
-      here is row-wise, and one rotary form serves them all.
+    - A row's result does not depend on the other rows of its launch in any op of this module
+      (norms and rotary are row-wise, elementwise where they are not reductions): speculative
+      decoding's verify launches rely on it (docs/speculative.md), and so does the equality of the
+      fused and separate projections' logits (q and k rotated together or apart).
     - Layers of any other shape are refused by `LeanDecoder.supports` (the runner then keeps
       transformers' forward for every launch; `HFRunner.lean is None` says so).
 """
@@ -47,7 +48,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from foveal.engine.models.attention import PagedContext, paged_attention
-from foveal.engine.models.quant import FEW_ROWS, SplitLinear, fuse_int4
+from foveal.engine.models.quant import SplitLinear, fuse_int4
 
 SUPPORTED_LAYERS = ("LlamaDecoderLayer", "GemmaDecoderLayer")
 
@@ -100,54 +101,42 @@ def _norm_weight(norm: nn.Module, gemma: bool) -> torch.Tensor:
 class _Norm:
     """One RMSNorm: x * rsqrt(mean(x^2) + eps) * w over the last dimension.
 
-    On float32 activations it runs as x * rsqrt(sum(x^2) + n * eps) * (sqrt(n) * w), six ops, the
+    On float32 activations it runs as x / hypot(|x|, sqrt(n * eps)) * (sqrt(n) * w), four ops, the
     same value up to float32 rounding: `F.rms_norm` is a composite of more here (pow, mean as sum
     and div, rsqrt, two muls, and dtype conversions there and back), each a dispatch of a traced
     replay, 61 norms a step of a 30-layer model. Other dtypes keep `F.rms_norm`, which normalises
-    in float32 (the plain ops would square and sum in bf16)."""
+    in float32 (the plain ops would reduce in bf16)."""
 
-    __slots__ = ("weight", "eps", "size", "scaled")
+    __slots__ = ("weight", "eps", "size", "scaled", "root_eps")
 
     def __init__(self, weight: torch.Tensor, eps: float) -> None:
         self.weight, self.eps = weight, eps
         self.size: int = weight.shape[0]
         self.scaled = weight.float() * math.sqrt(self.size) if weight.dtype == torch.float32 else None
+        self.root_eps = torch.tensor(math.sqrt(self.size * eps), device=weight.device)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.scaled is None or x.dtype != torch.float32:
             return F.rms_norm(x, (self.size,), self.weight, self.eps)
-        return x * torch.rsqrt(x.square().sum(-1, keepdim=True) + self.size * self.eps) * self.scaled
+        # |x| and sqrt(n * eps) as the sides of a right triangle: sqrt(sum(x^2) + n * eps)
+        return x / torch.hypot(torch.linalg.vector_norm(x, dim=-1, keepdim=True), self.root_eps) * self.scaled
 
 
 class _Rotary:
-    """RoPE at one forward's positions: x * cos + rotate_half(x) * sin for x [T, heads, head_dim].
+    """RoPE at one forward's positions: x * cos + rotate_half(x) * sin for x [T, heads, head_dim], as
+    addcmul(x * cos, roll(x), sin_signed), three elementwise ops (transformers' form is seven).
+    Elementwise, so a row's result is the same whatever the other rows and heads of the tensor: q
+    and k may rotate as one tensor where they lie side by side (the fused q/k/v launch's output)."""
 
-    For launches of at most `quant.FEW_ROWS` tokens in float32 it is one batched matmul, x[t] @ M[t]
-    with M[t] = diag(cos[t]) + P * sin_signed[t] (P the permutation of rotate_half), built once per
-    forward: one op a tensor where the elementwise form is four (roll alone costs more than the
-    matmul). Each output element sums the same two products, so the two forms agree up to float
-    rounding; one form serves every launch of a few rows, so a row's result does not depend on the
-    launch's other rows. More tokens (prefill) use the elementwise form, which reads no
-    [T, D, D] matrices."""
+    __slots__ = ("cos", "sin", "half")
 
-    __slots__ = ("cos", "sin", "half", "matrix")
-
-    def __init__(self, cos: torch.Tensor, sin: torch.Tensor, rows: int) -> None:
+    def __init__(self, cos: torch.Tensor, sin: torch.Tensor) -> None:
         half = int(cos.shape[-1]) // 2
         sin = torch.cat([-sin[:, :half], sin[:, half:]], dim=-1)  # rotate_half's signs
-        self.half = half
-        self.matrix = self.cos = self.sin = None
-        if rows <= FEW_ROWS and cos.dtype == torch.float32:
-            # M[t][i, j] = cos[t, j] (i = j) + sin[t, j] (i = j + half mod D): x @ M = x * cos + roll(x) * sin
-            shift = torch.eye(2 * half, dtype=cos.dtype, device=cos.device).roll(half, 0)
-            self.matrix = torch.diag_embed(cos) + shift * sin[:, None, :]
-        else:
-            self.cos, self.sin = cos.unsqueeze(1), sin.unsqueeze(1)  # [T, 1, D]
+        self.half, self.cos, self.sin = half, cos.unsqueeze(1), sin.unsqueeze(1)  # [T, 1, D]
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if self.matrix is not None:
-            return torch.bmm(x, self.matrix)
-        return x * self.cos + x.roll(self.half, -1) * self.sin
+        return torch.addcmul(x * self.cos, x.roll(self.half, -1), self.sin)
 
 
 class LeanDecoder:
@@ -200,18 +189,20 @@ class LeanDecoder:
         x = self.embed(input_ids)
         cos, sin = self.rotary(x, positions[None])
         # the row count as a Python int: a traced graph serves one rows bucket (traced.py)
-        rotate = _Rotary(cos[0], sin[0], int(input_ids.shape[0]))
+        rotate = _Rotary(cos[0], sin[0])
         heads, kv_heads, dim = self.heads, self.kv_heads, self.head_dim
-        width = heads * dim
+        width, kv_width = heads * dim, kv_heads * dim
         for index, layer in enumerate(self.layers):
             h = layer.input_norm(x)
             # -1, not the token count: a count read from a shape is a traced value, its arithmetic
             # a few nodes per use in every replay
-            q, k, v = layer.qkv(h) if layer.qkv is not None else (layer.q(h), layer.k(h), layer.v(h))
-            # q and k rotate apart even where the fused launch returns them side by side: a matmul's
-            # rounding depends on its row count, and the separate projections must give the same logits
-            q = rotate(q.view(-1, heads, dim))
-            k = rotate(k.view(-1, kv_heads, dim))
+            joined = layer.qkv.joined(h) if layer.qkv is not None else None
+            if joined is not None:  # q and k side by side: one rotary for both
+                qk, v = joined.split([width + kv_width, kv_width], dim=-1)
+                q, k = rotate(qk.view(-1, heads + kv_heads, dim)).split([heads, kv_heads], dim=1)
+            else:
+                q, k, v = layer.qkv(h) if layer.qkv is not None else (layer.q(h), layer.k(h), layer.v(h))
+                q, k = rotate(q.view(-1, heads, dim)), rotate(k.view(-1, kv_heads, dim))
             v = v.view(-1, kv_heads, dim)
             attn = paged_attention(ctx, index, q, k, v, layer.scaling)
             x = layer.o_add(x, attn.reshape(-1, width))

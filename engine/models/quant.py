@@ -325,13 +325,20 @@ class FusedInt4(nn.Module):
         if x.dim() != 2:
             outs = self(x.reshape(-1, self.in_features))
             return tuple(out.view(*x.shape[:-1], n) for out, n in zip(outs, self.sizes, strict=True))
-        if not self.split:  # int4 QuantLinears: their own rows logic, on the fused weight
-            out = self.int4(x)
-        elif x.shape[0] > FEW_ROWS:
+        out = self.joined(x)
+        if out is None:
             return tuple(part(x) for part in self.parts)
-        else:
-            out = self.int4.int4_mm(x.to(torch.bfloat16)).to(x.dtype)
         return out.split(self.sizes, dim=-1)
+
+    def joined(self, x: torch.Tensor) -> torch.Tensor | None:
+        """The parts' outputs side by side, [rows, out_features] in x's dtype, from one launch over
+        x [rows, in_features]; None where the parts run on their own (`SplitLinear` parts beyond
+        `FEW_ROWS` rows). lean.py rotates q and k as one slice of it."""
+        if not self.split:  # int4 QuantLinears: their own rows logic, on the fused weight
+            return self.int4(x)
+        if x.shape[0] > FEW_ROWS:
+            return None
+        return self.int4.int4_mm(x.to(torch.bfloat16)).to(x.dtype)
 
     def extra_repr(self) -> str:
         return f"int4 over {self.sizes} output features, in_features={self.in_features}"

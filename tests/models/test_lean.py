@@ -46,29 +46,26 @@ def _cos_sin(checkpoints, positions: list[int]) -> tuple[torch.Tensor, torch.Ten
     return cos[0], sin[0]
 
 
-def test_rotary_forms_are_transformers_rope_up_to_float32_rounding(checkpoints):
+def test_rotary_is_transformers_rope_up_to_float32_rounding(checkpoints):
     positions = [0, 7, 300, 5000, 9, 64]
     cos, sin = _cos_sin(checkpoints, positions)
     x = torch.randn(len(positions), 4, cos.shape[-1], generator=torch.Generator().manual_seed(2))
     # transformers' own: q and k [B, H, T, D], cos/sin [B, T, D]
     reference, _ = apply_rotary_pos_emb(x.transpose(0, 1)[None], x.transpose(0, 1)[None], cos[None], sin[None])
-    reference = reference[0].transpose(0, 1)
-    few = slice(0, FEW_ROWS)
-    matrix = _Rotary(cos[few], sin[few], FEW_ROWS)
-    elementwise = _Rotary(cos, sin, len(positions))
-    assert matrix.matrix is not None and elementwise.matrix is None  # both forms are the ones tested
-    torch.testing.assert_close(matrix(x[few]), reference[few], rtol=1e-6, atol=1e-6)
-    torch.testing.assert_close(elementwise(x), reference, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(_Rotary(cos, sin)(x), reference[0].transpose(0, 1), rtol=1e-6, atol=1e-6)
 
 
-def test_a_rows_rotary_does_not_depend_on_its_launch(checkpoints):
-    """Launches of 1 to FEW_ROWS rows (speculative verify launches) give each row what it gets alone."""
-    positions = [3, 17, 250, 4000][:FEW_ROWS]
+def test_a_rows_rotary_does_not_depend_on_its_launch_nor_on_the_other_heads(checkpoints):
+    """Each row of a launch (speculative verify launches) and each head (q and k rotated as one
+    tensor or apart: fused and separate projections) gets what it gets alone, bit for bit."""
+    positions = [3, 17, 250, 4000]
     cos, sin = _cos_sin(checkpoints, positions)
-    x = torch.randn(len(positions), 4, cos.shape[-1], generator=torch.Generator().manual_seed(3))
-    together = _Rotary(cos, sin, len(positions))(x)
+    qk = torch.randn(len(positions), 6, cos.shape[-1], generator=torch.Generator().manual_seed(3))
+    together = _Rotary(cos, sin)(qk)
+    q, k = _Rotary(cos, sin)(qk[:, :4]), _Rotary(cos, sin)(qk[:, 4:])
+    assert torch.equal(together, torch.cat([q, k], dim=1))
     for row in range(len(positions)):
-        alone = _Rotary(cos[row : row + 1], sin[row : row + 1], 1)(x[row : row + 1])
+        alone = _Rotary(cos[row : row + 1], sin[row : row + 1])(qk[row : row + 1])
         assert torch.equal(alone[0], together[row]), row
 
 
