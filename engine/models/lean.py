@@ -10,7 +10,7 @@ PROBLEM
 SOLUTION
     For decoder layers of a known shape (`SUPPORTED_LAYERS`: Llama's and Gemma's, which covers the
     text models of every family foveal supports) this module runs the stack itself on the flat
-    [T, hidden] batch: RMSNorm as four plain ops in float32 (`_Norm`: torch's `rms_norm` runs as a
+    [T, hidden] batch: RMSNorm as six plain ops in float32 (`_Norm`: torch's `rms_norm` runs as a
     composite of more, and converts dtypes both ways), rotary as `addcmul(x * cos, roll(x),
     sin_signed)` (`_Rotary`), applied to q and k as one tensor where the fused q/k/v launch returns
     them side by side, with cos/sin built once per forward by the model's own rotary module, the
@@ -101,25 +101,23 @@ def _norm_weight(norm: nn.Module, gemma: bool) -> torch.Tensor:
 class _Norm:
     """One RMSNorm: x * rsqrt(mean(x^2) + eps) * w over the last dimension.
 
-    On float32 activations it runs as x / hypot(|x|, sqrt(n * eps)) * (sqrt(n) * w), four ops, the
+    On float32 activations it runs as x * rsqrt(sum(x^2) + n * eps) * (sqrt(n) * w), six ops, the
     same value up to float32 rounding: `F.rms_norm` is a composite of more here (pow, mean as sum
     and div, rsqrt, two muls, and dtype conversions there and back), each a dispatch of a traced
     replay, 61 norms a step of a 30-layer model. Other dtypes keep `F.rms_norm`, which normalises
     in float32 (the plain ops would reduce in bf16)."""
 
-    __slots__ = ("weight", "eps", "size", "scaled", "root_eps")
+    __slots__ = ("weight", "eps", "size", "scaled")
 
     def __init__(self, weight: torch.Tensor, eps: float) -> None:
         self.weight, self.eps = weight, eps
         self.size: int = weight.shape[0]
         self.scaled = weight.float() * math.sqrt(self.size) if weight.dtype == torch.float32 else None
-        self.root_eps = torch.tensor(math.sqrt(self.size * eps), device=weight.device)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.scaled is None or x.dtype != torch.float32:
             return F.rms_norm(x, (self.size,), self.weight, self.eps)
-        # |x| and sqrt(n * eps) as the sides of a right triangle: sqrt(sum(x^2) + n * eps)
-        return x / torch.hypot(torch.linalg.vector_norm(x, dim=-1, keepdim=True), self.root_eps) * self.scaled
+        return x * torch.rsqrt(x.square().sum(-1, keepdim=True) + self.size * self.eps) * self.scaled
 
 
 class _Rotary:
