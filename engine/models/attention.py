@@ -35,6 +35,8 @@ INVARIANTS
       launch, before or after it; everything else stays causal.
     - Padded query rows always see key 0, so SDPA never produces NaN rows (they are dropped anyway).
     - No host synchronisation: every index is derived on the device from the batch tensors.
+    - A traced decode step reads no shape in a layer (head counts are ints, the key count -1) and
+      converts no tensor to the dtype it has: each would be a dispatch in every replay.
 """
 
 from __future__ import annotations

@@ -14,15 +14,14 @@ SOLUTION
     composite of more, and converts dtypes both ways), rotary as `addcmul(x * cos, roll(x),
     sin_signed)` (`_Rotary`), applied to q and k as one tensor where the fused q/k/v launch returns
     them side by side, with cos/sin built once per forward by the model's own rotary module, the
-    paged attention of
-    `attention.py` called directly (its decode path needs no padding and no repeated K/V), and the
-    modules' own projections (nn.Linear or foveal's QuantLinear, whatever the loader put there;
-    int4 q/k/v and gate/up run as one launch each, `quant.fuse_int4`; an int4 projection's bf16
-    output is added into the float32 residual as it is, `SplitLinear.add_to`). Shapes are Python
-    ints from the config, never read from a tensor: under the tracer a shape is a traced value,
-    each use of it an item() in every replay. The
-    logits of each sequence's last token are taken before the final norm and the head. Launches
-    with images go through transformers' forward (the family's own merge of image features).
+    paged attention of `attention.py` called directly (its decode path needs no padding and no
+    repeated K/V), and the modules' own projections (nn.Linear or foveal's QuantLinear, whatever
+    the loader put there; int4 q/k/v and gate/up run as one launch each, `quant.fuse_int4`; an int4
+    projection's bf16 output is added into the float32 residual as it is, `SplitLinear.add_to`).
+    Shapes are Python ints from the config, never read from a tensor: under the tracer a shape is a
+    traced value, each use of it an item() in every replay. The logits of each sequence's last
+    token are taken before the final norm and the head. Launches with images go through
+    transformers' forward (the family's own merge of image features).
 
 INVARIANTS
     - Same logits as transformers' forward with foveal's paged attention, up to float rounding
@@ -42,6 +41,7 @@ INVARIANTS
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -87,7 +87,8 @@ class _Layer:
         self.down_add = _adder(self.down)
 
 
-def _adder(linear: nn.Module):
+def _adder(linear: nn.Module) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+    """(residual, x) -> residual + linear(x)."""
     if isinstance(linear, SplitLinear):
         return linear.add_to
     return lambda residual, x: residual + linear(x)
@@ -186,7 +187,6 @@ class LeanDecoder:
         """input_ids, positions [T] -> float32 logits [B, vocab] of the rows `last` (None: every row)."""
         x = self.embed(input_ids)
         cos, sin = self.rotary(x, positions[None])
-        # the row count as a Python int: a traced graph serves one rows bucket (traced.py)
         rotate = _Rotary(cos[0], sin[0])
         heads, kv_heads, dim = self.heads, self.kv_heads, self.head_dim
         width, kv_width = heads * dim, kv_heads * dim
