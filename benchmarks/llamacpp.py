@@ -37,7 +37,8 @@ kernel: fbgemm fp16, torch's int4 and int8 weight-only kernels (bf16 activations
 gate/up as one launch each ("fused": quant.fuse_int4, what the lean forward runs) and dense fp32;
 the table behind the kernel choice in docs/quantization.md.
 `--step ROUNDS` times the parts of one batch-1 decode step instead (`step_anatomy`): the traced
-step the engine replays, the same with separate projections, its linear launches alone and its int4
+step the engine replays, the same with separate projections, the step without its matmul kernels,
+its linear launches alone and its int4
 kernels and head alone, on 1 and 2 threads, taking turns; and the weight bytes each contender reads
 per token (docs/performance.md, "Batch-1 decode").
 Every output of a JSON row is checked against the schema (`valid`: the share that parse and
@@ -47,6 +48,7 @@ validate). The report also records the machine (CPU, load average) since the mac
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import statistics
@@ -482,9 +484,26 @@ class _Launches(torch.nn.Module):
         return tuple(outs)
 
 
+@contextlib.contextmanager
+def _kernels_stubbed() -> Any:
+    """While tracing in the block: every int4 kernel and the fp16 head return zeros of their
+    outputs' shapes (one cheap op each), so that the graph's replays cost what the step costs
+    outside its matmul kernels."""
+    from foveal.engine.models import quant
+
+    saved = quant.QuantLinear.int4_mm, quant.HalfLinear.forward
+    quant.QuantLinear.int4_mm = lambda self, flat: flat.new_zeros(flat.shape[0], self.out_features)
+    quant.HalfLinear.forward = lambda self, x: x.new_zeros(*x.shape[:-1], self.out_features)
+    try:
+        yield
+    finally:
+        quant.QuantLinear.int4_mm, quant.HalfLinear.forward = saved
+
+
 def step_anatomy(rounds: int = 8, threads: tuple[int, ...] = (1, 2), width: int = 8, repeats: int = 10) -> dict:
     """Where a batch-1 decode step of the SmolLM2 GGUF goes: the traced step as the engine replays
-    it (q/k/v and gate/up fused, quant.fuse_int4) and with separate projections, the graph of its
+    it (q/k/v and gate/up fused, quant.fuse_int4) and with separate projections, the step with its
+    matmul kernels stubbed out (what it costs outside them), the graph of its
     linear launches alone (with the bf16 conversions) and of the int4 kernels and head alone, on
     1 and 2 intra-op threads. Each round times every variant in turn (the fastest of `repeats`
     replays); a row is the median over rounds, with each round's ratio to the fused step on
@@ -508,6 +527,10 @@ def step_anatomy(rounds: int = 8, threads: tuple[int, ...] = (1, 2), width: int 
             graphs = DecodeGraphs(runner._eager, runner.model, background=False)
             logits[name] = graphs(batch, kv.k, kv.v, kv.page_size, kv.scratch_page)
             steps[name] = lambda g=graphs: g(batch, kv.k, kv.v, kv.page_size, kv.scratch_page)
+        with _kernels_stubbed():  # traced here; its replays run what the trace recorded
+            graphs = DecodeGraphs(runner._eager, runner.model, background=False)
+            graphs(batch, kv.k, kv.v, kv.page_size, kv.scratch_page)
+        steps["step without its matmul kernels"] = lambda g=graphs: g(batch, kv.k, kv.v, kv.page_size, kv.scratch_page)
         packs = script_objects(runner.model)
         for name, kernels in (("linear launches alone", False), ("int4 kernels and head alone", True)):
             with own_compilation_unit():

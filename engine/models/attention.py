@@ -35,6 +35,8 @@ INVARIANTS
       launch, before or after it; everything else stays causal.
     - Padded query rows always see key 0, so SDPA never produces NaN rows (they are dropped anyway).
     - No host synchronisation: every index is derived on the device from the batch tensors.
+    - A traced decode step reads no shape in a layer (head counts are ints, the key count -1) and
+      converts no tensor to the dtype it has: each would be a dispatch in every replay.
 """
 
 from __future__ import annotations
@@ -139,7 +141,9 @@ def build_context(
     sequence) needs neither the padded query block's indices nor the causal part of the mask.
     """
     device = batch.input_ids.device
-    num_seqs, max_q = batch.num_seqs, batch.max_query_len
+    # A Python int, also under the tracer (a graph serves one rows bucket): a count read from a shape
+    # is a traced value there, whose every use in a layer costs an item() per replay
+    num_seqs, max_q = int(batch.num_seqs), batch.max_query_len
     pages = -(-batch.max_context_len // kv.page_size)
     gather_index = _gather_index(batch.block_tables, pages, kv.page_size, kv.scratch_page)
     sliding_gather = None
@@ -174,7 +178,7 @@ def build_context(
             visible |= query_block[:, :, None] & key_block[:, None, :]
         visible &= in_context
         visible[:, :, 0] |= ~real_row  # padded query rows: keep SDPA finite
-    mask = torch.zeros(visible.shape, dtype=dtype, device=device).masked_fill_(~visible, float("-inf"))
+    mask = torch.zeros_like(visible, dtype=dtype).masked_fill_(~visible, float("-inf"))
     return PagedContext(
         kv=kv,
         kv_index=batch.kv_index,
@@ -224,41 +228,43 @@ def paged_attention(
             )
         kv_index, gather_index = ctx.sliding_kv_index, ctx.sliding_gather_index
     if key is not None:
-        k_cache.index_copy_(0, kv_index, key.to(k_cache.dtype))
-        v_cache.index_copy_(0, kv_index, value.to(v_cache.dtype))
+        k_cache.index_copy_(0, kv_index, _as(key, k_cache.dtype))
+        v_cache.index_copy_(0, kv_index, _as(value, v_cache.dtype))
     mask = ctx.mask_for(window)
 
     # index_select over the flat KV rows, not k_cache[gather_index]: same rows, ~5x faster on CPU
-    # (advanced indexing takes a generic path; 32 x 128 keys: 49 vs 243 us per tensor).
-    num_seqs, kv_heads, dim = ctx.num_seqs, k_cache.shape[1], k_cache.shape[2]
-    gathered = (num_seqs, ctx.num_keys, kv_heads, dim)
-    keys = k_cache.index_select(0, gather_index).view(gathered).transpose(1, 2)  # [B, Hkv, L, D]
-    values = v_cache.index_select(0, gather_index).view(gathered).transpose(1, 2)
-    heads = query.shape[1]
+    # (advanced indexing takes a generic path; 32 x 128 keys: 49 vs 243 us per tensor). The
+    # head counts are Python ints (int() of a traced shape is a constant of the graph) and the key
+    # count is -1: a traced key count would cost an item() per use in every replay.
+    num_seqs, kv_heads, dim, heads = ctx.num_seqs, int(k_cache.shape[1]), int(k_cache.shape[2]), int(query.shape[1])
+    gathered = (num_seqs, -1, kv_heads, dim)
+    keys = _as(k_cache.index_select(0, gather_index).view(gathered).transpose(1, 2), query.dtype)  # [B, Hkv, L, D]
+    values = _as(v_cache.index_select(0, gather_index).view(gathered).transpose(1, 2), query.dtype)
     if ctx.query_seq is None:
         # Decode: sequence i's one query is token i. The query heads that share a KV head become that
         # head's query rows ([B, Hkv, H / Hkv, D]), so GQA needs no repeated K/V and no padding.
-        out = F.scaled_dot_product_attention(
-            query.reshape(num_seqs, kv_heads, heads // kv_heads, dim),
-            keys.to(query.dtype),
-            values.to(query.dtype),
-            attn_mask=mask,
-            scale=scaling,
-        )
+        rows = query.reshape(num_seqs, kv_heads, heads // kv_heads, dim)
+        out = F.scaled_dot_product_attention(rows, keys, values, attn_mask=mask, scale=scaling)
         return out.reshape(num_seqs, heads, dim)
     padded = query.new_zeros(num_seqs, ctx.max_query_len, heads, dim)
     padded[ctx.query_seq, ctx.query_row] = query
     if heads > kv_heads and query.device.type == "cpu":  # measured on CPU only; CUDA keeps enable_gqa
-        return _grouped_attention(ctx, padded, keys.to(query.dtype), values.to(query.dtype), scaling, window)
+        return _grouped_attention(ctx, padded, keys, values, scaling, window)
     out = F.scaled_dot_product_attention(
         padded.transpose(1, 2),
-        keys.to(query.dtype),
-        values.to(query.dtype),
+        keys,
+        values,
         attn_mask=mask,
         scale=scaling,
         enable_gqa=heads > kv_heads,
     )
     return out.transpose(1, 2)[ctx.query_seq, ctx.query_row]
+
+
+def _as(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """`t` in `dtype`, with no op where it is already: `to()` returns the tensor itself then, but a
+    trace still records the call, a dispatch in every replay (four a layer)."""
+    return t if t.dtype == dtype else t.to(dtype)
 
 
 def _grouped_attention(

@@ -228,11 +228,13 @@ class HalfLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, self.in_features)
-        rows = flat.shape[0]
+        rows = int(flat.shape[0])  # a constant of a traced step (which fixes its rows), not an item() per replay
         if rows < MIN_HALF_ROWS:  # the same micro-kernel as a launch of a few more rows (MIN_HALF_ROWS)
             flat = F.pad(flat, (0, 0, 0, MIN_HALF_ROWS - rows))
-        out = torch.ops.quantized.linear_dynamic_fp16(flat, self.packed)[:rows]
-        return out.view(*x.shape[:-1], self.out_features)
+            out = torch.ops.quantized.linear_dynamic_fp16(flat, self.packed)[:rows]
+        else:
+            out = torch.ops.quantized.linear_dynamic_fp16(flat, self.packed)
+        return out if x.dim() == 2 else out.view(*x.shape[:-1], self.out_features)
 
     def dequantize(self) -> torch.Tensor:
         """The float32 weight [N, K] this layer multiplies by (the fp16 values)."""
@@ -279,6 +281,14 @@ class SplitLinear(nn.Module):
             return self.fp16(x)
         return self.int4.int4_mm(x.to(torch.bfloat16)).to(x.dtype)
 
+    def add_to(self, residual: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """residual + self(x) for a float32 residual [rows, out_features] and x [rows, in_features],
+        bit for bit: the int4 path's bf16 output is added as it is (float32 + bf16 computes in
+        float32, the bf16 values converted exactly), one conversion op fewer than `forward`'s."""
+        if x.shape[0] > FEW_ROWS or residual.dtype != torch.float32:
+            return residual + self(x)
+        return residual + self.int4.int4_mm(x.to(torch.bfloat16))
+
     def dequantize(self, rows: int = 1) -> torch.Tensor:
         """The float32 weight [N, K] a launch of `rows` rows multiplies by."""
         return self.int4.dequantize() if rows <= FEW_ROWS else self.fp16.dequantize()
@@ -315,13 +325,20 @@ class FusedInt4(nn.Module):
         if x.dim() != 2:
             outs = self(x.reshape(-1, self.in_features))
             return tuple(out.view(*x.shape[:-1], n) for out, n in zip(outs, self.sizes, strict=True))
-        if not self.split:  # int4 QuantLinears: their own rows logic, on the fused weight
-            out = self.int4(x)
-        elif x.shape[0] > FEW_ROWS:
+        out = self.joined(x)
+        if out is None:
             return tuple(part(x) for part in self.parts)
-        else:
-            out = self.int4.int4_mm(x.to(torch.bfloat16)).to(x.dtype)
         return out.split(self.sizes, dim=-1)
+
+    def joined(self, x: torch.Tensor) -> torch.Tensor | None:
+        """The parts' outputs side by side, [rows, out_features] in x's dtype, from one launch over
+        x [rows, in_features]; None where the parts run on their own (`SplitLinear` parts beyond
+        `FEW_ROWS` rows). lean.py rotates q and k as one slice of it."""
+        if not self.split:  # int4 QuantLinears: their own rows logic, on the fused weight
+            return self.int4(x)
+        if x.shape[0] > FEW_ROWS:
+            return None
+        return self.int4.int4_mm(x.to(torch.bfloat16)).to(x.dtype)
 
     def extra_repr(self) -> str:
         return f"int4 over {self.sizes} output features, in_features={self.in_features}"
