@@ -8,7 +8,8 @@ PROBLEM
     count is right (docs/performance.md measures both sides).
 SOLUTION
     Time the launches and move towards the faster count. Launches are grouped by their query-token
-    count, whose cost differs. Each group runs on its `choice` (one thread at first) and, after
+    count, whose cost differs. Each group runs on its `choice` (at first one thread, or the choice
+    of the nearest token count already seen: a 3-token jump starts where decode got to) and, after
     `burst` timed launches and then every `period` launches, runs a burst of up to `burst`
     launches on a neighbouring count (the next of 1, 2, 4, ... up to the device's count,
     alternately above and below). After the burst the chooser compares the median time of the
@@ -70,8 +71,10 @@ class ThreadChooser:
     def pick(self, tokens: int) -> int:
         """The intra-op thread count for the next launch of `tokens` query tokens."""
         group = self._groups.get(tokens)
-        if group is None:
-            group = self._groups[tokens] = _Group(choice=self.counts[0], period=self.period)
+        if group is None:  # start where the nearest token count seen so far has got to
+            nearest = min(self._groups.items(), key=lambda item: (abs(item[0] - tokens), item[0]), default=None)
+            start = self.counts[0] if nearest is None else nearest[1].choice
+            group = self._groups[tokens] = _Group(choice=start, period=self.period)
         due = group.launches >= (self.burst if group.bursts == 0 else group.period)
         if group.probe is None and due and len(self.counts) > 1:
             group.probe = self._neighbour(group)

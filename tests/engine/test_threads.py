@@ -155,3 +155,12 @@ def test_the_device_times_only_launches_of_up_to_four_tokens():
         device.close()
     finally:
         torch.set_num_threads(before)
+
+
+def test_a_new_token_count_starts_from_the_nearest_ones_choice():
+    chooser = ThreadChooser(2, period=100, burst=3)
+    _run(chooser, lambda t, i: 0.030 if t == 1 else 0.020, 20, tokens=1)
+    assert chooser.choices() == {1: 2}
+    assert chooser.pick(3) == 2  # a jump-forward launch of 3 tokens: decode's count, not one thread
+    chooser.observe(3, 2, 0.020)
+    assert chooser.choices() == {1: 2, 3: 2}
