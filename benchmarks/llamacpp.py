@@ -248,7 +248,7 @@ def run(
             model, llm, work.asks, work.foveal_type, peers.PERSON_SCHEMA, work.max_tokens, decode_threads
         )
         report["json_call"] = [*(json_row(n, r) for n, r in ours), json_row("llama.cpp", theirs)]
-        report["decode_threads_chosen"] = model.engine.stats().get("decode_threads")  # per query-token count
+        report["decode_threads_chosen"] = model.engine.stats().get("decode_threads")
         report["concurrent_json"] = concurrent(model, llm, requests, outlines, rounds)
     finally:
         model.close()
@@ -391,7 +391,7 @@ def print_table(report: dict) -> None:
             + (f"  (rounds: {', '.join(f'{x:.2f}' for x in rounds)})" if rounds and len(rounds) > 1 else "")
         )
     if report.get("decode_threads_chosen"):
-        print(f"  decode threads the engine chose, per query-token count: {report['decode_threads_chosen']}")
+        print(f"  decode threads the engine chose: {report['decode_threads_chosen']}")
     print("  ratios (foveal / other): " + ", ".join(f"{k} {v:.2f}" for k, v in report["ratios"].items()))
 
 

@@ -186,7 +186,7 @@ class Engine:
         summary["speculative"] = self.pipeline.draft_stats.summary()
         chooser = getattr(device, "chooser", None)  # CPU: decode's thread count per query-token count
         if chooser is not None:
-            summary["decode_threads"] = chooser.choices()
+            summary["decode_threads"] = chooser.choice
         return summary
 
     def reset_stats(self) -> None:
