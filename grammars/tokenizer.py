@@ -144,24 +144,35 @@ class _PlainTextEncoder:
 
     bos_token_id = None
 
-    def __init__(self, tokenizer_json: str, json_built: llguidance.LLTokenizer, eos: int) -> None:
+    def __init__(
+        self, backend: tokenizers.Tokenizer, tokenizer_json: str, json_built: llguidance.LLTokenizer, eos: int
+    ) -> None:
         n = json_built.vocab_size
         self.eos_token_id = eos
         self.special_token_ids = [i for i in range(n) if json_built.is_special_token(i)]
         self.tokens = [json_built.decode_bytes([i]) for i in range(n)]
-        self._encoder = _encoder_reading_added_tokens_as_text(tokenizer_json, set(self.special_token_ids))
+        self._encoder = _encoder_reading_added_tokens_as_text(backend, tokenizer_json, set(self.special_token_ids))
 
     def __call__(self, text: str) -> list[int]:
         return self._encoder.encode(text, add_special_tokens=False).ids
 
 
-def _encoder_reading_added_tokens_as_text(tokenizer_json: str, special_ids: set[int]) -> tokenizers.Tokenizer:
+def _encoder_reading_added_tokens_as_text(
+    backend: tokenizers.Tokenizer, tokenizer_json: str, special_ids: set[int]
+) -> tokenizers.Tokenizer:
     """The tokenizer with every token llguidance treats as special read as text when it appears in text.
 
     `encode_special_tokens` covers only added tokens flagged `special`; added tokens that are not
     (PaliGemma's `<locNNNN>`, `<segNNN>`) would still be split out of the text, and llguidance
-    gives them no text either. So those get the flag in this private copy first.
+    gives them no text either. So those get the flag in a private copy rebuilt from the JSON first.
+    Where every such token is flagged already (most tokenizers), `backend` itself is the encoder:
+    the grammar layer's private copy (`_build`), whose only other use reads token ids' strings,
+    which the flag does not change (a rebuild costs about 0.4 s for a 49k vocabulary).
     """
+    added = backend.get_added_tokens_decoder()
+    if all(token.special for index, token in added.items() if index in special_ids):
+        backend.encode_special_tokens = True
+        return backend
     data = json.loads(tokenizer_json)
     for entry in data.get("added_tokens", []):
         if entry["id"] in special_ids:
@@ -173,5 +184,5 @@ def _encoder_reading_added_tokens_as_text(tokenizer_json: str, special_ids: set[
 
 def _plain_text_tokenizer(backend: Any, text: str, eos: int, size: int) -> llguidance.LLTokenizer:
     json_built = llguidance.LLTokenizer(text, n_vocab=size, eos_token=eos)
-    wrapper = llguidance.TokenizerWrapper(_PlainTextEncoder(text, json_built, eos))
+    wrapper = llguidance.TokenizerWrapper(_PlainTextEncoder(backend, text, json_built, eos))
     return llguidance.LLTokenizer(wrapper, n_vocab=size, eos_token=eos)

@@ -200,3 +200,25 @@ def test_automaton_parse_is_the_output_parser(tok):
     spatial = grammars.spatial.points("json", max_objects=2)
     text = '{"points": [{"x": 0.5, "y": 0.25}]}'
     assert grammars.compile(spatial, tok, eos_token_id=EOS).parse(text) == parser_of(spatial)(text)
+
+
+def test_added_tokens_not_flagged_special_are_spelled_with_plain_tokens_too(smollm2_dir):
+    """PaliGemma's `<segNNN>` are added tokens without the special flag: the grammar layer's encoder is
+    then a rebuilt copy that flags them; where every such token is flagged (SmolLM2's own), the layer's
+    private copy of the tokenizer serves as the encoder (grammars/tokenizer.py)."""
+    from tokenizers import Tokenizer
+
+    from foveal.grammars.tokenizer import tokenizer_handle
+
+    plain = Tokenizer.from_file(str(smollm2_dir / "tokenizer.json"))
+    flagged = tokenizer_handle(plain, eos_token_id=EOS)
+    assert flagged.source.encode_special_tokens  # the fast path: the private copy reads them as text
+    assert not plain.encode_special_tokens  # the caller's tokenizer is left as it was
+
+    seg = Tokenizer.from_file(str(smollm2_dir / "tokenizer.json"))
+    seg.add_tokens(["<seg007>"])  # an added token, not special
+    seg_id = seg.token_to_id("<seg007>")
+    automaton = grammars.compile(grammars.Regex(r"<seg007>x"), seg, eos_token_id=EOS)
+    walk = random_walk(automaton, np.random.default_rng(0))
+    assert walk.terminated and seg_id not in walk.tokens and len(walk.tokens) > 2
+    assert seg.decode(walk.tokens, skip_special_tokens=False) == "<seg007>x"
