@@ -16,11 +16,12 @@ SOLUTION
     compute work; `copy_to_host(name, fn)` queues a copy and returns the event that `wait` blocks on.
     On CPU the worker also picks each forward's intra-op thread count (`threads_for`, called by the
     forward job as it starts): launches of `SMALL_LAUNCH_TOKENS` query tokens or more run on the
-    count torch had when the device was made; those of at most `TIMED_LAUNCH_TOKENS` (decode, a
-    verify step) on the count a `ThreadChooser` (engine/threads.py) finds fastest by timing them,
-    the ones between on one thread (the only sizes where the thread count changes the rounding of
-    torch's float32 GEMM), or all of them on `small_launch_threads` where a caller fixes it
-    (benchmarks compare counts). A small launch has little work per op: on a quiet
+    count torch had when the device was made; smaller ones (decode, a verify step, a forced run)
+    on the count a `ThreadChooser` (engine/threads.py) finds fastest by timing them, or on
+    `small_launch_threads` where a caller fixes it (benchmarks compare counts) or the environment
+    variable FOVEAL_DECODE_THREADS does. A fixed count also makes a process's answers independent
+    of the counts the chooser tries: torch's CPU attention and float32 GEMM round some shapes
+    differently on 1 and 2 threads, in the last bits (the test suite runs on 1). A small launch has little work per op: on a quiet
     machine it still gains from every core, but where other processes hold the cores one OpenMP
     thread is preempted and every parallel op waits for it, so one thread wins; large launches gain
     from all of them either way (benchmarks/llamacpp.py's free-text and 32-request JSON workloads
@@ -35,6 +36,7 @@ INVARIANTS
 
 from __future__ import annotations
 
+import os
 import queue
 import threading
 import time
@@ -48,10 +50,18 @@ from .threads import ThreadChooser
 from .trace import Trace
 
 Job = Callable[[], None]
-SMALL_LAUNCH_TOKENS = 8  # CPU forwards of fewer query tokens than this do not run on every thread
-# ... and those of at most this many get their count by timing; 5-7 stay on one thread, because
-# MKL's float32 GEMM rounds 5-7 rows differently on 1 and 2 threads (1-4 alike: tests/engine/test_threads.py)
-TIMED_LAUNCH_TOKENS = 4
+SMALL_LAUNCH_TOKENS = 8  # CPU forwards of fewer query tokens than this get their thread count by timing
+DECODE_THREADS_ENV = "FOVEAL_DECODE_THREADS"  # a count fixes `small_launch_threads`; unset or "auto": timed
+
+
+def decode_threads_from_env() -> int | None:
+    """`CpuDevice.small_launch_threads` as FOVEAL_DECODE_THREADS sets it (None: timed)."""
+    value = os.environ.get(DECODE_THREADS_ENV, "").strip()
+    if value in ("", "auto"):
+        return None
+    if not value.isdigit() or int(value) < 1:
+        raise ValueError(f"{DECODE_THREADS_ENV} must be a thread count >= 1 or 'auto', got {value!r}")
+    return int(value)
 
 
 @runtime_checkable
@@ -107,7 +117,8 @@ class CpuDevice:
         self.job_s: dict[str, float] = {}
         self.job_n: dict[str, int] = {}
         self.threads = torch.get_num_threads()  # what the process asked for when the engine started
-        self.small_launch_threads: int | None = None  # fixes the count under SMALL_LAUNCH_TOKENS (None: timed)
+        # fixes the count under SMALL_LAUNCH_TOKENS (None: timed); FOVEAL_DECODE_THREADS sets it
+        self.small_launch_threads: int | None = decode_threads_from_env()
         self.chooser = ThreadChooser(self.threads)
         self._chosen: tuple[int, int] | None = None  # (tokens, threads) of the job running, when timed
         self._thread = threading.Thread(target=self._work, name="foveal-device", daemon=True)
@@ -145,8 +156,6 @@ class CpuDevice:
             return self.threads
         if self.small_launch_threads is not None:
             return self.small_launch_threads
-        if tokens > TIMED_LAUNCH_TOKENS:
-            return 1  # an answer must not round by the thread count a probe happened to try
         threads = self.chooser.pick(tokens)
         if threading.current_thread() is self._thread:  # a forward job: the worker times it
             self._chosen = (tokens, threads)

@@ -48,6 +48,16 @@ def smollm2_dir() -> Path:
 
 
 @pytest.fixture(autouse=True, scope="session")
+def _one_decode_thread():
+    """Engines decode on one intra-op thread (FOVEAL_DECODE_THREADS, engine/device.py) unless a test
+    turns the timed count on: tests compare answers bit for bit, and a count the chooser tries by
+    timing could round a step apart in its last bits (tests/engine/test_device.py times it)."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("FOVEAL_DECODE_THREADS", "1")
+        yield
+
+
+@pytest.fixture(autouse=True, scope="session")
 def _weight_cache_off():
     """GGUF loads prepare their weights from the file: the weight cache (engine/models/weight_cache.py)
     stays off unless a test turns it on with a folder of its own (tests/models/test_weight_cache.py,

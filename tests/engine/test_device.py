@@ -67,6 +67,7 @@ def test_small_cpu_forwards_start_on_one_thread_and_put_the_count_back(h):
     try:
         runner = _ThreadsSeen(FakeRunner(vocab_size=h.VOCAB, seed=1))
         with h.engine(runner=runner) as eng:
+            eng.device.small_launch_threads = None  # timed (the suite fixes one thread: tests/conftest.py)
             assert eng.device.threads_for(SMALL_LAUNCH_TOKENS) == 2
             long_prompt = list(range(1, SMALL_LAUNCH_TOKENS + 3))
             eng.submit(Request(long_prompt, SamplingParams(max_tokens=4, ignore_eos=True))).result(10)
@@ -116,6 +117,7 @@ def test_decode_forwards_move_to_the_count_the_device_times_faster(h):
     try:
         runner = _SlowOnOneThread(FakeRunner(vocab_size=h.VOCAB, seed=1))
         with h.engine(runner=runner) as eng:
+            eng.device.small_launch_threads = None  # timed (the suite fixes one thread: tests/conftest.py)
             eng.device.chooser = ThreadChooser(2, period=1000, burst=3)
             eng.submit(Request([1, 2, 3], SamplingParams(max_tokens=24, ignore_eos=True))).result(10)
             eng.device.synchronize()
@@ -127,3 +129,18 @@ def test_decode_forwards_move_to_the_count_the_device_times_faster(h):
         assert decode[-8:] == [2] * 8  # after the burst: the faster count, kept (no probe within 1000)
     finally:
         torch.set_num_threads(before)
+
+
+def test_foveal_decode_threads_fixes_the_small_launch_count(monkeypatch):
+    from foveal.engine.device import decode_threads_from_env
+
+    for value, expected in (("2", 2), ("1", 1), ("auto", None), ("", None)):
+        monkeypatch.setenv("FOVEAL_DECODE_THREADS", value)
+        assert decode_threads_from_env() == expected
+        assert CpuDevice(Trace()).small_launch_threads == expected
+    monkeypatch.delenv("FOVEAL_DECODE_THREADS")
+    assert decode_threads_from_env() is None
+    for bad in ("0", "two", "-1"):
+        monkeypatch.setenv("FOVEAL_DECODE_THREADS", bad)
+        with pytest.raises(ValueError, match="FOVEAL_DECODE_THREADS must be a thread count >= 1 or 'auto'"):
+            decode_threads_from_env()
