@@ -22,6 +22,18 @@ CORPUS = [
 ]
 
 
+@pytest.fixture
+def two_threads() -> Iterator[None]:
+    """The process on two intra-op threads for the test (the device's count for large launches, and
+    the most its ThreadChooser tries), put back afterwards."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
 @pytest.fixture(scope="session")
 def tokenizer() -> Tokenizer:
     """Byte-level BPE with EOS = 0 and 300 tokens: single bytes split multi-byte characters."""

@@ -57,45 +57,35 @@ class _ThreadsSeen:
         return self.runner.forward(batch)
 
 
-def test_small_cpu_forwards_start_on_one_thread_and_put_the_count_back(h):
+def test_small_cpu_forwards_start_on_one_thread_and_put_the_count_back(h, two_threads):
     from foveal.engine import Request, SamplingParams
     from foveal.engine.device import SMALL_LAUNCH_TOKENS
     from foveal.testing import FakeRunner
 
-    before = torch.get_num_threads()
-    torch.set_num_threads(2)
-    try:
-        runner = _ThreadsSeen(FakeRunner(vocab_size=h.VOCAB, seed=1))
-        with h.engine(runner=runner) as eng:
-            eng.device.small_launch_threads = None  # timed (the suite fixes one thread: tests/conftest.py)
-            assert eng.device.threads_for(SMALL_LAUNCH_TOKENS) == 2
-            long_prompt = list(range(1, SMALL_LAUNCH_TOKENS + 3))
-            eng.submit(Request(long_prompt, SamplingParams(max_tokens=4, ignore_eos=True))).result(10)
-            eng.device.synchronize()  # the last forward has ended
-            assert torch.get_num_threads() == 2  # an idle engine leaves the process's count as it found it
-        assert runner.seen[0] == (len(long_prompt), 2)  # the prefill: the process's count
-        # batch-1 decode: one thread until the chooser's first burst (after `burst` timed launches)
-        assert runner.seen[1:] and all(threads == 1 for _, threads in runner.seen[1:])
-    finally:
-        torch.set_num_threads(before)
+    runner = _ThreadsSeen(FakeRunner(vocab_size=h.VOCAB, seed=1))
+    with h.engine(runner=runner) as eng:
+        eng.device.small_launch_threads = None  # timed (the suite fixes one thread: tests/conftest.py)
+        assert eng.device.threads_for(SMALL_LAUNCH_TOKENS) == 2
+        long_prompt = list(range(1, SMALL_LAUNCH_TOKENS + 3))
+        eng.submit(Request(long_prompt, SamplingParams(max_tokens=4, ignore_eos=True))).result(10)
+        eng.device.synchronize()  # the last forward has ended
+        assert torch.get_num_threads() == 2  # an idle engine leaves the process's count as it found it
+    assert runner.seen[0] == (len(long_prompt), 2)  # the prefill: the process's count
+    # batch-1 decode: one thread until the chooser's first burst (after `burst` timed launches)
+    assert runner.seen[1:] and all(threads == 1 for _, threads in runner.seen[1:])
 
 
-def test_small_cpu_forwards_take_the_devices_small_launch_threads(h):
+def test_small_cpu_forwards_take_the_devices_small_launch_threads(h, two_threads):
     """`CpuDevice.small_launch_threads` (benchmarks compare 1 and 2): decode forwards run on it."""
     from foveal.engine import Request, SamplingParams
     from foveal.testing import FakeRunner
 
-    before = torch.get_num_threads()
-    torch.set_num_threads(2)
-    try:
-        runner = _ThreadsSeen(FakeRunner(vocab_size=h.VOCAB, seed=1))
-        with h.engine(runner=runner) as eng:
-            eng.device.small_launch_threads = 2
-            assert eng.device.threads_for(1) == 2
-            eng.submit(Request([1, 2, 3], SamplingParams(max_tokens=4, ignore_eos=True))).result(10)
-        assert runner.seen and all(threads == 2 for _, threads in runner.seen)
-    finally:
-        torch.set_num_threads(before)
+    runner = _ThreadsSeen(FakeRunner(vocab_size=h.VOCAB, seed=1))
+    with h.engine(runner=runner) as eng:
+        eng.device.small_launch_threads = 2
+        assert eng.device.threads_for(1) == 2
+        eng.submit(Request([1, 2, 3], SamplingParams(max_tokens=4, ignore_eos=True))).result(10)
+    assert runner.seen and all(threads == 2 for _, threads in runner.seen)
 
 
 class _SlowOnOneThread(_ThreadsSeen):
@@ -106,29 +96,24 @@ class _SlowOnOneThread(_ThreadsSeen):
         return super().forward(batch)
 
 
-def test_decode_forwards_move_to_the_count_the_device_times_faster(h):
+def test_decode_forwards_move_to_the_count_the_device_times_faster(h, two_threads):
     """The device's ThreadChooser times decode forwards where they run and moves them to 2 threads."""
     from foveal.engine import Request, SamplingParams
     from foveal.engine.threads import ThreadChooser
     from foveal.testing import FakeRunner
 
-    before = torch.get_num_threads()
-    torch.set_num_threads(2)
-    try:
-        runner = _SlowOnOneThread(FakeRunner(vocab_size=h.VOCAB, seed=1))
-        with h.engine(runner=runner) as eng:
-            eng.device.small_launch_threads = None  # timed (the suite fixes one thread: tests/conftest.py)
-            eng.device.chooser = ThreadChooser(2, period=1000, burst=3)
-            eng.submit(Request([1, 2, 3], SamplingParams(max_tokens=24, ignore_eos=True))).result(10)
-            eng.device.synchronize()
-            assert eng.stats()["decode_threads"] == 2
-            assert torch.get_num_threads() == 2  # put back after each forward
-        decode = [threads for _, threads in runner.seen[1:]]
-        # the 3-token prefill warms the pool up (untimed), then the choice's three timed launches
-        assert runner.seen[0][1] == 1 and decode[:3] == [1] * 3
-        assert decode[-8:] == [2] * 8  # after the burst: the faster count, kept (no probe within 1000)
-    finally:
-        torch.set_num_threads(before)
+    runner = _SlowOnOneThread(FakeRunner(vocab_size=h.VOCAB, seed=1))
+    with h.engine(runner=runner) as eng:
+        eng.device.small_launch_threads = None  # timed (the suite fixes one thread: tests/conftest.py)
+        eng.device.chooser = ThreadChooser(2, period=1000, burst=3)
+        eng.submit(Request([1, 2, 3], SamplingParams(max_tokens=24, ignore_eos=True))).result(10)
+        eng.device.synchronize()
+        assert eng.stats()["decode_threads"] == 2
+        assert torch.get_num_threads() == 2  # put back after each forward
+    decode = [threads for _, threads in runner.seen[1:]]
+    # the 3-token prefill warms the pool up (untimed), then the choice's three timed launches
+    assert runner.seen[0][1] == 1 and decode[:3] == [1] * 3
+    assert decode[-8:] == [2] * 8  # after the burst: the faster count, kept (no probe within 1000)
 
 
 def test_foveal_decode_threads_fixes_the_small_launch_count(monkeypatch):
@@ -137,7 +122,9 @@ def test_foveal_decode_threads_fixes_the_small_launch_count(monkeypatch):
     for value, expected in (("2", 2), ("1", 1), ("auto", None), ("", None)):
         monkeypatch.setenv("FOVEAL_DECODE_THREADS", value)
         assert decode_threads_from_env() == expected
-        assert CpuDevice(Trace()).small_launch_threads == expected
+        device = CpuDevice(Trace())
+        assert device.small_launch_threads == expected
+        device.close()
     monkeypatch.delenv("FOVEAL_DECODE_THREADS")
     assert decode_threads_from_env() is None
     for bad in ("0", "two", "-1"):

@@ -123,25 +123,19 @@ def test_climbs_to_the_fastest_of_several_counts():
     assert chooser.choice == 4
 
 
-def test_the_device_times_every_launch_under_eight_tokens_and_gives_larger_ones_all_threads():
-    import torch
+def test_the_device_times_every_launch_under_eight_tokens_and_gives_larger_ones_all_threads(two_threads):
 
     from foveal.engine.device import SMALL_LAUNCH_TOKENS, CpuDevice
     from foveal.engine.trace import Trace
 
-    before = torch.get_num_threads()
-    torch.set_num_threads(2)
-    try:
-        device = CpuDevice(Trace())
-        device.small_launch_threads = None  # timed (the suite fixes one thread: tests/conftest.py)
-        device.chooser = ThreadChooser(2, period=1, burst=1)
-        device.chooser.choice = 2
-        assert all(device.threads_for(t) == 2 for t in range(1, SMALL_LAUNCH_TOKENS))  # the chooser's
-        device.chooser.choice = 1
-        assert all(device.threads_for(t) == 1 for t in range(1, SMALL_LAUNCH_TOKENS))
-        assert device.threads_for(SMALL_LAUNCH_TOKENS) == 2
-        device.small_launch_threads = 2  # fixed by a caller
-        assert device.threads_for(1) == 2
-        device.close()
-    finally:
-        torch.set_num_threads(before)
+    device = CpuDevice(Trace())
+    device.small_launch_threads = None  # timed (the suite fixes one thread: tests/conftest.py)
+    device.chooser = ThreadChooser(2, period=1, burst=1)
+    device.chooser.choice = 2
+    assert all(device.threads_for(t) == 2 for t in range(1, SMALL_LAUNCH_TOKENS))  # the chooser's
+    device.chooser.choice = 1
+    assert all(device.threads_for(t) == 1 for t in range(1, SMALL_LAUNCH_TOKENS))
+    assert device.threads_for(SMALL_LAUNCH_TOKENS) == 2
+    device.small_launch_threads = 2  # fixed by a caller
+    assert device.threads_for(1) == 2
+    device.close()
