@@ -21,11 +21,11 @@ SOLUTION
     `small_launch_threads` where a caller fixes it (benchmarks compare counts) or the environment
     variable FOVEAL_DECODE_THREADS does. A fixed count also makes a process's answers independent
     of the counts the chooser tries: torch's CPU attention and float32 GEMM round some shapes
-    differently on 1 and 2 threads, in the last bits (the test suite runs on 1). A small launch has little work per op: on a quiet
-    machine it still gains from every core, but where other processes hold the cores one OpenMP
-    thread is preempted and every parallel op waits for it, so one thread wins; large launches gain
-    from all of them either way (benchmarks/llamacpp.py's free-text and 32-request JSON workloads
-    show both). torch's thread count is process-wide, so a forward that changes it puts it back
+    differently on 1 and 2 threads, in the last bits (the test suite runs on 1). A small launch has
+    little work per op: on a quiet machine it still gains from every core, but where other
+    processes hold the cores one OpenMP thread is preempted and every parallel op waits for it, so
+    one thread wins; large launches gain from all of them either way (benchmarks/llamacpp.py's
+    free-text and 32-request JSON workloads show both). torch's thread count is process-wide, so a forward that changes it puts it back
     when it ends (device_jobs.forward).
 INVARIANTS
     - Work runs in the order it was queued (one compute stream / one worker).
@@ -156,7 +156,7 @@ class CpuDevice:
             return self.threads
         if self.small_launch_threads is not None:
             return self.small_launch_threads
-        threads = self.chooser.pick(tokens)
+        threads = self.chooser.pick()
         if threading.current_thread() is self._thread:  # a forward job: the worker times it
             self._chosen = (tokens, threads)
         return threads

@@ -184,7 +184,7 @@ class Engine:
         device = self.device
         summary = self.pipeline.stats.summary(device.busy_s, dict(device.job_s), dict(device.job_n))
         summary["speculative"] = self.pipeline.draft_stats.summary()
-        chooser = getattr(device, "chooser", None)  # CPU: decode's thread count per query-token count
+        chooser = getattr(device, "chooser", None)  # CPU: the thread count its small launches are timed on
         if chooser is not None:
             summary["decode_threads"] = chooser.choice
         return summary

@@ -63,8 +63,8 @@ class ThreadChooser:
         self._upward = True  # which neighbour the next burst tries
         self._times: dict[tuple[int, int], deque[float]] = {}  # (tokens, threads) -> latest seconds
 
-    def pick(self, tokens: int) -> int:
-        """The intra-op thread count for the next launch (of `tokens` query tokens)."""
+    def pick(self) -> int:
+        """The intra-op thread count for the next launch (whatever its size: one count for all)."""
         due = self._launches >= (self.burst if self.bursts == 0 else self._period)
         if self._probe is None and due and len(self.counts) > 1:
             self._probe = self._neighbour()

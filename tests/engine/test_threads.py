@@ -11,7 +11,7 @@ def _run(chooser: ThreadChooser, cost, launches: int, tokens: int = 1) -> list[i
     """Make `launches` launches of `tokens` tokens, each taking cost(threads, index) seconds."""
     picked = []
     for index in range(launches):
-        threads = chooser.pick(tokens)
+        threads = chooser.pick()
         picked.append(threads)
         chooser.observe(tokens, threads, cost(threads, index))
     return picked
@@ -97,7 +97,7 @@ def test_times_are_compared_token_count_by_token_count():
     chooser = ThreadChooser(2, period=100, burst=4)
     for index in range(60):
         tokens = 1 if index % 3 else 4
-        threads = chooser.pick(tokens)
+        threads = chooser.pick()
         base = 0.010 if tokens == 1 else 0.030
         chooser.observe(tokens, threads, base * (0.8 if threads == 2 else 1.0))
     assert chooser.choice == 2
@@ -107,7 +107,7 @@ def test_a_burst_with_no_token_count_in_common_changes_nothing():
     chooser = ThreadChooser(2, period=10, burst=3, most_period=1000)
     picked = []
     for _ in range(40):
-        threads = chooser.pick(0)
+        threads = chooser.pick()
         picked.append(threads)
         # the choice only ever meets 1-token launches, the bursts only 4-token ones
         chooser.observe(4 if threads == 2 else 1, threads, 0.001 if threads == 2 else 0.010)
