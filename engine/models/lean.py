@@ -129,8 +129,8 @@ class _Rotary:
 
     __slots__ = ("cos", "sin", "half")
 
-    def __init__(self, cos: torch.Tensor, sin: torch.Tensor) -> None:
-        half = int(cos.shape[-1]) // 2
+    def __init__(self, cos: torch.Tensor, sin: torch.Tensor, head_dim: int) -> None:
+        half = head_dim // 2  # from the config: a traced shape would be a traced value
         sin = torch.cat([-sin[:, :half], sin[:, half:]], dim=-1)  # rotate_half's signs
         self.half, self.cos, self.sin = half, cos.unsqueeze(1), sin.unsqueeze(1)  # [T, 1, D]
 
@@ -187,7 +187,7 @@ class LeanDecoder:
         """input_ids, positions [T] -> float32 logits [B, vocab] of the rows `last` (None: every row)."""
         x = self.embed(input_ids)
         cos, sin = self.rotary(x, positions[None])
-        rotate = _Rotary(cos[0], sin[0])
+        rotate = _Rotary(cos[0], sin[0], self.head_dim)
         heads, kv_heads, dim = self.heads, self.kv_heads, self.head_dim
         width, kv_width = heads * dim, kv_heads * dim
         for index, layer in enumerate(self.layers):
@@ -198,8 +198,8 @@ class LeanDecoder:
             if joined is not None:  # q and k side by side: one rotary for both
                 qk, v = joined.split([width + kv_width, kv_width], dim=-1)
                 q, k = rotate(qk.view(-1, heads + kv_heads, dim)).split([heads, kv_heads], dim=1)
-            else:
-                q, k, v = layer.qkv(h) if layer.qkv is not None else (layer.q(h), layer.k(h), layer.v(h))
+            else:  # separate projections (a FusedInt4 beyond its int4 rows runs these same parts)
+                q, k, v = layer.q(h), layer.k(h), layer.v(h)
                 q, k = rotate(q.view(-1, heads, dim)), rotate(k.view(-1, kv_heads, dim))
             v = v.view(-1, kv_heads, dim)
             attn = paged_attention(ctx, index, q, k, v, layer.scaling)

@@ -52,10 +52,10 @@ from foveal.engine.runner import ForwardBatch
 
 # A trace warns where foveal's modules, or the transformers modules it traces (families without a
 # lean forward), read a traced shape as a Python value (a bucket's rows are fixed: intended), and
-# torch.jit.trace warns that it is deprecated. Each trace adds filters for
-# exactly those (`hide_trace_warnings`), in front of the process's others and leaving them as they
-# are: traces run on a background thread, where warnings.catch_warnings would swap the process's
-# filters (silencing every thread's warnings while a trace runs, dropping filters other code set
+# torch.jit.trace warns that it is deprecated. Each trace adds filters for exactly those
+# (`hide_trace_warnings`), in front of the process's others and leaving them as they are: traces
+# run on a background thread, where warnings.catch_warnings would swap the process's filters
+# (silencing every thread's warnings while a trace runs, dropping filters other code set
 # meanwhile). They are added at each trace, not once at import, since an import inside a
 # catch_warnings block (pytest's collection is one) would lose them.
 TRACE_WARNINGS = (

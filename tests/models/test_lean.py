@@ -52,7 +52,7 @@ def test_rotary_is_transformers_rope_up_to_float32_rounding(checkpoints):
     x = torch.randn(len(positions), 4, cos.shape[-1], generator=torch.Generator().manual_seed(2))
     # transformers' own: q and k [B, H, T, D], cos/sin [B, T, D]
     reference, _ = apply_rotary_pos_emb(x.transpose(0, 1)[None], x.transpose(0, 1)[None], cos[None], sin[None])
-    torch.testing.assert_close(_Rotary(cos, sin)(x), reference[0].transpose(0, 1), rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(_Rotary(cos, sin, cos.shape[-1])(x), reference[0].transpose(0, 1), rtol=1e-6, atol=1e-6)
 
 
 def test_a_rows_rotary_does_not_depend_on_its_launch_nor_on_the_other_heads(checkpoints):
@@ -61,11 +61,11 @@ def test_a_rows_rotary_does_not_depend_on_its_launch_nor_on_the_other_heads(chec
     positions = [3, 17, 250, 4000]
     cos, sin = _cos_sin(checkpoints, positions)
     qk = torch.randn(len(positions), 6, cos.shape[-1], generator=torch.Generator().manual_seed(3))
-    together = _Rotary(cos, sin)(qk)
-    q, k = _Rotary(cos, sin)(qk[:, :4]), _Rotary(cos, sin)(qk[:, 4:])
+    together = _Rotary(cos, sin, cos.shape[-1])(qk)
+    q, k = _Rotary(cos, sin, cos.shape[-1])(qk[:, :4]), _Rotary(cos, sin, cos.shape[-1])(qk[:, 4:])
     assert torch.equal(together, torch.cat([q, k], dim=1))
     for row in range(len(positions)):
-        alone = _Rotary(cos[row : row + 1], sin[row : row + 1])(qk[row : row + 1])
+        alone = _Rotary(cos[row : row + 1], sin[row : row + 1], cos.shape[-1])(qk[row : row + 1])
         assert torch.equal(alone[0], together[row]), row
 
 
