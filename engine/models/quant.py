@@ -57,6 +57,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from foveal.engine.models import int4_layout
+
 QUANT_MODES = ("int8", "int4", "fp16")
 # From this many rows on, QuantLinear dequantizes and runs one dense fp32 matmul instead of the
 # weight-only kernel: the kernels' cost grows with the rows, a dequantize is paid once per launch
@@ -175,13 +177,12 @@ class QuantLinear(nn.Module):
         if self.mode == "int8":
             return self.packed.float() * self.scales.float()[:, None]
         n, k = self.out_features, self.in_features
-        if n % 32 == 0 and _blocked_layout_holds():
-            blocks = self.packed.view(n // 32, k, 16)
-            codes = torch.stack([blocks & 0x0F, blocks >> 4], dim=1)  # [N / 32, 2, K, 16]
-            codes = codes.permute(0, 1, 3, 2).reshape(n, k // self.group_size, self.group_size)
+        found = int4_layout.layout(n)
+        if found is not None:
+            codes = found.unpack(self.packed).view(n, k // self.group_size, self.group_size)
             scale, zero = self.scales.float().permute(1, 0, 2).unbind(-1)  # [N, K / group] each
             return ((codes.float() - 8) * scale[..., None] + zero[..., None]).view(n, k)
-        # Any other layout: unpack through the kernel itself, W.T = identity @ W.T.
+        # A layout the block model does not describe: unpack through the kernel, W.T = identity @ W.T.
         eye = torch.eye(self.in_features, dtype=self.scales.dtype)
         return torch.ops.aten._weight_int4pack_mm_for_cpu(
             eye, self.packed, self.group_size, self.scales
@@ -347,12 +348,15 @@ class FusedInt4(nn.Module):
 def fuse_int4(groups: list[list[nn.Module]]) -> list[FusedInt4 | None]:
     """One int4 launch for each group of layers over one input (FusedInt4), or None for a group
     whose layers cannot share one: not all int4 `QuantLinear`s or all `SplitLinear`s, different
-    inputs, groups or dtypes, a bias on some only, or a packed layout that does not concatenate
-    (torch's 32-row blocks, every part a whole number of them: `pack_int4`).
+    inputs, groups or dtypes, a bias on some only, or a row count whose packed layout is not known
+    (`int4_layout`).
 
-    The fused codes of every group go into one allocation, copied by numpy (`_concatenate`): an
-    allocation per group and torch's parallel copies made SmolLM2's 60 groups take 0.4-1.7 s on a
-    loaded 2-core machine."""
+    Where torch's layout on this CPU lets the parts' packed codes be laid end to end (every part
+    whole blocks of it: real models' widths, multiples of 64), they are, and the parts read views of
+    the fused codes: one copy in memory. Otherwise the codes are unpacked, joined and packed again
+    for the fused row count, and the parts keep their own (a second copy of those layers). The
+    fused codes of every group go into one allocation, copied by numpy (`_concatenate`): an
+    allocation per group and torch's parallel copies were slow on a loaded machine."""
     plans = [_int4_parts(parts) for parts in groups]
     buffer = torch.empty(sum(q.packed.numel() for int4s in plans if int4s for q in int4s), dtype=torch.uint8)
     fused: list[FusedInt4 | None] = []
@@ -365,16 +369,26 @@ def fuse_int4(groups: list[list[nn.Module]]) -> list[FusedInt4 | None]:
         rows = sum(q.out_features for q in int4s)
         packed = buffer[at : at + rows * first.packed.shape[1]].view(rows, first.packed.shape[1])
         at += packed.numel()
-        np.concatenate([q.packed.numpy() for q in int4s], out=packed.numpy())
+        if int4_layout.joins([q.out_features for q in int4s]):
+            np.concatenate([q.packed.numpy() for q in int4s], out=packed.numpy())
+            start = 0
+            for q in int4s:  # the parts read the fused codes: one copy in memory
+                q.packed = packed[start : start + q.out_features]
+                start += q.out_features
+        else:
+            codes = torch.cat([_layout_of(q).unpack(q.packed) for q in int4s])
+            packed.copy_(pack_int4(codes))
         scales = _concatenate([q.scales for q in int4s], dim=1)  # [K / group, N, 2]
         bias = None if first.bias is None else torch.cat([q.bias.detach() for q in int4s])
-        start = 0
-        for q in int4s:  # the parts read the fused codes: one copy in memory
-            q.packed = packed[start : start + q.out_features]
-            start += q.out_features
         int4 = QuantLinear("int4", packed, scales, first.in_features, rows, bias, first.group_size)
         fused.append(FusedInt4(parts, int4))
     return fused
+
+
+def _layout_of(q: QuantLinear) -> int4_layout.Layout:
+    found = int4_layout.layout(q.out_features)
+    assert found is not None, "_int4_parts admits only layers whose layout is known"
+    return found
 
 
 _INT_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
@@ -390,7 +404,7 @@ def _concatenate(tensors: list[torch.Tensor], dim: int) -> torch.Tensor:
 
 def _int4_parts(parts: list[nn.Module]) -> list[QuantLinear] | None:
     """The int4 layers of `parts` if one launch can run them all (fuse_int4), else None."""
-    if len(parts) < 2 or not _blocked_layout_holds():
+    if len(parts) < 2:
         return None
     if all(isinstance(p, SplitLinear) for p in parts):
         int4s = [p.int4 for p in parts]
@@ -402,7 +416,7 @@ def _int4_parts(parts: list[nn.Module]) -> list[QuantLinear] | None:
     same = all(
         (q.in_features, q.group_size, q.weight_dtype, q.packed.dtype)
         == (first.in_features, first.group_size, first.weight_dtype, torch.uint8)
-        and q.out_features % 32 == 0
+        and int4_layout.layout(q.out_features) is not None
         and (q.bias is None) == (first.bias is None)
         for q in int4s
     )
@@ -453,32 +467,20 @@ class QuantEmbedding(nn.Module):
 def pack_int4(codes: torch.Tensor) -> torch.Tensor:
     """int4 codes [N, K] (0..15) in the layout of `_convert_weight_to_int4pack_for_cpu`.
 
-    torch's converter is slow enough to dominate a GGUF load. Its layout on x86 CPUs is blocks of 32 rows: for each input feature, 16 bytes whose low nibbles
-    are rows 0..15 of the block and high nibbles rows 16..31. The same bytes come from three
-    vectorised ops; `_blocked_layout_holds` checks once per process, on a probe, that torch's
-    converter produces that layout (it depends on the CPU's vector width), else torch's is used.
-    """
-    n, k = codes.shape
-    if n % 32 or not _blocked_layout_holds():
+    The layout is torch's on this CPU, derived from its converter (`int4_layout`), and packed by
+    a few vectorised ops from the codes' own dtype (the converter wants an int32 copy of them);
+    a row count whose layout is not known goes through the converter itself."""
+    found = int4_layout.layout(codes.shape[0])
+    if found is None:
         return torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.to(torch.int32).contiguous(), 1)
-    blocks = codes.to(torch.uint8).view(n // 32, 2, 16, k)
-    packed = blocks[:, 0] | (blocks[:, 1] << 4)  # [N / 32, 16, K]
-    return packed.transpose(1, 2).contiguous().view(n, k // 2)
-
-
-_BLOCKED: list[bool] = []  # the probe's answer, once per process
-
-
-def _blocked_layout_holds() -> bool:
-    if not _BLOCKED:
-        probe = torch.randint(0, 16, (64, 64), dtype=torch.int32, generator=torch.Generator().manual_seed(0))
-        ours = probe.to(torch.uint8).view(2, 2, 16, 64)
-        ours = (ours[:, 0] | (ours[:, 1] << 4)).transpose(1, 2).reshape(64, 32)
-        _BLOCKED.append(bool(torch.equal(ours, torch.ops.aten._convert_weight_to_int4pack_for_cpu(probe, 1))))
-    return _BLOCKED[0]
+    return found.pack(codes)
 
 
 def check_int4_shape(n: int, k: int, group_size: int) -> None:
+    if n % 16:
+        raise ValueError(
+            f"int4 needs out_features divisible by 16 (torch's int4 kernel); got {n}. Use quantize='int8' for this model"
+        )
     if k % group_size or group_size not in (32, 64, 128, 256):
         raise ValueError(
             f"int4 needs in_features divisible by the group size (32, 64, 128 or 256); got {k} and {group_size}. "
