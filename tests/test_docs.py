@@ -88,10 +88,29 @@ def prepared(block: Block, url: str = SERVER, data_url: str = DATA_URL) -> str:
     return pad + code
 
 
+# Clients a page may import that README's install does not bring, and how to get them: the moondream
+# client's own dependencies are GPU kernels it never imports over HTTP, so .ci/run installs it --no-deps.
+OPTIONAL_CLIENTS = {"moondream": "pip install --no-deps moondream==2.6.1 (as .ci/run does)"}
+IMPORTS = re.compile(r"^\s*(?:import|from)\s+([A-Za-z_]\w*)", re.M)
+
+
+def missing_clients(page: Path) -> list[str]:
+    """The optional clients the page's runnable blocks import that are not installed, with their hints."""
+    named = {m for block in blocks(page) if not block.skip for m in IMPORTS.findall(block.code)}
+    return [
+        f"{name} ({hint})"
+        for name, hint in OPTIONAL_CLIENTS.items()
+        if name in named and importlib.util.find_spec(name) is None
+    ]
+
+
 def run_page(page: Path, namespace: dict, url: str = SERVER, data_url: str = DATA_URL) -> int:
     """Run the page's blocks in `namespace`; pytest.fail naming file:line at the first error. Returns the
-    number of blocks run."""
+    number of blocks run. A page that imports an optional client which is not installed is skipped,
+    naming it and how to install it."""
     name = _relative(page)
+    if absent := missing_clients(page):
+        pytest.skip(f"{name} imports {', '.join(absent)}, which is not installed")
     ran = 0
     for block in blocks(page):
         if block.skip:
@@ -119,6 +138,17 @@ def _relative(page: Path) -> str:
 
 
 # ---- the harness itself -------------------------------------------------------------------------------------
+
+
+def test_a_page_importing_an_absent_optional_client_skips_naming_it(tmp_path, monkeypatch):
+    page = tmp_path / "page.md"
+    page.write_text("```python\nimport moondream\nraise SystemExit('ran')\n```\n")
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)
+    with pytest.raises(pytest.skip.Exception, match=r"imports moondream \(pip install --no-deps"):
+        run_page(page, {})
+    monkeypatch.undo()
+    page.write_text("```python skip\nimport moondream\n```\n")  # a skip block imports nothing
+    assert missing_clients(page) == []
 
 
 def test_a_failing_block_names_its_file_and_line(tmp_path):
