@@ -232,10 +232,38 @@ def check_attention(text_config: dict) -> None:
             )
 
 
+IMAGE_PROCESSOR_FILES = "preprocessor_config.json, or processor_config.json with an image_processor entry"
+
+
+def image_processor_settings(path: Path) -> dict | None:
+    """The image processor's settings as transformers reads them: preprocessor_config.json, else the
+    `image_processor` entry of processor_config.json (where transformers 5 saves a processor's image
+    processor); None when the folder has neither."""
+    alone = path / "preprocessor_config.json"
+    if alone.is_file():
+        return _json_object(alone)
+    joint = path / "processor_config.json"
+    if joint.is_file():
+        nested = _json_object(joint).get("image_processor")
+        if isinstance(nested, dict):
+            return nested
+    return None
+
+
+def _json_object(path: Path) -> dict:
+    try:
+        value = json.loads(path.read_text())
+    except (OSError, ValueError) as error:
+        raise ModelLoadError(f"{path} is not readable JSON: {error}") from None
+    if not isinstance(value, dict):
+        raise ModelLoadError(f"{path} holds {type(value).__name__}, not a JSON object; save the processor again")
+    return value
+
+
 def check_vision_files(path: Path) -> None:
-    if not any((path / n).is_file() for n in ("preprocessor_config.json", "processor_config.json")):
+    if image_processor_settings(path) is None:
         raise ModelLoadError(
-            f"{path} has no preprocessor_config.json; save the image processor with the model"
+            f"{path} has no image processor settings ({IMAGE_PROCESSOR_FILES}); save the image processor with the model"
         )
 
 

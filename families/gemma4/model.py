@@ -40,6 +40,7 @@ from transformers.models.gemma4.image_processing_pil_gemma4 import Gemma4ImagePr
 from transformers.processing_utils import ProcessorMixin
 
 from foveal.engine.models.arch import Architecture, ModelLoadError
+from foveal.engine.models.loader import IMAGE_PROCESSOR_FILES, image_processor_settings
 from foveal.engine.models.runner import HFRunner, KVLayout
 
 CLASS_NAME = "Gemma4ForConditionalGeneration"
@@ -76,15 +77,15 @@ def check_config(raw: Mapping[str, Any], path: Path) -> None:
             f"{text['use_bidirectional_attention']!r} (image tokens attend both ways), which foveal's paged "
             "attention does not implement yet; use a checkpoint without it"
         )
-    processor = path / "preprocessor_config.json"
-    if not processor.is_file():
+    settings = image_processor_settings(path)
+    if settings is None:
         raise ModelLoadError(
-            f"{path} has no preprocessor_config.json; save the Gemma 4 image processor with the model"
+            f"{path} has no image processor settings ({IMAGE_PROCESSOR_FILES}); save the Gemma 4 image processor with the model"
         )
-    kind = json.loads(processor.read_text()).get("image_processor_type")
+    kind = settings.get("image_processor_type")
     if kind is None or not kind.startswith("Gemma4ImageProcessor"):
         raise ModelLoadError(
-            f"{path}: preprocessor_config.json names image_processor_type {kind!r}; a Gemma 4 folder needs "
+            f"{path}: the image processor settings name image_processor_type {kind!r}; a Gemma 4 folder needs "
             "Gemma4ImageProcessor's config (save the checkpoint's own image processor)"
         )
 

@@ -35,7 +35,6 @@ INVARIANTS
 
 from __future__ import annotations
 
-import json
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -47,6 +46,7 @@ from transformers.models.molmo2.image_processing_molmo2 import Molmo2ImageProces
 from transformers.processing_utils import ProcessorMixin
 
 from foveal.engine.models.arch import Architecture, ModelLoadError
+from foveal.engine.models.loader import IMAGE_PROCESSOR_FILES, image_processor_settings
 from foveal.engine.models.processor import InputProcessor, PromptInputs
 from foveal.engine.models.runner import HFRunner
 from foveal.engine.request import PrefillInputs
@@ -88,14 +88,15 @@ def check_config(raw: Mapping[str, Any], path: Path) -> None:
             )
     if raw.get("image_patch_id") is None:
         raise ModelLoadError(f"{path}: config.json of {CLASS_NAME} has no image_patch_id; save the checkpoint's own")
-    processor = path / "preprocessor_config.json"
-    if not processor.is_file():
-        raise ModelLoadError(f"{path} has no preprocessor_config.json; save the Molmo 2 image processor with the model")
-    settings = json.loads(processor.read_text())
+    settings = image_processor_settings(path)
+    if settings is None:
+        raise ModelLoadError(
+            f"{path} has no image processor settings ({IMAGE_PROCESSOR_FILES}); save the Molmo 2 image processor with the model"
+        )
     kind = settings.get("image_processor_type")
     if kind is None or not kind.startswith("Molmo2ImageProcessor"):
         raise ModelLoadError(
-            f"{path}: preprocessor_config.json names image_processor_type {kind!r}; a Molmo 2 folder needs "
+            f"{path}: the image processor settings name image_processor_type {kind!r}; a Molmo 2 folder needs "
             "Molmo2ImageProcessor's config (save the checkpoint's own image processor)"
         )
     if settings.get("resample", 2) != 2:

@@ -59,7 +59,6 @@ INVARIANTS (tests/models/test_qwen_vl.py)
 
 from __future__ import annotations
 
-import json
 import threading
 from collections.abc import Mapping
 from pathlib import Path
@@ -72,6 +71,7 @@ from transformers.models.qwen3_vl.modeling_qwen3_vl import BaseModelOutputWithDe
 
 from foveal.engine.models.arch import Architecture, ModelLoadError
 from foveal.engine.models.image_cache import DEFAULT_IMAGE_CACHE_BYTES
+from foveal.engine.models.loader import image_processor_settings
 from foveal.engine.models.processor import InputProcessor, PromptInputs, to_pil
 from foveal.engine.models.runner import HFRunner
 from foveal.engine.request import PrefillInputs
@@ -111,14 +111,12 @@ def check_config(raw: Mapping[str, Any], path: Path) -> None:
             f"{path}: the rope parameters of {arch} have no mrope_section; M-RoPE needs the split of the "
             "rotary dimensions into time, height and width sections"
         )
-    processor = path / "preprocessor_config.json"
-    if processor.is_file():
-        kind = json.loads(processor.read_text()).get("image_processor_type")
-        if kind is None:
-            raise ModelLoadError(
-                f"{path}: preprocessor_config.json names no image_processor_type (a video processor only?); "
-                "save the checkpoint's Qwen2VLImageProcessor with it"
-            )
+    settings = image_processor_settings(path)
+    if settings is not None and settings.get("image_processor_type") is None:
+        raise ModelLoadError(
+            f"{path}: the image processor settings name no image_processor_type (a video processor only?); "
+            "save the checkpoint's Qwen2VLImageProcessor with it"
+        )
 
 
 # ---- the processor (image + text, no video) -------------------------------------------------------------------
