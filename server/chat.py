@@ -104,6 +104,17 @@ class ChatCall:
             raise ApiError(400, "reasoning: true needs a question in the user message", param="messages")
         return (images[0] if images else None), text
 
+    def texts(self) -> list[tuple[str, str]]:
+        """(where, text) of every text in the conversation, in order (measure.py checks them)."""
+        out = []
+        for i, message in enumerate(self.messages):
+            content = message["content"]
+            if isinstance(content, str):
+                out.append((f"messages[{i}].content", content))
+                continue
+            out += [(f"messages[{i}].content[{j}].text", p["text"]) for j, p in enumerate(content) if p["type"] == "text"]
+        return out
+
     def choice_settings(self, index: int) -> dict[str, Any]:
         """Choice `index`'s settings: a seeded request's choices get seeds seed, seed + 1, ..."""
         seed = self.settings.get("seed")

@@ -266,19 +266,19 @@ def _http_error(request: Request, exc: HTTPException) -> ApiError:
         allowed = headers.get("Allow") or headers.get("allow") or "another method"
         message = f"{request.method} is not allowed on {request.url.path}; use {allowed}"
     elif exc.status_code == 400:  # FastAPI's "There was an error parsing the body" (routes raise ApiError)
-        return ApiError(400, _NOT_JSON, "invalid_json", headers=headers)
+        return ApiError(400, NOT_JSON, "invalid_json", headers=headers)
     else:
         message = str(exc.detail)
     return ApiError(exc.status_code, message, headers=headers)
 
 
-_NOT_JSON = "the request body is not valid JSON; send a JSON object (Content-Type: application/json)"
+NOT_JSON = "the request body is not valid JSON; send a JSON object (Content-Type: application/json)"
 
 
 def _validation_error(exc: RequestValidationError) -> ApiError:
     problems = exc.errors()
     if any(p.get("type") == "json_invalid" for p in problems):
-        return ApiError(400, _NOT_JSON, "invalid_json")
+        return ApiError(400, NOT_JSON, "invalid_json")
     first = problems[0] if problems else {}
     where = ".".join(str(part) for part in first.get("loc", ()) if part != "body") or None
     details = "; ".join(_describe(p) for p in problems)

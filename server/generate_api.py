@@ -17,12 +17,14 @@ from fastapi import APIRouter, Request
 from pydantic import BaseModel, ConfigDict, Field
 
 import foveal
+from foveal.server.bodies import JsonRoute
 from foveal.server.errors import ApiError
-from foveal.server.images import image_bytes
+from foveal.server.images import decode_image
+from foveal.server.measure import check_fits
 from foveal.server.moondream_api import EXAMPLE_IMAGE_URL, GenerateSettings, ImageUrl
-from foveal.server.state import call
+from foveal.server.state import call, state_of
 
-router = APIRouter(prefix="/v1", tags=["foveal"])
+router = APIRouter(prefix="/v1", tags=["foveal"], route_class=JsonRoute)  # bodies: bodies.py
 
 # Whole requests for the schema (one per output type), which a client or a fuzzer can start from.
 EXAMPLES = [
@@ -46,7 +48,8 @@ class GenerateBody(BaseModel):
 @router.post("/generate")
 async def generate(body: GenerateBody, request: Request) -> dict[str, Any]:
     output_type = _output_type(body)
-    image = image_bytes(body.image_url)
+    await check_fits(state_of(request).ready_model(), [("prompt", body.prompt)])
+    image = await decode_image(body.image_url)
     result = await call(request, lambda m: m.agenerate(image, body.prompt, output_type, body.settings))
     return {"text": result["text"], "output": result["output"]}
 

@@ -35,14 +35,16 @@ from typing import Annotated, Any
 from fastapi import APIRouter, Request
 from pydantic import BaseModel, ConfigDict, Field, WithJsonSchema
 
+from foveal.server.bodies import JsonRoute
 from foveal.server.errors import ApiError, error_event
-from foveal.server.images import image_bytes
-from foveal.server.state import call, stream_call
-from foveal.server.streaming import events
+from foveal.server.images import decode_image
+from foveal.server.measure import check_fits
+from foveal.server.state import call, state_of, stream_call
+from foveal.server.streaming import events, primed
 from foveal.settings import MAX_OBJECTS_CEILING, MAX_TOKENS_CEILING, OBJECT_SKILLS, SEED_LIMIT
 from foveal.skills import CAPTION_LENGTHS
 
-router = APIRouter(prefix="/v1", tags=["moondream"])
+router = APIRouter(prefix="/v1", tags=["moondream"], route_class=JsonRoute)  # bodies: bodies.py
 
 # An 8 x 8 red PNG: the example image of the schema.
 EXAMPLE_IMAGE_URL = (
@@ -97,9 +99,19 @@ def _examples(*bodies: dict[str, Any]) -> ConfigDict:
     return ConfigDict(json_schema_extra={"examples": list(bodies)})
 
 
-SPATIAL_REFS = Field(
-    description="points [x, y] and boxes [x1, y1, x2, y2] (normalized) the call refers to, on models that take them"
-)
+# Bounded in the schema, so that pydantic refuses a huge array by its length before validating its
+# items (500,000 points took seconds of the event loop in validation). Each ref is prompt tokens:
+# no served model's context holds this many.
+MAX_SPATIAL_REFS = 256
+SpatialRef = Annotated[list[float], Field(min_length=2, max_length=4)]
+SpatialRefs = Annotated[
+    list[SpatialRef] | None,
+    Field(
+        description="points [x, y] and boxes [x1, y1, x2, y2] (normalized) the call refers to, on models "
+        "that take them",
+        max_length=MAX_SPATIAL_REFS,
+    ),
+]
 
 
 class _Body(BaseModel):
@@ -121,7 +133,7 @@ class QueryBody(_Body):
     image_url: ImageUrl | None = None
     stream: bool = False
     reasoning: Annotated[bool, Field(description="a grounded reasoning before the answer (models that reason)")] = False
-    spatial_refs: Annotated[list[list[float]] | None, SPATIAL_REFS] = None
+    spatial_refs: SpatialRefs = None
     settings: QuerySettings = None
 
 
@@ -137,7 +149,7 @@ class PointBody(_Body):
     image_url: ImageUrl
     object: str
     settings: PointSettings = None
-    spatial_refs: Annotated[list[list[float]] | None, SPATIAL_REFS] = None
+    spatial_refs: SpatialRefs = None
 
 
 class GazeBody(_Body):
@@ -148,7 +160,7 @@ class GazeBody(_Body):
 
 @router.post("/caption")
 async def caption(body: CaptionBody, request: Request) -> Any:
-    image = image_bytes(body.image_url)
+    image = await decode_image(body.image_url)
     return await _text(
         request,
         "caption",
@@ -159,7 +171,8 @@ async def caption(body: CaptionBody, request: Request) -> Any:
 
 @router.post("/query")
 async def query(body: QueryBody, request: Request) -> Any:
-    image = image_bytes(body.image_url)
+    await check_fits(state_of(request).ready_model(), [("question", body.question)])
+    image = await decode_image(body.image_url)
     return await _text(
         request,
         "answer",
@@ -172,19 +185,19 @@ async def query(body: QueryBody, request: Request) -> Any:
 
 @router.post("/detect")
 async def detect(body: DetectBody, request: Request) -> Any:
-    image = image_bytes(body.image_url)
+    image = await decode_image(body.image_url)
     return await call(request, lambda m: m.adetect(image, body.object, body.settings))
 
 
 @router.post("/point")
 async def point(body: PointBody, request: Request) -> Any:
-    image = image_bytes(body.image_url)
+    image = await decode_image(body.image_url)
     return await call(request, lambda m: m.apoint(image, body.object, body.settings, spatial_refs=body.spatial_refs))
 
 
 @router.post("/gaze")
 async def gaze(body: GazeBody, request: Request) -> Any:
-    image = image_bytes(body.image_url)
+    image = await decode_image(body.image_url)
     return await call(request, lambda m: m.adetect_gaze(image, eye=tuple(body.eye)))
 
 
@@ -198,10 +211,12 @@ async def _text(request: Request, key: str, stream: bool, start: Any) -> Any:
     chunks as events; a streamed call holds its admission slot until the stream ends."""
     if not stream:
         return await call(request, lambda m: start(m, False))
+
+    async def begin(model: Any) -> Any:
+        return await primed((await start(model, True))[key])  # refused at submit: a 400, no event
+
     return await stream_call(
         request,
-        lambda m: start(m, True),
-        lambda result: events(
-            result[key], lambda chunk: {"chunk": chunk}, [{"completed": True}], error_event
-        ),
+        begin,
+        lambda chunks: events(chunks, lambda chunk: {"chunk": chunk}, [{"completed": True}], error_event),
     )

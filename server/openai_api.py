@@ -30,13 +30,15 @@ from fastapi import APIRouter, Request
 from foveal import tools as chat_tools
 from foveal.errors import IncompleteOutputError
 from foveal.results import Usage
+from foveal.server.bodies import JsonRoute
 from foveal.server.chat import ChatCall, ChatRequest, chat_call
 from foveal.server.errors import ApiError, error_event
+from foveal.server.measure import check_fits
 from foveal.server.state import ServerState, call, state_of, stream_call
-from foveal.server.streaming import sse
+from foveal.server.streaming import primed_all, sse
 from foveal.server.usage import finish_reason, usage
 
-router = APIRouter(prefix="/v1", tags=["openai"])
+router = APIRouter(prefix="/v1", tags=["openai"], route_class=JsonRoute)  # bodies: bodies.py
 
 
 @router.get("/models")
@@ -48,8 +50,9 @@ async def models(request: Request) -> dict[str, Any]:
 
 @router.post("/chat/completions")
 async def chat_completions(body: ChatRequest, request: Request) -> Any:
-    plan = chat_call(body)
+    plan = await asyncio.to_thread(chat_call, body)  # images decoded, tools compiled: off the loop
     state = state_of(request)
+    await check_fits(state.ready_model(), plan.texts())
     if body.stream:
         return await stream_call(
             request,
@@ -150,7 +153,8 @@ def _id() -> str:
 
 
 async def _start_streams(model: Any, plan: ChatCall) -> list[Any]:
-    """The choices' streams, started (each one's input checked before the 200 goes out)."""
+    """The choices' streams, started and primed (each one's input checked, by the SDK and by the
+    engine's submit, before the 200 goes out)."""
     streams: list[Any] = []
     grounded = _grounded(model, plan)
     question = plan.question() if grounded else None
@@ -170,7 +174,7 @@ async def _start_streams(model: Any, plan: ChatCall) -> list[Any]:
             with anyio.CancelScope(shield=True):
                 await stream.aclose()
         raise
-    return streams
+    return await primed_all(streams)  # refused at submit: a 400 before any event
 
 
 class _ReasonedStream:
@@ -250,11 +254,16 @@ async def _chat_events(
     except Exception as error:  # after the 200 went out, an error can only be an event
         yield sse(error_event(error))
     finally:
-        for task in tasks:
-            task.cancel()
+        # A disconnect, the shutdown or an error: cancel the generations. Each pump must have
+        # stopped before its stream is closed: a stream a pump is still inside (its task only asked
+        # to cancel) refuses aclose() ("asynchronous generator is already running"), which ended
+        # the response with a traceback and a 500 instead of its final events.
         with anyio.CancelScope(shield=True):
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
             for stream in streams:
-                await stream.aclose()  # a disconnect or an error: cancel the generations
+                await stream.aclose()
 
 
 async def _choice_events(
@@ -264,8 +273,9 @@ async def _choice_events(
     reader = chat_tools.ReplyReader(getattr(stream, "plan", None) or chat_tools.ChatPlan())
     state = {"calls": 0, "logprobs": 0}
     yield sse(frames.chunk(index, {"role": "assistant", "content": ""}))
-    if isinstance(stream, _ReasonedStream) and stream.reasoning is not None:
-        yield sse(frames.chunk(index, {"reasoning_content": stream.reasoning}))
+    reasoning = getattr(stream, "reasoning", None)  # a grounded reasoning's text (_ReasonedStream)
+    if reasoning is not None:
+        yield sse(frames.chunk(index, {"reasoning_content": reasoning}))
     try:
         async for chunk in stream:
             for line in _event_lines(frames, plan, index, stream, reader.feed(chunk), state):

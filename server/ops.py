@@ -1,7 +1,7 @@
 """Operations routes: `/health`, `/metrics` (Prometheus text, metrics.py) and the playground page at
-`/` (static/playground.html, shipped in the package).
+`/` (static/playground.html, shipped in the package) with its icon at `/favicon.ico`.
 
-`/health` answers 200 `{"status": "ok"}` once the model is loaded and 503 otherwise, with the
+`/health` (GET or HEAD) answers 200 `{"status": "ok"}` once the model is loaded and 503 otherwise, with the
 status "loading", "failed" or "stopping" (the server is shutting down: a load balancer takes it out
 of rotation while the calls in flight finish) beside the error body every route answers
 (`{"error": {"message", "type", "param", "code"}}`, in HTTP terms: errors.py).
@@ -12,7 +12,7 @@ from __future__ import annotations
 from importlib import resources
 
 from fastapi import APIRouter, Request
-from fastapi.responses import HTMLResponse, JSONResponse, PlainTextResponse
+from fastapi.responses import HTMLResponse, JSONResponse, PlainTextResponse, Response
 
 from foveal.server.errors import ApiError
 from foveal.server.state import state_of
@@ -21,7 +21,7 @@ router = APIRouter(tags=["operations"])
 PROMETHEUS_TEXT = "text/plain; version=0.0.4; charset=utf-8"
 
 
-@router.get("/health")
+@router.api_route("/health", methods=["GET", "HEAD"])  # HEAD: load balancers' and curl -I's probe
 async def health(request: Request) -> JSONResponse:
     state = state_of(request)
     if state.draining:
@@ -54,6 +54,19 @@ async def metrics(request: Request) -> PlainTextResponse:
             "foveal_engine_kv_pages_total": engine.config.num_pages,
         }
     return PlainTextResponse(state.metrics.render(stats), media_type=PROMETHEUS_TEXT)
+
+
+# The playground's icon (its page links it; a browser asks for /favicon.ico anyway): a dot in an
+# SVG, so that a page load logs no 404.
+FAVICON_SVG = (
+    '<svg xmlns="http://www.w3.org/2000/svg" viewBox="0 0 16 16">'
+    '<circle cx="8" cy="8" r="6" fill="#2a6fdb"/><circle cx="8" cy="8" r="2.5" fill="#fff"/></svg>'
+)
+
+
+@router.get("/favicon.ico", include_in_schema=False)
+async def favicon() -> Response:
+    return Response(FAVICON_SVG, media_type="image/svg+xml", headers={"Cache-Control": "max-age=86400"})
 
 
 @router.get("/", include_in_schema=False)
