@@ -4,8 +4,9 @@ The cache key is the spec's canonical text (JSON schema text with its key order,
 or a spatial spec's fields) plus the tokenizer identity (vocabulary hash, EOS, model vocab size),
 so equal specs from different Python objects share one automaton. Before an automaton is cached,
 grammars/limits.py refuses what would fail or stall mid-decode (SchemaError, before any work) and
-what would cost more to compile than the compile budget allows; the automaton carries the parser of
-its text (`Automaton.parse`).
+what would cost more to compile than the compile budget allows, and grammars/exact_numbers.py a JSON
+schema's numbers that llguidance would approximate; the automaton carries the parser of its text
+(`Automaton.parse`).
 
 Threads: `compile` may be called from any number of threads at once, and holds no lock while it
 compiles. The cache builds each key once (grammars/cache.py): a caller asking for a spec that
@@ -29,6 +30,7 @@ from . import spatial
 from .automaton import Automaton, compile_template
 from .cache import LRUCache
 from .errors import SchemaError
+from .exact_numbers import check_exact_numbers
 from .limits import WHAT, CompileBudget, check_budget, check_regex, compile_budget, probe
 from .spatial import SpatialSpec
 from .specs import GrammarSource, grammar_source
@@ -80,6 +82,9 @@ def _build(source: GrammarSource, handle: TokenizerHandle, key: str, budget: Com
     if source.pattern is not None:
         check_regex(source.pattern)
     template = compile_template(handle, source, budget)
+    if source.kind == "json_schema":
+        # After llguidance's own refusals (a bound beyond its range keeps its message), before any decoding.
+        check_exact_numbers(source.schema)  # numbers llguidance would approximate (grammars/exact_numbers.py)
     forced_tokens = probe(template, WHAT[source.kind])
     return Automaton(
         key=key,
