@@ -64,6 +64,7 @@ import llguidance
 from .errors import SchemaError
 from .formats import bounded_numbers, exact_string_constraints
 from .scalars import SCALARS
+from .special_tokens import refuse_special_tokens
 
 JSON_OPTIONS: dict[str, Any] = {
     "whitespace_flexible": False,
@@ -157,6 +158,10 @@ def regex_source(pattern: str, parse: Callable[[str], Any] = str) -> GrammarSour
 
 
 def lark_source(definition: str) -> GrammarSource:
+    if isinstance(definition, str):  # anything else: llguidance's own TypeError, as before
+        refuse_special_tokens(
+            definition
+        )  # the engine cannot decode through control tokens (grammars/special_tokens.py)
     return GrammarSource("lark", "lark:" + definition, llguidance.LLMatcher.grammar_from_lark(definition))
 
 
