@@ -41,6 +41,7 @@ CUT_SLACK = 4
 
 async def check_fits(model: Any, texts: Sequence[tuple[str, str]]) -> None:
     """ApiError 400 when `texts` ((param, text) pairs, in prompt order) cannot fit in `model`'s context."""
+    texts = [(param, text.strip()) for param, text in texts]  # as the SDK takes them: never more tokens
     chars = sum(len(text) for _, text in texts)
     if chars <= MEASURE_FROM_CHARS:
         return

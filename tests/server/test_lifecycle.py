@@ -31,6 +31,7 @@ from safetensors.torch import load_file, save_file
 import foveal
 from foveal import cli
 from foveal.families.shapes.format import ShapesFormat
+from foveal.results import AsyncTextStream
 from foveal.server import ServerConfig, create_app
 from foveal.server import run as server_run
 from foveal.server.background import BackgroundServer
@@ -121,6 +122,50 @@ class HeldStream:
     @property
     def usage(self):
         return self.stream.usage
+
+
+class HeldInside(Held):
+    """Held, but a chat stream waits inside the SDK's own async generator (as a real decode waits
+    for its next token there), so that a task iterating the stream is inside that generator: a
+    stream closed under such a task refuses ("aclose(): asynchronous generator is already
+    running"), which HeldStream, a plain iterator, never does."""
+
+    async def achat(self, *args, stream=False):
+        if not stream:
+            return await super().achat(*args)
+        inner = (await self.model.achat(*args, stream=True))["text"]
+
+        async def chunks():
+            try:
+                first = True
+                async for chunk in inner:
+                    if not first:
+                        await self.released()
+                    first = False
+                    yield chunk
+                yield inner.usage
+            finally:
+                await inner.aclose()
+
+        return {"text": AsyncTextStream(chunks()), "output": None}
+
+
+def chat_stream_body(n: int = 1) -> dict:
+    parts = [{"type": "text", "text": "hi"}, {"type": "image_url", "image_url": {"url": data_url(scene(2))}}]
+    return {"messages": [{"role": "user", "content": parts}], "stream": True, "max_tokens": LONG, "n": n}
+
+
+def statuses(url: str, route: str) -> dict[str, float]:
+    """/metrics' request counts of `route` by status."""
+    out = {}
+    for line in httpx.get(f"{url}/metrics").text.splitlines():
+        if line.startswith("foveal_http_requests_total{") and f'route="{route}"' in line:
+            out[line.split('status="')[1].split('"')[0]] = float(line.split()[-1])
+    return out
+
+
+def no_error_logged(records) -> list[str]:
+    return [r.getMessage() for r in records if r.exc_info or r.levelno >= logging.ERROR]
 
 
 @pytest.fixture
@@ -268,6 +313,58 @@ def test_calls_still_in_flight_when_the_grace_ends_get_503_and_free_every_page(t
     assert not [r for r in log_records if r.exc_info or r.levelno >= logging.ERROR], [
         r.getMessage() for r in log_records if r.levelno >= logging.ERROR
     ]
+
+
+def test_chat_streams_cut_by_the_shutdown_end_with_the_error_event_and_done(tiny_model, log_records):
+    """Streams whose choices are inside their generators when the grace ends (issue 38: every one
+    was cut mid-body, with a traceback and a 500 each)."""
+    held = HeldInside(tiny_model)  # never released
+    background = BackgroundServer(create_app(held, config=ServerConfig(shutdown_grace_s=0.2)))
+    url = background.__enter__()
+    calls = Calls(url)
+    for i in range(3):
+        calls.stream(f"chat{i}", "/v1/chat/completions", chat_stream_body(n=2))
+    wait_for(lambda: in_flight(url) == 3, "three streams in flight")
+    for event in calls.first_chunk.values():
+        assert event.wait(60), "a stream sent no chunk"
+    time.sleep(0.1)  # the choices' pumps are waiting inside their streams
+    counted = statuses(url, "/v1/chat/completions")
+    background.stop()
+    calls.join()
+    for i in range(3):
+        *_, error, done = calls.results[f"chat{i}"]
+        assert shutting_down((503, json.loads(error))) and done == "[DONE]", calls.results[f"chat{i}"]
+    assert all_pages_free(tiny_model)
+    assert not no_error_logged(log_records), no_error_logged(log_records)
+    assert "500" not in counted
+
+
+def test_a_dropped_chat_stream_is_a_499_logged_in_one_line_and_cancelled(tiny_model, log_records):
+    held = HeldInside(tiny_model)  # never released: the client leaves mid-answer
+    logger = logging.getLogger("foveal.server")
+    level = logger.level
+    logger.setLevel(logging.INFO)  # the request lines
+    try:
+        dropped_twice(tiny_model, held)
+    finally:
+        logger.setLevel(level)
+    assert not no_error_logged(log_records), no_error_logged(log_records)
+    lines = [r.getMessage() for r in log_records if "/v1/chat/completions" in r.getMessage()]
+    assert len(lines) == 2 and all(" 499 " in line for line in lines), lines
+
+
+def dropped_twice(tiny_model, held) -> None:
+    with BackgroundServer(create_app(held)) as url:
+        for _ in range(2):
+            with httpx.stream("POST", f"{url}/v1/chat/completions", json=chat_stream_body(n=2), timeout=60) as response:
+                assert response.status_code == 200
+                for line in response.iter_lines():
+                    if line.startswith("data: "):
+                        break  # one chunk, then the client drops the connection
+        wait_for(lambda: in_flight(url) == 0, "the dropped streams ending")
+        assert all_pages_free(tiny_model)  # their engine requests were cancelled
+        counted = statuses(url, "/v1/chat/completions")
+        assert counted.get("499") == 2 and "500" not in counted, counted
 
 
 # ---- slow clients ------------------------------------------------------------------------------------------------
