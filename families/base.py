@@ -37,6 +37,7 @@ from foveal.engine.matcher import FillMasks
 from foveal.engine.models.loader import LoadedModel, LoadOptions
 from foveal.engine.models.processor import PromptInputs
 from foveal.families.conversation import Conversation
+from foveal.families.reserved import ReservedMask, ReservedTokens
 from foveal.grammars import spatial
 from foveal.grammars.cache import LRUCache
 
@@ -80,6 +81,7 @@ class Family:
         self.capabilities = capabilities
         self._special = _special_pattern(special_texts(loaded.tokenizer))
         self._bounds: LRUCache[spatial.ItemTokenBounds] = LRUCache(maxsize=256)
+        self._reserved: ReservedMask | None = None  # built on the first free-text call
 
     @property
     def image_min_size(self) -> tuple[int, int] | None:
@@ -210,6 +212,22 @@ class Family:
             bounds = spatial.item_token_bounds(spec, self.tokenizer, vocab_size=self.runner.vocab_size)
             self._bounds.put(key, bounds)
         return bounds
+
+    @property
+    def reserved_token_ids(self) -> tuple[int, ...]:
+        """Tokens that belong to this family's answer formats only (PaliGemma's location tokens):
+        free text never holds them (`free_text_matcher`). Default: none."""
+        return ()
+
+    def free_text_matcher(self) -> ReservedTokens | None:
+        """The matcher of an answer decoded without a grammar: None (no mask at all), or, where the
+        family reserves tokens, one that masks them (families/reserved.py)."""
+        ids = self.reserved_token_ids
+        if not ids:
+            return None
+        if self._reserved is None:
+            self._reserved = ReservedMask(self.runner.vocab_size, ids)
+        return self._reserved.matcher()
 
     @property
     def fill_masks(self) -> FillMasks:

@@ -706,7 +706,10 @@ class Model:
             skip_special_tokens=not task.keep_special,  # the text the parser reads, made by the engine
             logprobs=SCORE_ALTERNATIVES if task.score is not None else None,  # what the scores read
         )
-        matcher = automaton.matcher() if automaton is not None else task.rules() if task.rules is not None else None
+        if automaton is not None:
+            matcher = automaton.matcher()
+        else:  # a family's own automaton, or free text (which masks the family's reserved tokens)
+            matcher = task.rules() if task.rules is not None else self.family.free_text_matcher()
         request = Request(prompt.token_ids, sampling, matcher, prompt.prefill)
         image = decoded[0] if decoded else None
         tokens = getattr(automaton, "tokenizer", None)

@@ -6,7 +6,8 @@ Prompts (PaliGemma has no chat template; its processor writes "<image>" x n, BOS
     detect   "detect <object>": items `<locYMIN><locXMIN><locYMAX><locXMAX> <object>` joined by " ; "
     point    PaliGemma has no pointing task: "detect <object>", answered with the boxes' centres
     generate / chat  the prompt as written (one user message; write PaliGemma's prefixes yourself)
-Every prompt needs an image: the prompt is a bidirectional prefix after the image.
+Every prompt needs an image: the prompt is a bidirectional prefix after the image. Answers decoded
+without a grammar never hold the location and segmentation tokens (families/reserved.py).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from foveal.engine.models.arch import Architecture, ModelLoadError
 from foveal.engine.models.loader import LoadedModel, LoadOptions, assemble, load_transformers
 from foveal.families.base import Capabilities, Family
 from foveal.families.conversation import Conversation, single_user_message
+from foveal.families.reserved import PALIGEMMA_RESERVED, reserved_ids
 from foveal.families.task import Task, box_centres, is_loc, spatial_scores, spatial_task
 from foveal.grammars import spatial
 from foveal.grammars.locations import LocationFormat
@@ -44,6 +46,12 @@ class PaliGemmaFamily(Family):
 
     def __init__(self, loaded: LoadedModel, capabilities: Capabilities | None = None) -> None:
         super().__init__(loaded, capabilities or Capabilities(SKILLS, vision=True, image_required=True))
+        self._reserved_ids = reserved_ids(self.tokenizer, PALIGEMMA_RESERVED)
+
+    @property
+    def reserved_token_ids(self) -> tuple[int, ...]:
+        """The location and segmentation tokens: only detect and point answers hold them."""
+        return self._reserved_ids
 
     @classmethod
     def load(cls, folder: Path, raw: dict, options: LoadOptions) -> Family:
