@@ -8,14 +8,16 @@ SOLUTION
     Gumbel-max sampling with counter-based noise: the noise of token v for a request's k-th output
     token is a hash of (seed, k, v), computed for all rows at once. argmax(logits / T + gumbel) is
     an exact sample from softmax(logits / T) (restricted by top-k / top-p), and it depends only on
-    the request's own row. Greedy rows (T = 0) take the argmax. The grammar's bitmask is unpacked
+    the request's own row. The logits are tempered as (logits - row max) / T, the same distribution,
+    so no positive float32 temperature overflows them (`_tempered`). Greedy rows (T = 0) take the argmax. The grammar's bitmask is unpacked
     and applied to the constrained rows in one masked fill.
     When a row asks for logprobs, the step also writes every row's log-probability of its sampled
     id and the top alternatives, from the distribution each row was drawn from (masked; greedy rows
     at temperature 1; random rows tempered and filtered), into the slot's logprob buffers.
 INVARIANTS
     - A row's sampled id depends only on its logits, its sampling parameters, its mask and (seed, k).
-    - Disallowed tokens are never sampled while the mask allows at least one token.
+    - Disallowed tokens are never sampled while the mask allows at least one token, whatever top_p
+      (even one float32 holds as 0) and temperature (even one whose logits / temperature overflow).
     - Recording logprobs never changes a sampled id (it reads the distributions after the ids are drawn).
 """
 
@@ -118,12 +120,18 @@ def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: torch.Tenso
 
 
 def filter_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
-    """Logits with -inf outside each row's top-k and top-p nucleus (the best token always stays)."""
+    """Logits with -inf outside each row's top-k and top-p nucleus (the best token always stays).
+
+    The best token is kept by rank, not by the nucleus test: a top_p that float32 rounds to 0 (1e-46)
+    passes no token through `mass before < top_p`, nor does a row whose tempered logits overflowed to
+    inf (softmax is NaN there); either row would sample from all -inf, i.e. token 0, allowed or not.
+    """
     sorted_logits, order = logits.sort(dim=-1, descending=True)
     rank = torch.arange(logits.shape[1], device=logits.device)
     k = torch.where(top_k > 0, top_k, logits.shape[1])
     probs = sorted_logits.softmax(dim=-1)
-    keep = (rank[None, :] < k[:, None]) & ((probs.cumsum(dim=-1) - probs) < top_p[:, None])
+    nucleus = (probs.cumsum(dim=-1) - probs) < top_p[:, None]
+    keep = (rank[None, :] == 0) | ((rank[None, :] < k[:, None]) & nucleus)
     sorted_logits = sorted_logits.masked_fill(~keep, float("-inf"))
     return torch.empty_like(logits).scatter_(1, order, sorted_logits)
 
@@ -140,7 +148,7 @@ def sample(
     scaled = None
     if batch.random_rows is not None:
         rows = batch.random_rows
-        scaled = logits[rows] / batch.temperature[rows, None]
+        scaled = _tempered(logits[rows], batch.temperature[rows, None])
         if batch.filter_rows:
             scaled = filter_top_k_top_p(scaled, batch.top_k[rows], batch.top_p[rows])
         noise = gumbel_noise(batch.seeds[rows], batch.counters[rows], logits.shape[1])
@@ -148,6 +156,21 @@ def sample(
     out[: ids.shape[0]].copy_(ids)
     if batch.top_logprobs >= 0 and logprobs is not None:
         record_logprobs(logits, scaled, batch, ids, logprobs)
+
+
+def _tempered(logits: torch.Tensor, temperature: torch.Tensor) -> torch.Tensor:
+    """(logits - row max) / temperature: the same distribution and the same Gumbel argmax as
+    logits / temperature (a row's constant shift), but finite for any positive float32 temperature.
+
+    Divided unshifted, a tiny temperature (a subnormal such as 1e-40) sends every positive logit to
+    +inf: the best token ties with the rest, and softmax over the infs is NaN. Shifted, the best
+    logit is 0 and every other one is negative, so an overflow goes to -inf: only the best token is
+    left, the limit of sampling as the temperature goes to 0. A row whose logits are all -inf (no
+    allowed token) is shifted by 0, so it stays all -inf rather than NaN.
+    """
+    top = logits.amax(dim=-1, keepdim=True)
+    top = torch.where(torch.isfinite(top), top, torch.zeros_like(top))
+    return (logits - top) / temperature
 
 
 def record_logprobs(

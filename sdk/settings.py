@@ -8,10 +8,16 @@ to a skill that returns no objects. A `Settings` can only exist with valid value
 checks them, so `dataclasses.replace` and direct construction are safe too.
 
 Accepted keys and ranges:
-    temperature  float, 0 <= temperature <= MAX_TEMPERATURE (2.0, as OpenAI's API; 0 means greedy:
-                 always the most likely allowed token; above 2 sampling is close to uniform over the
-                 allowed tokens and free text turns to noise)
-    top_p        float, 0 < top_p <= 1 (1 disables nucleus sampling)
+    temperature  float, 0 (greedy: always the most likely allowed token) or MIN_TEMPERATURE (1e-6) <=
+                 temperature <= MAX_TEMPERATURE (2.0, as OpenAI's API; above 2 sampling is close to
+                 uniform over the allowed tokens and free text turns to noise). Below 1e-6 sampling
+                 is greedy decoding in all but exact ties, and the engine's float32 logits / temperature
+                 overflow (1e-40 is a float32 subnormal, 1e-300 rounds to 0): such values are refused
+    top_p        float, MIN_TOP_P <= top_p <= 1 (1 disables nucleus sampling); MIN_TOP_P = 2**-126
+                 (1.18e-38), float32's smallest normal number: the engine samples in float32, where
+                 1e-46 is 0 and would keep no token, so a value that underflows is refused. Any top_p
+                 at or below 1 / vocabulary size (1e-6 for every real model) keeps only the most
+                 likely allowed token
     max_tokens   int, 1 <= max_tokens <= MAX_TOKENS_CEILING (8192)
     max_objects  int, 1 <= max_objects <= MAX_OBJECTS_CEILING (1000); detect and point only
     seed         int, 0 <= seed < 2**64, or None (no seed)
@@ -36,6 +42,8 @@ from typing import Any
 
 MAX_TOKENS_CEILING = 8192
 MAX_TEMPERATURE = 2.0
+MIN_TEMPERATURE = 1e-6  # above 0: below it greedy in all but ties; near 1e-38 float32 logits / temperature overflow
+MIN_TOP_P = 2.0**-126  # float32's smallest normal number: the engine's sampler is float32
 MAX_STOPS = 16
 MAX_OBJECTS_CEILING = 1000
 SEED_LIMIT = 2**64
@@ -57,11 +65,7 @@ class Settings:
 
     def __post_init__(self) -> None:
         # object.__setattr__: the dataclass is frozen; values are normalized to plain Python numbers.
-        object.__setattr__(
-            self,
-            "temperature",
-            _real("temperature", self.temperature, 0.0, MAX_TEMPERATURE, f"number in [0, {MAX_TEMPERATURE}] (0 = greedy)"),
-        )
+        object.__setattr__(self, "temperature", _temperature(self.temperature))
         object.__setattr__(self, "top_p", _top_p(self.top_p))
         object.__setattr__(self, "max_tokens", _int("max_tokens", self.max_tokens, 1, MAX_TOKENS_CEILING))
         object.__setattr__(self, "max_objects", _int("max_objects", self.max_objects, 1, MAX_OBJECTS_CEILING))
@@ -113,10 +117,29 @@ def _real(key: str, value: Any, low: float, high: float, accepted: str) -> float
     return float(value)
 
 
+def _temperature(value: Any) -> float:
+    accepted = f"number in [0, {MAX_TEMPERATURE}] (0 = greedy)"
+    temperature = _real("temperature", value, 0.0, MAX_TEMPERATURE, accepted)
+    if 0.0 < temperature < MIN_TEMPERATURE:
+        raise ValueError(
+            f"setting 'temperature' = {value!r} is not accepted; it must be 0 (greedy) or a number in "
+            f"[{MIN_TEMPERATURE:g}, {MAX_TEMPERATURE}]: below {MIN_TEMPERATURE:g} sampling is greedy decoding in "
+            "all but exact ties, and near float32's limit (1e-38) the engine's logits / temperature overflow; "
+            "use 0 for greedy decoding"
+        )
+    return temperature
+
+
 def _top_p(value: Any) -> float:
     top_p = _real("top_p", value, 0.0, 1.0, "number with 0 < top_p <= 1")
     if top_p == 0.0:
         raise ValueError("setting 'top_p' = 0 is not accepted; it must be a number with 0 < top_p <= 1")
+    if top_p < MIN_TOP_P:
+        raise ValueError(
+            f"setting 'top_p' = {value!r} is not accepted; it must be a number with {MIN_TOP_P:.3g} <= top_p <= 1: "
+            "the engine samples in float32, where it underflows (to 0 or a subnormal number); any top_p "
+            "at or below 1e-6 keeps only the most likely token, so use 1e-6 (or temperature 0 for greedy decoding)"
+        )
     return top_p
 
 

@@ -163,3 +163,31 @@ def test_seeds_use_all_64_bits():
             assert not torch.equal(noise[a], noise[b]), (a, b)
     low = torch.tensor([0, 1, base, 2**32 - 1])
     assert torch.equal(seed_key(low), _mix32(low))
+
+
+@pytest.mark.parametrize("top_p", [1e-46, 1e-300, 0.0], ids=["1e-46", "1e-300", "0"])
+def test_a_top_p_that_float32_holds_as_zero_keeps_the_best_token(top_p):
+    """top_p below float32's smallest value is 0 on the device: the nucleus still holds the best token."""
+    logits = torch.tensor([[0.1, 2.0, 0.5, -1.0]])
+    kept = torch.isfinite(
+        filter_top_k_top_p(logits, torch.tensor([0]), torch.tensor([top_p], dtype=torch.float32))
+    )
+    assert kept[0].tolist() == [False, True, False, False]
+
+
+@pytest.mark.parametrize("temperature", [0.7, 1e-40], ids=["0.7", "subnormal 1e-40"])
+def test_underflowing_settings_never_sample_a_disallowed_token(temperature):
+    # Token 0 is masked out; before, a nucleus of nothing (top_p 1e-46 held as 0) sampled it anyway.
+    n, vocab = 16, 40
+    logits = torch.randn(n, vocab, generator=torch.Generator().manual_seed(0)) * 10
+    bitmask = torch.full((n, 2), -1, dtype=torch.int32)
+    bitmask[:, 0] = -2  # bit 0 clear: token 0 disallowed
+    batch = _batch(
+        n, temperature, top_p=1e-46, counters=list(range(n)), bitmask=bitmask, mask_rows=torch.arange(n)
+    )
+    batch.top_p = torch.full((n,), 1e-46, dtype=torch.float32)
+    out = torch.empty(n, dtype=torch.int64)
+    sample(logits, batch, out)
+    masked = logits.clone()
+    masked[:, 0] = float("-inf")
+    assert out.tolist() == masked.argmax(dim=-1).tolist()  # a nucleus of one: the best allowed token

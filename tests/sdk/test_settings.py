@@ -12,6 +12,8 @@ import pytest
 from foveal.settings import (
     MAX_OBJECTS_CEILING,
     MAX_TOKENS_CEILING,
+    MIN_TEMPERATURE,
+    MIN_TOP_P,
     SKILL_DEFAULTS,
     Settings,
     validate_settings,
@@ -149,3 +151,28 @@ def test_settings_must_be_a_dict(bad):
 def test_unknown_skill():
     with pytest.raises(ValueError, match="unknown skill 'segment'"):
         validate_settings(None, "segment")
+
+
+@pytest.mark.parametrize(
+    ("settings", "message"),
+    [
+        ({"top_p": 1e-46}, r"'top_p' = 1e-46 .*1.18e-38 <= top_p <= 1: the engine samples in float32"),
+        ({"top_p": 1e-300}, r"'top_p' = 1e-300 .*underflows"),
+        ({"top_p": 1e-40}, r"'top_p' = 1e-40 .*subnormal"),  # float32 holds it as a subnormal
+        ({"temperature": 1e-300}, r"'temperature' = 1e-300 .*0 \(greedy\) or a number in \[1e-06, 2.0\]"),
+        ({"temperature": 5e-324}, r"'temperature' = 5e-324 .*use 0 for greedy decoding"),
+        ({"temperature": 1e-40}, r"'temperature' = 1e-40"),
+        ({"temperature": 1e-7}, r"'temperature' = 1e-07"),
+    ],
+)
+def test_sampling_settings_that_underflow_float32_are_refused(settings, message):
+    # Before: accepted, and on the engine's float32 a top_p of 0 kept no token (500s, or empty answers
+    # after the whole token budget); detect, caption and chat all validate through here.
+    with pytest.raises(ValueError, match=message):
+        validate_settings(settings, "caption")
+
+
+def test_the_underflow_bounds_are_accepted():
+    assert validate_settings({"top_p": MIN_TOP_P}).top_p == MIN_TOP_P == 2.0**-126
+    assert validate_settings({"temperature": MIN_TEMPERATURE}).temperature == MIN_TEMPERATURE == 1e-6
+    assert validate_settings({"temperature": 0.0, "top_p": 1e-9}).greedy
