@@ -35,7 +35,7 @@ import json
 import math
 import os
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 import numpy as np
@@ -43,7 +43,8 @@ import torch
 import torch.nn.functional as F
 from PIL import Image
 
-from foveal.families.shapes.format import ShapesFormat
+from foveal.families.shapes.format import CHAT_TEMPLATE, ShapesFormat
+from foveal.training import chat_data
 from foveal.vision import scenes
 
 TRAIN_SEED_BASE = 1_000_000_000
@@ -53,7 +54,14 @@ EXTRA_TOKENS = [f"<loc{i:04d}>" for i in range(1024)] + [f"<seg{i:03d}>" for i i
 
 # What `Trainer.export` writes: the files a loader of the exported folder may rely on.
 EXPORTED_FILES = frozenset(
-    {"config.json", "model.safetensors", "tokenizer.json", "preprocessor_config.json", "foveal.json"}
+    {
+        "config.json",
+        "model.safetensors",
+        "tokenizer.json",
+        "preprocessor_config.json",
+        "foveal.json",
+        "chat_template.jinja",
+    }
 )
 
 
@@ -77,6 +85,9 @@ class TrainConfig:
     task_weights: dict[str, float] = field(
         default_factory=lambda: {"detect": 0.35, "point": 0.2, "caption": 0.2, "query": 0.25}
     )
+    # "chat" in task_weights is the share of steps whose whole batch is chat examples, of this size:
+    # chat prompts are several times longer than the task prefixes, and a batch pads to its longest
+    chat_batch_size: int = 16
     render_sizes: tuple[int, int] = (64, 160)  # scenes render at a random size in this range, then resize
     aux_weight: float = 0.5  # dense per-patch loss on the image features (see patch_targets); 0: off
     init_from: str | None = None  # start from this checkpoint's model weights (a warm start), not random
@@ -199,21 +210,70 @@ def sincos_2d(grid: int, width: int) -> torch.Tensor:
 
 @dataclass(slots=True)
 class Example:
+    """One training example: its scene, skill, prompt text (after the image placeholders) and target.
+    A chat example's prompt is its conversation rendered by the chat template, and it may show
+    `more` scenes after the first (images in later turns), in image order."""
+
     scene: scenes.Scene
     skill: str
     prompt: str
     target: str
+    more: tuple[scenes.Scene, ...] = ()
+
+    @property
+    def scenes(self) -> tuple[scenes.Scene, ...]:
+        return (self.scene, *self.more)
 
 
 def sample_example(rng: np.random.Generator, cfg: TrainConfig, fmt: ShapesFormat) -> Example:
-    size = int(rng.integers(cfg.render_sizes[0], cfg.render_sizes[1] + 1))
-    aspect = 1.0 if rng.random() < 0.8 else float(rng.uniform(0.7, 1.4))
-    scene = scenes.generate_scene(
-        int(rng.integers(TRAIN_SEED_BASE, 2**62)), size, max(32, round(size * aspect))
-    )
+    """An example of a task skill drawn by `cfg.task_weights` (chat examples: `ChatRenderer`)."""
+    scene = _training_scene(rng, cfg)
     skills, weights = zip(*cfg.task_weights.items(), strict=True)
     skill = skills[int(rng.choice(len(skills), p=np.array(weights) / sum(weights)))]
     return make_example(rng, scene, skill, fmt)
+
+
+def _training_scene(rng: np.random.Generator, cfg: TrainConfig) -> scenes.Scene:
+    size = int(rng.integers(cfg.render_sizes[0], cfg.render_sizes[1] + 1))
+    aspect = 1.0 if rng.random() < 0.8 else float(rng.uniform(0.7, 1.4))
+    return scenes.generate_scene(int(rng.integers(TRAIN_SEED_BASE, 2**62)), size, max(32, round(size * aspect)))
+
+
+class ChatRenderer:
+    """Chat examples (training/chat_data.py) rendered by the model's chat template through
+    PaliGemmaProcessor's own `apply_chat_template`: the prompt `model.chat` sends, image
+    placeholders first (stripped here: `encode_example` writes them, with BOS after the last)."""
+
+    def __init__(self, tok, n_image_tokens: int) -> None:
+        from transformers import PaliGemmaProcessor, SiglipImageProcessor
+
+        image_processor = SiglipImageProcessor()
+        image_processor.image_seq_length = n_image_tokens
+        self.processor = PaliGemmaProcessor(image_processor=image_processor, tokenizer=tok, chat_template=CHAT_TEMPLATE)
+
+    def render(self, conversation) -> tuple[str, int]:
+        """(the rendered prompt after its image placeholders, the number of images)."""
+        from foveal.families.conversation import to_hf, tools_of
+
+        tools = tools_of(conversation) or None
+        text = self.processor.apply_chat_template(
+            to_hf(conversation, vision=True), tools=tools, tokenize=False, add_generation_prompt=True
+        )
+        images = 0
+        while text.startswith(IMAGE_TOKEN, images * len(IMAGE_TOKEN)):
+            images += 1
+        if IMAGE_TOKEN in text[images * len(IMAGE_TOKEN) :]:
+            raise ValueError("the chat template must write every image placeholder first")
+        return text[images * len(IMAGE_TOKEN) :], images
+
+    def example(self, rng: np.random.Generator, scene: scenes.Scene, new_scene) -> Example:
+        drawn = iter([scene])
+        example = chat_data.sample_chat(rng, lambda r: next(drawn, None) or new_scene(r))
+        prompt, images = self.render(example.conversation)
+        if images != len(example.images):
+            raise ValueError(f"the conversation shows {images} images but holds {len(example.images)} scenes")
+        first, *more = example.images
+        return Example(first, "chat", prompt, example.target, tuple(more))
 
 
 def make_example(rng: np.random.Generator, scene: scenes.Scene, skill: str, fmt: ShapesFormat) -> Example:
@@ -272,10 +332,11 @@ class Batch:
     token_type_ids: torch.Tensor
     pixel_values: torch.Tensor
     labels: torch.Tensor  # -100 outside the suffix
-    patch_colour: torch.Tensor  # (B, P) 0: background, 1..6: colour of the object covering the patch
-    patch_shape: torch.Tensor  # (B, P) 0: background, 1..3: shape
-    patch_box: torch.Tensor  # (B, P, 4) that object's (x_min, y_min, x_max, y_max); 0 on background
-    patch_centre: torch.Tensor  # (B, P) 1.0 on the patch holding an object's centre, else 0.0
+    # per image (I >= B: a chat example may show several), in the order of the images' tokens
+    patch_colour: torch.Tensor  # (I, P) 0: background, 1..6: colour of the object covering the patch
+    patch_shape: torch.Tensor  # (I, P) 0: background, 1..3: shape
+    patch_box: torch.Tensor  # (I, P, 4) that object's (x_min, y_min, x_max, y_max); 0 on background
+    patch_centre: torch.Tensor  # (I, P) 1.0 on the patch holding an object's centre, else 0.0
 
 
 def encode_example(tok, prompt: str, target: str, n_image_tokens: int) -> tuple[list[int], int]:
@@ -287,7 +348,7 @@ def encode_example(tok, prompt: str, target: str, n_image_tokens: int) -> tuple[
 
 
 def collate(examples: list[Example], tok, cfg: TrainConfig, n_image_tokens: int) -> Batch:
-    encoded = [encode_example(tok, e.prompt, e.target, n_image_tokens) for e in examples]
+    encoded = [encode_example(tok, e.prompt, e.target, n_image_tokens * len(e.scenes)) for e in examples]
     width = max(len(ids) for ids, _ in encoded)
     input_ids = torch.full((len(examples), width), tok.pad_token_id, dtype=torch.long)
     attention = torch.zeros_like(input_ids)
@@ -298,9 +359,10 @@ def collate(examples: list[Example], tok, cfg: TrainConfig, n_image_tokens: int)
         attention[row, : len(ids)] = 1
         types[row, :n_prefix] = 0
         labels[row, n_prefix : len(ids)] = torch.tensor(ids[n_prefix:])
-    pixels = torch.stack([pixel_tensor(scenes.render(e.scene), cfg.image_size) for e in examples])
+    shown = [scene for e in examples for scene in e.scenes]  # every image, in the order of its tokens
+    pixels = torch.stack([pixel_tensor(scenes.render(scene), cfg.image_size) for scene in shown])
     grid = cfg.image_size // cfg.patch_size
-    colour, shape, box, centre = zip(*(patch_targets(e.scene, grid) for e in examples), strict=True)
+    colour, shape, box, centre = zip(*(patch_targets(scene, grid) for scene in shown), strict=True)
     return Batch(
         input_ids,
         attention,
@@ -357,10 +419,20 @@ def aux_loss(features: torch.Tensor, head: torch.nn.Linear, batch: Batch) -> tor
     return loss + 4.0 * F.l1_loss(out[..., -4:].sigmoid()[covered], batch.patch_box[covered])
 
 
-def batch_for_step(step: int, cfg: TrainConfig, fmt: ShapesFormat, tok, n_image_tokens: int) -> Batch:
+def batch_for_step(
+    step: int, cfg: TrainConfig, fmt: ShapesFormat, tok, n_image_tokens: int, chat: ChatRenderer | None = None
+) -> Batch:
     """The batch of a step depends on (seed, step) only: resuming replays the same data."""
     rng = np.random.default_rng([cfg.seed, step])
-    examples = [sample_example(rng, cfg, fmt) for _ in range(cfg.batch_size)]
+    share = cfg.task_weights.get("chat", 0.0) / sum(cfg.task_weights.values())
+    if share and rng.random() < share:
+        if chat is None:
+            raise ValueError("chat examples need the run's chat renderer (ChatRenderer)")
+        first = lambda r: _training_scene(r, cfg)  # noqa: E731
+        examples = [chat.example(rng, first(rng), first) for _ in range(cfg.chat_batch_size)]
+    else:
+        tasks = replace(cfg, task_weights={k: w for k, w in cfg.task_weights.items() if k != "chat"})
+        examples = [sample_example(rng, tasks, fmt) for _ in range(cfg.batch_size)]
     return collate(examples, tok, cfg, n_image_tokens)
 
 
@@ -434,6 +506,7 @@ class Trainer:
         )
         self.n_image_tokens = (cfg.image_size // cfg.patch_size) ** 2
         self.loc_ids = torch.tensor(self.tok.convert_tokens_to_ids(self.fmt.locations.tokens()))
+        self.chat = ChatRenderer(self.tok, self.n_image_tokens) if cfg.task_weights.get("chat") else None
         if cfg.init_from and warm_start:
             self.model.load_state_dict(warm_start_weights(cfg.init_from))
         torch.manual_seed(cfg.seed + 1)
@@ -443,7 +516,7 @@ class Trainer:
         self.step = 0
 
     def train_step(self) -> float:
-        batch = batch_for_step(self.step, self.cfg, self.fmt, self.tok, self.n_image_tokens)
+        batch = batch_for_step(self.step, self.cfg, self.fmt, self.tok, self.n_image_tokens, self.chat)
         for group in self.opt.param_groups:
             group["lr"] = lr_at(self.step, self.cfg)
         self.model.train()
@@ -512,7 +585,8 @@ class Trainer:
         )
         image_processor.image_seq_length = self.n_image_tokens
         image_processor.save_pretrained(folder)  # preprocessor_config.json, for loaders that read it alone
-        PaliGemmaProcessor(image_processor=image_processor, tokenizer=self.tok).save_pretrained(folder)
+        processor = PaliGemmaProcessor(image_processor=image_processor, tokenizer=self.tok, chat_template=CHAT_TEMPLATE)
+        processor.save_pretrained(folder)  # chat_template.jinja beside processor_config.json
         self.fmt.save(folder)
         return folder
 

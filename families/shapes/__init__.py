@@ -4,28 +4,45 @@ prompts and answer format in the folder's `foveal.json` (`format.py`).
 Detect and point answer in location tokens (`<locNNNN>`, N bins from foveal.json) followed by the
 object phrase, the format the model was trained on; captions and answers are free text. A folder is
 this family when it is a PaliGemma checkpoint with a foveal.json beside it.
+
+`chat` and `generate` are rendered by the folder's chat template (format.CHAT_TEMPLATE, written by
+the training script's export): conversations with a system prompt, several turns and images in
+more than one turn, tools in the Hermes form; an answer whose output type is a JSON schema is asked
+for with the system line the model was trained on (format.JSON_INSTRUCTION). A folder exported
+before the template existed keeps one user message, as PaliGemma.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 from foveal.engine.models.arch import ModelLoadError
 from foveal.engine.models.loader import LoadedModel
 from foveal.families.base import Capabilities, Family
+from foveal.families.conversation import Conversation, Message, image_count, tools_of, user_turn, with_tools
 from foveal.families.paligemma import PaliGemmaFamily
-from foveal.families.shapes.format import FORMAT_FILE, ShapesFormat
-from foveal.families.task import Task, spatial_task
+from foveal.families.shapes.format import FORMAT_FILE, JSON_INSTRUCTION, ShapesFormat
+from foveal.families.task import Task, is_loc, spatial_task
+from foveal.families.template import ChatTemplate
 from foveal.grammars import spatial
+from foveal.grammars.specs import grammar_source
 
 SKILLS = frozenset({"caption", "query", "detect", "point", "generate", "chat"})
+MAX_IMAGES = 4  # images one conversation may show (64 tokens each, of the model's 512 positions)
 
 
 class ShapesFamily(PaliGemmaFamily):
     name = "shapes"
 
     def __init__(self, loaded: LoadedModel, fmt: ShapesFormat) -> None:
-        super().__init__(loaded, Capabilities(SKILLS, vision=True, image_required=True))
+        hf_processor = getattr(loaded.processor, "hf_processor", None)
+        self.template = ChatTemplate(loaded.tokenizer, hf_processor, "<image>")
+        talks = self.template.available
+        capabilities = Capabilities(
+            SKILLS, vision=True, image_required=True, max_images=MAX_IMAGES if talks else 1, conversations=talks
+        )
+        super().__init__(loaded, capabilities)
         self.fmt = fmt
 
     @classmethod
@@ -56,5 +73,49 @@ class ShapesFamily(PaliGemmaFamily):
         spec = spatial.points("loc", max_objects, self._label(phrase), self.fmt.n_bins, self.fmt.separator)
         return spatial_task("point", self.fmt.prompt("point", object=phrase), spec)
 
+    def generate(self, prompt: str, output_type: Any) -> Task:
+        if not self.template.available:
+            return super().generate(prompt, output_type)
+        return Task("generate", self.plain("prompt", prompt), output_type, None, is_loc(output_type))
+
+    def chat(self, conversation: Conversation, output_type: Any) -> Task:
+        if not self.template.available:
+            return super().chat(conversation, output_type)
+        for message in conversation:
+            for part in message.parts:
+                if isinstance(part, str):
+                    self.plain("message", part)
+        return Task("chat", conversation, output_type, None, is_loc(output_type))
+
+    def encode(self, task: Task, images: list, image_key: str | None) -> tuple[Any, Task]:
+        if not self.template.available or task.skill not in ("generate", "chat"):
+            return super().encode(task, images, image_key)
+        conversation = task.prompt if isinstance(task.prompt, tuple) else user_turn(task.prompt, len(images))
+        if image_count(conversation) != len(images):
+            raise ValueError(f"the conversation refers to {image_count(conversation)} images but {len(images)} came")
+        if _asks_json(task.spec):
+            conversation = _with_json_instruction(conversation)
+        text, special = self.template.render(conversation)
+        return self.processor(text, images or None, image_key=image_key, add_special_tokens=special), task
+
     def _label(self, phrase: str) -> str:
         return self.fmt.locations.check_label(self.plain("object", phrase))
+
+
+def _asks_json(spec: Any) -> bool:
+    """Whether the answer's output type is a JSON schema (a pydantic class, a dict, json_object)."""
+    if spec is None or is_loc(spec):
+        return False
+    try:
+        return grammar_source(spec).kind == "json_schema"
+    except Exception:  # not a grammar spec the SDK knows: compiling it says why, not this
+        return False
+
+
+def _with_json_instruction(conversation: Conversation) -> Conversation:
+    """The conversation with the system line that asks this model for JSON (its training's), after
+    the caller's own system messages."""
+    messages = list(conversation)
+    at = next((i for i, m in enumerate(messages) if m.role != "system"), len(messages))
+    messages.insert(at, Message("system", (JSON_INSTRUCTION,)))
+    return with_tools(tuple(messages), tools_of(conversation))

@@ -12,6 +12,14 @@ detect and point grammars constrain:
 
 What the SDK needs to drive the model (N, prompt templates) lives in the shipped folder's
 `foveal.json`, read by `ShapesFormat.load`.
+
+Conversations (`model.chat`, and `generate`) are rendered by the model's own chat template,
+`CHAT_TEMPLATE`, which the training script writes into the exported folder (chat_template.jinja):
+every image placeholder first (PaliGemma's processor puts BOS after the last one), then, one line
+each, the tools as signatures, `role: text` turns where an image's place is written `(image N)`, an
+assistant's tool calls in the Hermes form the tool grammar constrains
+(`<tool_call>\n{"name": .., "arguments": ..}\n</tool_call>`), and `assistant:` to answer. A JSON
+answer is asked for by the system line `JSON_INSTRUCTION` (the family adds it for JSON output types).
 """
 
 from __future__ import annotations
@@ -24,6 +32,24 @@ from foveal.grammars.locations import DEFAULT_SEPARATOR, LocationFormat
 from foveal.vision import scenes
 
 FORMAT_FILE = "foveal.json"
+JSON_INSTRUCTION = "answer in json"  # the system line a JSON answer is trained and asked with
+CHAT_TEMPLATE = (
+    "{%- for message in messages -%}{%- if message.content is not string -%}{%- for part in message.content -%}"
+    "{%- if part.type == 'image' -%}<image>{%- endif -%}{%- endfor -%}{%- endif -%}{%- endfor -%}"
+    "{%- if tools -%}tools:{%- for tool in tools %} {{ tool.function.name }}("
+    "{%- for name in (tool.function.parameters or {}).get('properties', {}) -%}"
+    "{{ ', ' if not loop.first }}{{ name }}{%- endfor -%}){%- endfor %}{{ '\\n' }}{% endif -%}"
+    "{%- set seen = namespace(images=0) -%}"
+    "{%- for message in messages -%}{{ message.role }}:"
+    "{%- if message.content is string -%}{{ ' ' + message.content if message.content }}"
+    "{%- else -%}{%- for part in message.content -%}"
+    "{%- if part.type == 'image' -%}{%- set seen.images = seen.images + 1 %} (image {{ seen.images }})"
+    "{%- elif part.type == 'text' and part.text %} {{ part.text }}{%- endif -%}{%- endfor -%}{%- endif -%}"
+    "{%- for call in message.tool_calls or [] %} <tool_call>\n"
+    '{"name": "{{ call.function.name }}", "arguments": {{ call.function.arguments | tojson }}}\n</tool_call>'
+    "{%- endfor %}{{ '\\n' }}{% endfor -%}"
+    "{%- if add_generation_prompt -%}assistant:{%- endif -%}"
+)
 SKILLS = ("caption", "query", "detect", "point")
 
 
