@@ -11,8 +11,8 @@
 Every command takes `--model PATH` (default: the embedded model) and `--device`. Without `--json`
 the answer is printed for people (captions and answers stream as they are generated); with it, the
 result dict is printed as JSON. Bad input exits with status 2 and one line on stderr saying what
-to fix, before any work: arguments that can be checked without the model (`--out`, `--size`,
-`--device`) are checked before it loads. A failure while generating exits with status 1.
+to fix, before any work: arguments that can be checked without the model (the IMAGE file,
+`--model`, `--out`, `--size`, `--device`, `--max-tokens`, `--max-objects`) are checked before it loads. A failure while generating exits with status 1.
 """
 
 from __future__ import annotations
@@ -164,14 +164,52 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def check_args(args: argparse.Namespace) -> None:
-    """What can be refused before the model loads: the device name, the demo's scene size, --out."""
+    """What can be refused before the model loads: the device name, the demo's scene size, the
+    IMAGE file, --model, --max-tokens, --max-objects and --out."""
     if not DEVICES.fullmatch(args.device):
         raise ValueError(f"--device {args.device!r} is not accepted; use auto, cpu, cuda or cuda:N")
     low, high = DEMO_SIZES
     if args.command == "demo" and not low <= args.size <= high:
         raise ValueError(f"--size {args.size} is not accepted; use {low} to {high} pixels")
+    for flag in ("max_tokens", "max_objects"):
+        value = getattr(args, flag, None)
+        if value is not None and value < 1:
+            raise ValueError(f"--{flag.replace('_', '-')} {value} is not accepted; use 1 or more")
+    if getattr(args, "image", None) is not None:
+        check_image(args.image)
+    if args.command != "serve":
+        check_model_path(getattr(args, "model", None))
     if getattr(args, "out", None):
         check_out(args.out)
+
+
+def check_image(image: str) -> None:
+    """IMAGE must be a readable file whose header PIL recognises (the pixels are decoded later)."""
+    from PIL import Image, UnidentifiedImageError
+
+    path = Path(image)
+    if not path.exists():
+        raise ValueError(f"IMAGE {image}: no such file; pass the path of an image file")
+    if path.is_dir():
+        raise ValueError(f"IMAGE {image} is a folder; pass one image file (foveal batch reads folders)")
+    try:
+        with Image.open(path) as opened:
+            opened.format  # noqa: B018 - the header is read by open
+    except UnidentifiedImageError:
+        raise ValueError(f"IMAGE {image} is not an image PIL can read (PNG, JPEG, WebP, ...)") from None
+    except OSError as error:
+        raise ValueError(f"IMAGE {image} cannot be read: {error.strerror or error}") from None
+
+
+def check_model_path(model: str | None) -> None:
+    """--model must name a folder, a file or a hub id 'org/name' (what foveal.load takes)."""
+    from foveal.engine.models.hub import looks_like_hub_id
+
+    if model is not None and not Path(model).exists() and not looks_like_hub_id(model):
+        raise ValueError(
+            f"--model {model}: no such folder or file, and not a hub id 'org/name'; pass a "
+            "checkpoint folder, a .gguf file or the id of a model in the Hugging Face cache"
+        )
 
 
 def check_out(out: str) -> None:
@@ -294,7 +332,6 @@ def run_serve(args: argparse.Namespace) -> int:
 def check_serve_args(args: argparse.Namespace) -> None:
     """What `foveal serve` refuses before it binds its port or loads: a port out of range, a batch
     size below 1, a device torch does not have, a --model that names nothing."""
-    from foveal.engine.models.hub import looks_like_hub_id
     from foveal.engine.models.loader import resolve_device
 
     if not 0 <= args.port <= 65535:
@@ -305,11 +342,7 @@ def check_serve_args(args: argparse.Namespace) -> None:
         resolve_device(args.device)
     except ValueError as error:
         raise ValueError(f"--device {args.device}: {error}") from None
-    if args.model is not None and not Path(args.model).exists() and not looks_like_hub_id(args.model):
-        raise ValueError(
-            f"--model {args.model}: no such folder or file, and not a hub id 'org/name'; pass a "
-            "checkpoint folder, a .gguf file or the id of a model in the Hugging Face cache"
-        )
+    check_model_path(args.model)
 
 
 COMMANDS = {

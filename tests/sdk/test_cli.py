@@ -103,9 +103,7 @@ def test_demo_on_an_image_file_reports_json_without_truth(capsys, shapes_folder,
 @pytest.mark.parametrize(
     "argv, message",
     [
-        (["detect", "{missing}", "car"], "not found"),
         (["detect", "{picture}", ""], "object is empty"),
-        (["point", "{picture}", "car", "--max-objects", "0"], "max_objects"),
     ],
 )
 def test_bad_input_exits_2_with_a_message(capsys, shapes_folder, picture, tmp_path, argv, message):
@@ -141,6 +139,13 @@ def test_console_script_help_and_version():
         (["caption", "{picture}", "--device", "tpu"], "--device 'tpu'"),
         (["demo", "--size", "100000"], "--size 100000"),
         (["demo", "--size", "8"], "--size 8"),
+        (["detect", "{folder}/missing.png", "circle"], "IMAGE {folder}/missing.png: no such file"),
+        (["caption", "{folder}"], "is a folder"),
+        (["query", "{folder}/notes.png", "why?"], "not an image PIL can read"),
+        (["demo", "{folder}/missing.png"], "no such file"),
+        (["point", "{picture}", "car", "--max-objects", "0"], "--max-objects 0"),
+        (["caption", "{picture}", "--max-tokens", "0"], "--max-tokens 0"),
+        (["caption", "{picture}", "--model", "{folder}/no/such/model"], "no such folder or file"),
     ],
 )
 def test_arguments_are_refused_in_one_line_before_the_model_loads(
@@ -150,11 +155,13 @@ def test_arguments_are_refused_in_one_line_before_the_model_loads(
         raise AssertionError("the model was loaded before the arguments were checked")
 
     monkeypatch.setattr(cli.foveal, "load", no_load)
+    (tmp_path / "notes.png").write_text("not an image")
     status, out, err = run(capsys, *[a.format(picture=picture, folder=tmp_path) for a in argv])
     assert status == 2 and out == ""
-    assert err.startswith("foveal: error:") and message in err and err.count("\n") == 1
+    assert err.startswith("foveal: error:") and message.format(folder=tmp_path) in err and err.count("\n") == 1
 
 
 def test_a_model_load_error_is_one_line(capsys, picture, tmp_path):
+    (tmp_path / "no-model-here").mkdir()
     status, out, err = run(capsys, "caption", picture, "--model", tmp_path / "no-model-here")
     assert status == 2 and out == "" and err.startswith("foveal: error:") and err.count("\n") == 1
