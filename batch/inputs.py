@@ -48,7 +48,16 @@ BYTES_COLUMNS = ("image", "image_bytes", "image_base64", "bytes")
 KEY_COLUMNS = ("key", "id")
 GLOB_CHARS = frozenset("*?[")
 
-Source = str | bytes  # a path, or an encoded image
+
+@dataclass(frozen=True, slots=True)
+class Unreadable:
+    """A source found unreadable when INPUT was read (a JSONL cell that is not base64): `check_readable`
+    raises its reason as the line's ImageError, in its place, and the other lines go on."""
+
+    reason: str
+
+
+Source = str | bytes | Unreadable  # a path, an encoded image, or why a cell holds neither
 
 
 class InputError(ValueError):
@@ -120,7 +129,12 @@ def input_of_images(images: Iterable[Any] | dict[str, Any]) -> Input:
 
 def check_readable(source: Source) -> Source:
     """`source`, or an ImageError saying why the path cannot be read and what to do (the image loader
-    would call a dangling link or a loop "not found", and could not name a folder it cannot list)."""
+    would call a dangling link or a loop "not found", and could not name a folder it cannot list), or
+    why a table's cell holds no image (`Unreadable`: invalid base64 would reach it as "empty bytes")."""
+    if isinstance(source, Unreadable):
+        from foveal import ImageError
+
+        raise ImageError(f"{source.reason}, then run again with --resume --allow-changed to redo this line")
     if not isinstance(source, str):
         return source
     problem = _unreadable(source)
@@ -205,7 +219,7 @@ def _list_input(path: Path) -> Input:
 
 
 def _jsonl_input(path: Path, column: str | None, key_column: str | None) -> Input:
-    rows = []
+    rows, line_numbers = [], []
     with path.open(encoding="utf-8") as lines:
         for number, line in enumerate(lines, 1):
             if not line.strip():
@@ -219,6 +233,7 @@ def _jsonl_input(path: Path, column: str | None, key_column: str | None) -> Inpu
             if not isinstance(row, dict):
                 raise InputError(f"INPUT {path} line {number} is not a JSON object; write one object a line")
             rows.append(row)
+            line_numbers.append(number)
     if not rows:
         raise InputError(f"INPUT {path} has no rows; write one JSON object a line")
     name = column or _pick(rows[0].keys(), PATH_COLUMNS + BYTES_COLUMNS, path)
@@ -230,8 +245,12 @@ def _jsonl_input(path: Path, column: str | None, key_column: str | None) -> Inpu
     folder = path.parent
 
     def sources() -> Iterator[Source]:
-        for value in values:
-            yield _b64(value) if as_bytes else str(folder / value)
+        for value, number in zip(values, line_numbers, strict=True):
+            yield (
+                _b64(value, f"INPUT {path} line {number} column {name!r}")
+                if as_bytes
+                else str(folder / value)
+            )
 
     return Input(keys, sources, f"JSONL {path} ({len(keys)} images)")
 
@@ -321,11 +340,14 @@ def _cell(row: dict, name: str, path: Path, number: int) -> Any:
     return row[name]
 
 
-def _b64(value: str) -> bytes:
+def _b64(value: str, where: str) -> bytes | Unreadable:
     try:
         return base64.b64decode(value, validate=True)
-    except (binascii.Error, ValueError):
-        return b""  # an unreadable image: its line reports it, the others go on
+    except (binascii.Error, ValueError) as error:  # an unreadable image: its line says why, the others go on
+        return Unreadable(
+            f"{where} is not valid base64 ({error}); write the image file's bytes as standard base64 "
+            "(RFC 4648: A-Z a-z 0-9 + /, padded with =, no line breaks)"
+        )
 
 
 def _keys(

@@ -54,7 +54,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
 
-from foveal.batch.inputs import Input
+from foveal.batch.inputs import Input, Unreadable
 from foveal.batch.skill_call import ARGUMENT, SkillCall
 from foveal.batch.writer import OutputError, ResultsWriter, read_lines, write_atomically
 
@@ -107,6 +107,9 @@ def fingerprint(source: Any) -> str:
             return f"unreadable:{errno.errorcode.get(error.errno or 0, error.errno)}"
         return f"{stat.st_size}:{stat.st_mtime_ns}:{stat.st_mode:o}:{stat.st_uid}:{stat.st_gid}"
     digest = hashlib.blake2b(digest_size=16)
+    if isinstance(source, Unreadable):  # a cell that holds no image (invalid base64): its reason tells it
+        digest.update(source.reason.encode())
+        return f"unreadable:{digest.hexdigest()}"
     if isinstance(source, bytes | bytearray | memoryview):
         digest.update(source)
         return f"bytes:{digest.hexdigest()}"

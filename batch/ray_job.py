@@ -27,7 +27,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from foveal.batch.inputs import check_readable
+from foveal.batch.inputs import Unreadable, check_readable
 from foveal.batch.job import Kept, job_record, merge_kept, open_results, plan_output
 from foveal.batch.readahead import pipeline
 from foveal.batch.records import record_of
@@ -56,7 +56,12 @@ class SkillActor:
 
         keys = [str(key) for key in batch["image"]]
         sources = [
-            bytes(s) if isinstance(s, bytes | bytearray | np.bytes_) else str(s) for s in batch["source"]
+            Unreadable(str(why))
+            if why
+            else bytes(s)
+            if isinstance(s, bytes | bytearray | np.bytes_)
+            else str(s)
+            for s, why in zip(batch["source"], batch["unreadable"], strict=True)
         ]
         outcomes = pipeline(
             zip(keys, sources, strict=True),
@@ -115,7 +120,7 @@ def run_on_ray(
     )
     check_output(Path(out), resume)
     plan = plan_output(Path(out), job_record(call, model, source), resume=resume, allow_changed=allow_changed)
-    todo = [{"image": key, "source": _shippable(src)} for key, src in source.items() if plan.needs_work(key)]
+    todo = [{"image": key, **_shippable(src)} for key, src in source.items() if plan.needs_work(key)]
     ray = _ray()
     window = window or DEFAULT_WINDOW
     with open_results(plan) as writer:
@@ -173,11 +178,15 @@ def _ray() -> Any:
     return ray
 
 
-def _shippable(source: Any) -> str | bytes:
+def _shippable(source: Any) -> dict[str, str | bytes]:
+    """A row's source as Ray Data columns: the path or bytes, and why it is unreadable ("" if it is not;
+    an `Unreadable` is no Arrow value, so its reason travels in a column of its own)."""
+    if isinstance(source, Unreadable):
+        return {"source": b"", "unreadable": source.reason}
     if isinstance(source, str | bytes):
-        return source
+        return {"source": source, "unreadable": ""}
     if isinstance(source, os.PathLike):
-        return os.fspath(source)
+        return {"source": os.fspath(source), "unreadable": ""}
     raise ValueError(
         f"on Ray, images must be paths or encoded bytes (got {type(source).__name__}); "
         "save them to files, or run locally with foveal.batch.run"

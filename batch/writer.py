@@ -20,6 +20,7 @@ INVARIANTS (tests/batch/test_writer.py, test_resume.py, test_job.py)
        cut, on resume. (--allow-changed drops the lines of changed images: one atomic replace.)
     2. After a kill at any moment and a resume, the file has exactly one line per input image.
     3. Without resume, an existing non-empty file is refused before any work (never overwritten).
+    4. A results file that holds an image twice is refused on resume, naming the file and both lines.
 """
 
 from __future__ import annotations
@@ -105,19 +106,30 @@ def read_done(path: Path) -> set[str]:
 def read_lines(path: Path) -> tuple[list[tuple[str, str]], int]:
     """The whole lines of `path` as (key, line text without newline), and the byte length they span
     (less than the file's size when a kill left a torn tail). Reads only; OutputError on a line
-    that is not a results line."""
+    that is not a results line, or that repeats an image an earlier line holds (the writer never
+    writes one twice: a file edited or concatenated by hand)."""
     data = path.read_bytes()
     whole = data.rfind(b"\n") + 1  # bytes up to the end of the last whole line
     lines = []
+    first_line: dict[str, int] = {}
     for number, line in enumerate(data[:whole].splitlines(), 1):
         try:
             text = line.decode("utf-8")
             key = json.loads(text)["image"]
+            if not isinstance(key, str):  # every key is text (inputs.py); a list or dict is no image's
+                raise TypeError(key)
         except (ValueError, KeyError, TypeError):
             raise OutputError(
                 f"--out {path} line {number} is not a results line ({line[:60]!r}); this file was not "
                 "written by foveal batch: choose another --out"
             ) from None
+        if key in first_line:
+            raise OutputError(
+                f"--out {path} line {number} repeats the result for image {key!r} of line {first_line[key]}: "
+                "a results file holds one line per image; delete one of the two lines (or the file, to "
+                "start over), then run again with --resume"
+            )
+        first_line[key] = number
         lines.append((key, text))
     return lines, whole
 

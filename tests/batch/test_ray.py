@@ -70,3 +70,28 @@ def test_ray_resume_gets_the_local_checks(local_ray, model, scene_writer, same_l
     ]
     same_lines(out.read_text().splitlines(), expected)
     assert (summary.skipped, summary.done, summary.errors) == (2, 2, 1)
+
+
+def test_ray_reports_invalid_base64_as_the_local_run_does(local_ray, model, tmp_path):
+    import base64
+    import io
+    import json
+
+    from foveal.vision import scenes
+
+    buffer = io.BytesIO()
+    scenes.render(scenes.generate_scene(0, 64)).save(buffer, "PNG")
+    rows = tmp_path / "rows.jsonl"
+    cells = [base64.b64encode(buffer.getvalue()).decode(), "!!not base64!!"]
+    rows.write_text(
+        "".join(json.dumps({"id": f"r{i}", "image_base64": c}) + "\n" for i, c in enumerate(cells))
+    )
+    local, on_ray = tmp_path / "local.jsonl", tmp_path / "ray.jsonl"
+    batch.run(rows, "caption", model=model, out=local, progress=False).run()
+    summary = run_on_ray(rows, "caption", out=on_ray, progress=False)
+    assert (summary.done, summary.errors) == (2, 1)
+    assert on_ray.read_text() == local.read_text()
+    assert (
+        "line 2 column 'image_base64' is not valid base64"
+        in json.loads(on_ray.read_text().splitlines()[1])["error"]["message"]
+    )
