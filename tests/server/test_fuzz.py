@@ -12,6 +12,8 @@ not what is tested. Every response must hold:
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from foveal.server import create_app
@@ -113,3 +115,36 @@ def test_the_schema_documents_the_error_body_and_whole_example_requests():
         assert body["examples"]
         for example in body["examples"]:
             jsonschema.validate(example, {**body, "components": OPENAPI["components"]})
+
+
+# The chat route's streamed form: the same generated bodies with `stream: true`. Each answer is the
+# error body before any event (a 4xx, as the same body without stream gets), or a 200 event stream
+# whose every event is a chunk or an error object, ending with `data: [DONE]`.
+chat_route = schema.include(path="/v1/chat/completions", method="POST")
+
+
+def sse_events(text: str) -> list[str]:
+    return [line.removeprefix("data: ") for line in text.split("\n\n") if line.startswith("data: ")]
+
+
+@chat_route.parametrize()
+@settings(
+    max_examples=EXAMPLES_PER_OPERATION,
+    deadline=None,
+    derandomize=True,
+    database=None,
+    phases=[Phase.explicit, Phase.generate],
+    suppress_health_check=list(HealthCheck),
+)
+def test_every_streamed_chat_answer_is_events_to_done_or_the_error_body(case, app):
+    if isinstance(case.body, dict):
+        case.body = {**case.body, "stream": True}
+    response = case.call(app=app)
+    case.validate_response(response, checks=[not_a_server_error, error_body_shape])
+    if response.status_code != 200:
+        return
+    assert response.headers["content-type"].startswith("text/event-stream"), response.headers
+    *events, done = sse_events(response.text)
+    assert done == "[DONE]", response.text[-400:]
+    for event in map(json.loads, events):
+        assert event.get("object") == "chat.completion.chunk" or set(event) == {"error"}, event
