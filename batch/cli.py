@@ -123,6 +123,14 @@ def run_command(args: argparse.Namespace) -> int:
         return _fail(error, 2)
     except RuntimeError as error:  # the model closed under the run
         return _fail(error, 1)
+    except KeyboardInterrupt:  # Ctrl-C: what is written stays; one line says how to go on
+        how = "run the same command again" if args.resume else "run the same command with --resume"
+        print(
+            f"foveal batch: interrupted; the results written so far are in {args.out}; "
+            f"to continue where it stopped, {how}",
+            file=sys.stderr,
+        )
+        return 130
     print(f"foveal batch: {summary.line()} -> {args.out}", file=sys.stderr)
     return 0
 

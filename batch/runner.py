@@ -55,9 +55,13 @@ class Summary:
         )
         skipped = f" ({self.skipped} already done)" if self.skipped else ""
         return (
-            f"{self.done} images in {self.seconds:.1f} s ({self.images_per_s:.1f} images/s), "
-            f"{self.errors} errors{skipped}{batch}"
+            f"{_count(self.done, 'image')} in {self.seconds:.1f} s ({self.images_per_s:.1f} images/s), "
+            f"{_count(self.errors, 'error')}{skipped}{batch}"
         )
+
+
+def _count(n: int, noun: str) -> str:
+    return f"{n} {noun}" if n == 1 else f"{n} {noun}s"
 
 
 class BatchRun:
