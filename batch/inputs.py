@@ -260,7 +260,7 @@ def _parquet_input(path: Path, column: str | None, key_column: str | None) -> In
         import pyarrow.parquet as pq
     except ImportError:
         raise InputError(
-            "reading a Parquet INPUT needs pyarrow; pip install 'foveal[ray]' (or pyarrow)"
+            "reading a Parquet INPUT needs pyarrow; pip install -e '.[ray]' in foveal's clone (or pyarrow)"
         ) from None
     try:
         table_file = pq.ParquetFile(path)

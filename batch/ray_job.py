@@ -172,7 +172,7 @@ def _ray() -> Any:
         import ray
         import ray.data  # noqa: F401
     except ImportError:
-        raise ImportError("running on Ray needs Ray Data: pip install 'foveal[ray]'") from None
+        raise ImportError("running on Ray needs Ray Data: pip install -e '.[ray]' in foveal's clone") from None
     if not ray.is_initialized():
         ray.init(address=os.environ.get("RAY_ADDRESS") or None, log_to_driver=False)
     return ray

@@ -310,7 +310,7 @@ def run_serve(args: argparse.Namespace) -> int:
         from foveal.server import ServerConfig
         from foveal.server.run import serve
     except ImportError as error:
-        return _fail(f"{error}; install the server's dependencies: pip install 'foveal[serve]'", 2)
+        return _fail(f"{error}; install the server's dependencies: pip install -e '.[serve]' in foveal's clone", 2)
     try:
         config = ServerConfig(
             api_key=args.api_key or None,

@@ -300,7 +300,7 @@ def load_gguf(
     """A .gguf file: on CPU a llama file is read straight from the mapped file (gguf.py); others, or CUDA,
     through transformers, which dequantizes. `arch_for(architectures)`: the family's architecture."""
     if importlib.util.find_spec("gguf") is None:
-        raise ModelLoadError("loading a .gguf file needs gguf: pip install 'foveal[bench]'")
+        raise ModelLoadError("loading a .gguf file needs gguf: pip install -e '.[bench]' in foveal's clone")
     header = check_gguf(path)  # a broken file is refused first, whatever else is missing
     from foveal.engine.models import gguf as direct
 
@@ -313,7 +313,7 @@ def load_gguf(
         _prepare_decode(loaded.runner)
         return loaded, arch
     if importlib.util.find_spec("accelerate") is None:
-        raise ModelLoadError("loading this .gguf file needs accelerate: pip install 'foveal[bench]'")
+        raise ModelLoadError("loading this .gguf file needs accelerate: pip install -e '.[bench]' in foveal's clone")
     kwargs = {"gguf_file": path.name}
     config = transformers.AutoConfig.from_pretrained(path.parent, **kwargs)
     arch, class_name = arch_for(

@@ -8,9 +8,9 @@ import pytest
 from foveal import batch
 
 ray = pytest.importorskip(
-    "ray", reason="the Ray tests need Ray Data: pip install 'foveal[ray]' (dev installs it)"
+    "ray", reason="the Ray tests need Ray Data: pip install -e '.[ray]' in foveal's clone (dev installs it)"
 )
-pytest.importorskip("ray.data", reason="the Ray tests need Ray Data: pip install 'foveal[ray]'")
+pytest.importorskip("ray.data", reason="the Ray tests need Ray Data: pip install -e '.[ray]' in foveal's clone")
 
 from foveal.batch.ray_job import run_on_ray  # noqa: E402
 

@@ -72,7 +72,7 @@ def test_rounds_give_the_median_round_and_the_median_of_paired_ratios():
 
 @pytest.mark.slow  # needs the bench extra (llama-cpp-python, built from source) and the cached GGUF
 def test_a_tiny_run_measures_both_and_checks_every_output():
-    pytest.importorskip("llama_cpp", reason="llama-cpp-python is not installed (pip install 'foveal[bench]')")
+    pytest.importorskip("llama_cpp", reason="llama-cpp-python is not installed (pip install -e '.[bench]' in foveal's clone)")
     try:
         path = smollm2_gguf(download=False)
     except ModelLoadError as error:

@@ -144,14 +144,14 @@ def test_gguf_without_its_packages_says_what_to_install(tmp_path, monkeypatch):
     missing = {"gguf", "accelerate"}
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name in missing else object())
     (tmp_path / "model.gguf").write_bytes(b"GGUF")
-    with pytest.raises(ModelLoadError, match=r"needs gguf: pip install 'foveal\[bench\]'"):
+    with pytest.raises(ModelLoadError, match=r"needs gguf: pip install -e '.\[bench\]' in foveal's clone"):
         load(tmp_path / "model.gguf", device="cpu")
     missing.discard("gguf")  # gguf present: a broken file is refused first, then accelerate is asked for
     with pytest.raises(ModelLoadError, match="not a readable GGUF file|is truncated"):
         load(tmp_path / "model.gguf", device="cpu")
     # foveal reads llama files itself (engine/models/gguf.py); other architectures go through transformers
     _write_gguf(tmp_path / "model.gguf", "gemma")
-    with pytest.raises(ModelLoadError, match=r"needs accelerate: pip install 'foveal\[bench\]'"):
+    with pytest.raises(ModelLoadError, match=r"needs accelerate: pip install -e '.\[bench\]' in foveal's clone"):
         load(tmp_path / "model.gguf", device="cpu")
 
 
