@@ -107,9 +107,9 @@ def evaluate(model, n: int, seed_offset: int = 0) -> dict:
         obj = scene.objects[int(rng.integers(len(scene.objects)))]
         ask = user(image, f"how many {obj.colour} {obj.shape}s are there?")
         reply = model.chat([ask], tools=[OTHER_TOOL, COUNT_TOOL], tool_choice="auto")
-        calls = [c for c in reply.get("tool_calls") or [] if c["function"]["name"] == "count_shapes"]
+        calls = [c for c in reply.get("tool_calls") or [] if c["name"] == "count_shapes"]
         hits["tool_called"].append(bool(calls))
-        args = json.loads(calls[0]["function"]["arguments"]) if calls else None
+        args = calls[0]["arguments"] if calls else None
         hits["tool_arguments"].append(args == {"colour": obj.colour, "shape": obj.shape})
 
         truth = int(count_of(scene, f"{obj.colour} {obj.shape}s"))

@@ -619,7 +619,8 @@ def train(args: argparse.Namespace) -> Trainer:
         raise SystemExit(f"{start} does not exist; pick a checkpoint of the run folder (last.pt, best.pt)")
     log = (run / "log.jsonl").open("a")
     t0, losses = time.time(), []
-    while trainer.step < cfg.steps:
+    end = cfg.steps if args.stop_at is None else min(cfg.steps, args.stop_at)
+    while trainer.step < end:
         losses.append(trainer.train_step())
         if trainer.step % args.log_every == 0:
             rec = {
@@ -632,7 +633,7 @@ def train(args: argparse.Namespace) -> Trainer:
             log.write(json.dumps(rec) + "\n")
             log.flush()
             t0, losses = time.time(), []
-        if trainer.step % args.ckpt_every == 0 or trainer.step == cfg.steps:
+        if trainer.step % args.ckpt_every == 0 or trainer.step == end:
             trainer.save_checkpoint(ckpt)
         if args.eval_every and trainer.step % args.eval_every == 0:
             _periodic_eval(trainer, run, log)
@@ -689,6 +690,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--eval-every", type=int, default=0, help="held-out mini-eval every N steps (0: never)")
     p.add_argument("--export", default=None, help="write the Hugging Face folder here at the end")
     p.add_argument("--checkpoint", default="last.pt", help="checkpoint of the run folder to start from")
+    p.add_argument(
+        "--stop-at", type=int, default=None, help="stop (and checkpoint) at this step; the schedule stays --steps'"
+    )
     train(p.parse_args(argv))
 
 
