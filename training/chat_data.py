@@ -113,9 +113,17 @@ class ChatExample:
     kind: str
 
 
-def sample_chat(rng: np.random.Generator, new_scene, kind: str | None = None) -> ChatExample:
-    """An example of `kind` (drawn when None); `new_scene(rng)` draws one training scene."""
-    kind = kind or KINDS[int(rng.choice(len(KINDS), p=[0.35, 0.25, 0.15, 0.25]))]
+KIND_WEIGHTS = {"conversation": 0.35, "tool_call": 0.25, "tool_result": 0.15, "json": 0.25}
+
+
+def sample_chat(
+    rng: np.random.Generator, new_scene, kind: str | None = None, weights: dict[str, float] | None = None
+) -> ChatExample:
+    """An example of `kind` (drawn by `weights` over KINDS when None); `new_scene(rng)` draws one
+    training scene."""
+    if kind is None:
+        shares = np.array([(weights or KIND_WEIGHTS).get(k, 0.0) for k in KINDS])
+        kind = KINDS[int(rng.choice(len(KINDS), p=shares / shares.sum()))]
     return {
         "conversation": conversation_example,
         "tool_call": tool_call_example,

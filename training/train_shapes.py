@@ -88,6 +88,7 @@ class TrainConfig:
     # "chat" in task_weights is the share of steps whose whole batch is chat examples, of this size:
     # chat prompts are several times longer than the task prefixes, and a batch pads to its longest
     chat_batch_size: int = 16
+    chat_kinds: dict[str, float] | None = None  # shares of chat_data.KINDS; None: chat_data.KIND_WEIGHTS
     render_sizes: tuple[int, int] = (64, 160)  # scenes render at a random size in this range, then resize
     aux_weight: float = 0.5  # dense per-patch loss on the image features (see patch_targets); 0: off
     init_from: str | None = None  # start from this checkpoint's model weights (a warm start), not random
@@ -244,9 +245,10 @@ class ChatRenderer:
     PaliGemmaProcessor's own `apply_chat_template`: the prompt `model.chat` sends, image
     placeholders first (stripped here: `encode_example` writes them, with BOS after the last)."""
 
-    def __init__(self, tok, n_image_tokens: int) -> None:
+    def __init__(self, tok, n_image_tokens: int, kinds: dict[str, float] | None = None) -> None:
         from transformers import PaliGemmaProcessor, SiglipImageProcessor
 
+        self.kinds = kinds
         image_processor = SiglipImageProcessor()
         image_processor.image_seq_length = n_image_tokens
         self.processor = PaliGemmaProcessor(image_processor=image_processor, tokenizer=tok, chat_template=CHAT_TEMPLATE)
@@ -268,7 +270,7 @@ class ChatRenderer:
 
     def example(self, rng: np.random.Generator, scene: scenes.Scene, new_scene) -> Example:
         drawn = iter([scene])
-        example = chat_data.sample_chat(rng, lambda r: next(drawn, None) or new_scene(r))
+        example = chat_data.sample_chat(rng, lambda r: next(drawn, None) or new_scene(r), weights=self.kinds)
         prompt, images = self.render(example.conversation)
         if images != len(example.images):
             raise ValueError(f"the conversation shows {images} images but holds {len(example.images)} scenes")
@@ -506,7 +508,8 @@ class Trainer:
         )
         self.n_image_tokens = (cfg.image_size // cfg.patch_size) ** 2
         self.loc_ids = torch.tensor(self.tok.convert_tokens_to_ids(self.fmt.locations.tokens()))
-        self.chat = ChatRenderer(self.tok, self.n_image_tokens) if cfg.task_weights.get("chat") else None
+        chat = cfg.task_weights.get("chat")
+        self.chat = ChatRenderer(self.tok, self.n_image_tokens, cfg.chat_kinds) if chat else None
         if cfg.init_from and warm_start:
             self.model.load_state_dict(warm_start_weights(cfg.init_from))
         torch.manual_seed(cfg.seed + 1)
