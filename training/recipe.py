@@ -28,6 +28,7 @@ from foveal.training import train_shapes
 AUX = {"aux_weight": 0.5}
 CAPTION_MIX = {"detect": 0.3, "point": 0.15, "caption": 0.35, "query": 0.2}
 CHAT_MIX = {"detect": 0.3, "point": 0.15, "caption": 0.3, "query": 0.2, "chat": 0.8}
+TOOL_KINDS = {"conversation": 0.25, "tool_call": 0.3, "tool_result": 0.3, "json": 0.15}
 
 
 @dataclass(frozen=True, slots=True)
@@ -55,7 +56,14 @@ STAGES = (
         threads=2,
         then_steps=7000,
     ),
-    Stage("5-chat", 1600, {**AUX, "warmup": 100, "lr": 0.0003, "task_weights": CHAT_MIX}, threads=2),
+    Stage("5-chat", 1600, {**AUX, "warmup": 100, "lr": 0.0003, "task_weights": CHAT_MIX}, stop_at=1000, threads=2),
+    Stage(
+        "6-tools",
+        1600,
+        {**AUX, "warmup": 50, "lr": 0.0003, "task_weights": CHAT_MIX, "chat_kinds": TOOL_KINDS},
+        threads=2,
+        start="checkpoint",
+    ),
 )
 
 
