@@ -9,7 +9,8 @@ load ends, either way, `state.loaded` is set; a failure is kept in `state.load_e
 /health and every model route, and by `foveal serve` as its one line before it exits, run.py), not
 logged here. The app never closes a model it was given; it closes one its loader made, when it
 stops. An app stopped during its load waits for the load to end (a load is not interruptible
-midway) and closes the model it made.
+midway) and closes the model it made. A model its loader made is settled (heap.py: the load's
+objects frozen out of the collector's full collections) before the first request sees it.
 
 Middleware order (outermost first): Observe (metrics and logs of every request, refused ones
 included), Gate (API key, body limit), then FastAPI's routing.
@@ -27,7 +28,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import Response
 
 import foveal
-from foveal.server import errors, generate_api, moondream_api, openai_api, ops
+from foveal.server import errors, generate_api, heap, moondream_api, openai_api, ops
 from foveal.server.admission import ClientGone
 from foveal.server.config import ServerConfig
 from foveal.server.gate import Gate
@@ -61,6 +62,7 @@ def create_app(
                 await loading
                 if state.model is not None:
                     await asyncio.to_thread(state.model.close)
+                    heap.thaw()
 
     app = FastAPI(
         title="foveal", version=foveal.__version__, lifespan=lifespan, docs_url="/docs", redoc_url=None
@@ -82,6 +84,7 @@ def create_app(
 async def _load(state: ServerState, loader: Callable[[], Any]) -> None:
     try:
         loaded = await asyncio.to_thread(loader)
+        await asyncio.to_thread(heap.settle)  # before the first request: heap.py
         state.set_model(loaded)
     except Exception as error:  # reported by /health, every model route and `foveal serve`
         state.load_error = " ".join(f"{type(error).__name__}: {error}".split())  # one line

@@ -8,15 +8,24 @@ PROBLEM
     request, /health included, waits for it. A string with a lone UTF-16 surrogate (`"\\ud800"`) is
     valid JSON but no text: it reached the tokenizer, whose message ("TextEncodeInput must be
     Union[...]") tells an HTTP client nothing.
+    Values the number hooks cannot see are cheap to send and dear to parse: 16 MB of `[[],[],...]`
+    is 5.6 million lists, which one `json.loads` (a C call: the GIL held throughout, in a worker
+    thread too) took 2 s to build; `[null,...]`, `[{},...]` and `["",...]` the same, less.
 SOLUTION
     `JsonRoute` parses the body itself and hands FastAPI the parsed value (`_Parsed.json()`). A body
-    over INLINE_BYTES is parsed in a worker thread, with hooks on its numbers that count them (past
+    over INLINE_BYTES is parsed in a worker thread. First its structural bytes (`[`, `{`, `,` and
+    `:`, which every value but the first follows) are counted, a slice of the body at a time (each
+    `bytes.count` a fraction of a millisecond, so the GIL goes back to the loop between them): past
+    MAX_STRUCTURE the body is refused (413) unparsed. The bound is loose (MAX_VALUES times 5: the
+    bytes in texts count too, so a long text with commas passes), and it caps what one `json.loads`
+    builds at about 6 ms. Then the parse, with hooks on its numbers that count them (past
     MAX_VALUES the parse stops: a 413) and, being Python calls, let the thread hand the GIL back to
     the loop while it parses. Then every value is visited once (at most MAX_VALUES of them) and every
     string checked for lone surrogates: a 400 naming where it is. Bad JSON is the 400 `invalid_json`
     FastAPI's own parse gave.
 INVARIANTS
     - No body over INLINE_BYTES is parsed or walked on the event loop.
+    - No body with more than MAX_STRUCTURE structural bytes is parsed.
     - Work on a body with too many values stops after MAX_VALUES of them.
     - A route sees only bodies whose every string is valid Unicode.
 """
@@ -39,6 +48,11 @@ INLINE_BYTES = 16 * 1024  # parsed and walked on the loop below this: about a mi
 # that a refused body leaves few objects behind: 100,000 numbers left 50,000 lists whose promotion
 # set off a full garbage collection of the process (0.5 s, GIL held) in a server with a model loaded.
 MAX_VALUES = 20_000
+# Structural bytes ([ { , :) of one body: every value but the first follows one, so this bounds the
+# values a parse builds. Loose (texts' commas count), and low enough that a parse stays short.
+MAX_STRUCTURE = 5 * MAX_VALUES
+STRUCTURE = (b"[", b"{", b",", b":")
+SLICE_BYTES = 256 * 1024  # counted per bytes.count call: well under a millisecond
 
 
 class JsonRoute(APIRoute):
@@ -79,7 +93,32 @@ async def parse_body(body: bytes) -> Any:
     """The body's JSON value, checked (module docstring); ApiError 400 or 413 otherwise."""
     if len(body) <= INLINE_BYTES:
         return _parse(body, json.loads)
-    return await asyncio.to_thread(_parse, body, _counted_loads)
+    return await asyncio.to_thread(_parse_large, body)
+
+
+def _parse_large(body: bytes) -> Any:
+    if _structure_over(body, MAX_STRUCTURE):
+        raise ApiError(
+            413,
+            f"the request body holds more than {MAX_STRUCTURE} of JSON's structural characters ('[', '{{', "
+            "',', ':', in texts too), this server's limit; send fewer values (spatial_refs, messages, ...) "
+            "per request",
+            "request_too_large",
+        )
+    return _parse(body, _counted_loads)
+
+
+def _structure_over(body: bytes, limit: int) -> bool:
+    """Whether `body` holds more than `limit` structural bytes, counted a slice at a time (each count
+    holds the GIL well under a millisecond), stopping once past the limit."""
+    seen = 0
+    for start in range(0, len(body), SLICE_BYTES):
+        end = start + SLICE_BYTES
+        for byte in STRUCTURE:
+            seen += body.count(byte, start, end)
+        if seen > limit:
+            return True
+    return False
 
 
 def _parse(body: bytes, loads: Callable[[bytes], Any]) -> Any:

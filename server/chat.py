@@ -1,7 +1,7 @@
 """OpenAI chat requests turned into `Model.chat` calls: the conversation, its images, the output type,
 the tools, the settings, the number of choices. No HTTP here (openai_api.py does that).
 
-- messages: roles system (and OpenAI's `developer`, read as system), user, assistant (with
+- messages: 1..MAX_MESSAGES of them; roles system (and OpenAI's `developer`, read as system), user, assistant (with
   `tool_calls`) and tool (with the `tool_call_id` it answers); `content` a string or a list of parts
   (`{"type": "text", "text"}`, `{"type": "image_url", "image_url": {"url": "data:..."}}`; http(s)
   URLs are refused: the server fetches nothing). The conversation goes to `model.chat` as it is,
@@ -39,6 +39,7 @@ from foveal.server.errors import ApiError
 from foveal.server.images import image_bytes
 
 ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant", "tool": "tool"}
+MAX_MESSAGES = 2048  # messages of one request: OpenAI's own bound, above what any context holds
 MAX_CHOICES = 8  # n: choices of one request (each an engine request; the prompt's pages are shared)
 MAX_TOP_LOGPROBS = 20  # OpenAI's bound, and the engine's
 
@@ -212,6 +213,13 @@ def _check_tools(body: ChatRequest) -> None:
 def _messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
     if not messages:
         raise ApiError(400, "messages is empty; send at least one user message", param="messages")
+    if len(messages) > MAX_MESSAGES:
+        raise ApiError(
+            400,
+            f"messages holds {len(messages)} messages, more than this server takes ({MAX_MESSAGES}); "
+            "send the conversation's last turns",
+            param="messages",
+        )
     out = []
     for i, message in enumerate(messages):
         role = message.get("role")

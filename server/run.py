@@ -44,6 +44,13 @@ SLOW CLIENTS
     its previous answer sent) until it is fully received, then closes the connection; a route
     reading the body sees the client gone. Whether a request is still being received is h11's own
     state (`their_state` IDLE or SEND_BODY).
+
+NO DELAY
+    Every accepted connection gets TCP_NODELAY. asyncio sets it only on sockets made with proto
+    IPPROTO_TCP, and `socket.create_server` (bind, above; uvicorn's own binding too) makes them with
+    proto 0, so Nagle's algorithm held each answer's body (uvicorn writes the head and the body
+    apart) until the client acknowledged the head, which a client delays by 40 ms: every /health
+    on a kept-alive connection took 43 ms on loopback.
 """
 
 from __future__ import annotations
@@ -238,6 +245,7 @@ class _TimedH11(H11Protocol):
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         super().connection_made(transport)  # type: ignore[arg-type]
+        _no_delay(transport)
         self._watch()
 
     def data_received(self, data: bytes) -> None:
@@ -282,6 +290,14 @@ class _TimedH11(H11Protocol):
                 self.read_timeout_s,
             )
             self.transport.close()
+
+
+def _no_delay(transport: asyncio.BaseTransport) -> None:
+    """TCP_NODELAY on an accepted connection (NO DELAY above)."""
+    sock = transport.get_extra_info("socket")
+    if sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
+        with contextlib.suppress(OSError):
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
 
 
 @contextlib.contextmanager

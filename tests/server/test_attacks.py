@@ -3,21 +3,34 @@ without holding the event loop.
 
 The stall test runs the app in this test's own event loop (httpx's ASGI transport), beside a ticker
 task that sleeps 1 ms at a time: the longest gap between its ticks is the longest any request held
-the loop, which is what every other client (and /health) waits.
+the loop, which is what every other client (and /health) waits. The served process differs from
+that in what the ticker cannot see: real TCP (a /health answer held by Nagle's algorithm), and the
+heap and collector state a model load leaves (a full collection of it is 0.4 s of GIL, which the
+first allocating request set off). So a second test attacks a real `foveal serve` process on
+loopback, timing /health on a kept-alive connection meanwhile, and a third checks the load's heap
+directly (server/heap.py), since when a collection starts is the collector's choice.
 """
 
 from __future__ import annotations
 
 import asyncio
 import base64
+import gc
 import json
 import os
+import statistics
+import subprocess
+import sys
+import threading
 import time
+import types
 
 import httpx
 import pytest
 
 from foveal.server import create_app
+from foveal.server.bodies import MAX_STRUCTURE
+from foveal.server.chat import MAX_MESSAGES
 from tests.server.conftest import data_url, scene
 
 # The loop may be held this long at most, while heavy inputs arrive: parsing a 16 MB body in a
@@ -53,8 +66,13 @@ def heavy_requests(image: str) -> list[tuple[str, str, bytes]]:
         ("10 MB prompt", "/v1/generate", {"image_url": image, "prompt": "ab" * (5 * 2**20)}),
         ("500,000 spatial_refs", "/v1/query", {"image_url": image, "question": "where?", "spatial_refs": [[0.5, 0.5]] * 500_000}),
         ("500,000 one-number refs", "/v1/query", {"image_url": image, "question": "q", "spatial_refs": [[0.5] * 500_000]}),
+        ("3,000 messages", "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}] * 3000}),
     ]
-    return [(name, path, json.dumps(body).encode()) for name, path, body in bodies]
+    raw = [(name, path, json.dumps(body).encode()) for name, path, body in bodies]
+    # Values no number hook sees: 5.6 million lists (2 s in one json.loads), 3.4 million nulls.
+    raw.append(("16 MB of [[],[],...]", "/v1/query", b"[" + b"[]," * (BODY_LIMIT // 3 - 200) + b"[]]"))
+    raw.append(("16 MB of [null,...]", "/v1/chat/completions", b"[" + b"null," * (BODY_LIMIT // 5 - 200) + b"null]"))
+    return raw
 
 
 async def _worst_stall_while(app, requests) -> list[tuple]:
@@ -101,6 +119,118 @@ def test_heavy_inputs_never_hold_the_event_loop(model):
         assert seconds < 5, (name, seconds)
     stalls = {name: round(worst * 1000) for name, *_, worst in answers}
     assert max(stalls.values()) < WORST_STALL_S * 1000, f"the event loop was held (ms): {stalls}"
+
+
+# ---- the served process --------------------------------------------------------------------------------------------
+
+# A /health on a kept-alive loopback connection: a millisecond or two when nothing holds the server.
+# Before TCP_NODELAY (run.py) every one took 43 ms: the client's delayed acknowledgement of the head.
+HEALTH_MEDIAN_S = 0.02
+WORST_HEALTH_S = 0.1  # WORST_STALL_S, plus the round trip and the probe's own thread
+
+
+class HealthProbe:
+    """/health in a loop on one kept-alive connection, in a thread; `worst` since the last `reset()`."""
+
+    def __init__(self, url: str) -> None:
+        self.url, self.times, self.worst = url, [], 0.0
+        self.running = True
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        with httpx.Client(timeout=60) as client:
+            while self.running:
+                started = time.perf_counter()
+                assert client.get(f"{self.url}/health").status_code == 200
+                took = time.perf_counter() - started
+                self.times.append(took)
+                self.worst = max(self.worst, took)
+                time.sleep(0.002)
+
+    def reset(self) -> None:
+        self.times, self.worst = [], 0.0
+
+    def stop(self) -> None:
+        self.running = False
+        self.thread.join(10)
+
+
+def test_a_served_process_answers_health_while_attacked():
+    process = subprocess.Popen(
+        [sys.executable, "-m", "foveal", "serve", "--port", "0", "--device", "cpu", "--quiet"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    try:
+        requests = heavy_requests(data_url(scene(0)))  # while it loads
+        url = next(line.split("serving on ", 1)[1].split()[0] for line in process.stdout if "serving on" in line)
+        probe = HealthProbe(url)
+        time.sleep(0.5)
+        idle = statistics.median(probe.times)
+        answers, stalls = [], {}
+        with httpx.Client(timeout=120) as client:
+            for name, path, body in requests:
+                held = []
+                for _ in range(TRIES):
+                    probe.reset()
+                    response = client.post(f"{url}{path}", content=body, headers={"content-type": "application/json"})
+                    time.sleep(0.02)
+                    held.append(probe.worst)
+                    if probe.worst < WORST_HEALTH_S:
+                        break
+                answers.append((name, response.status_code, response.json()))
+                stalls[name] = round(min(held) * 1000)
+        probe.stop()
+    finally:
+        process.terminate()
+        process.wait(30)
+    for name, status, body in answers:
+        assert 400 <= status < 500 and set(body) == {"error"}, (name, status, body)
+    assert idle < HEALTH_MEDIAN_S, f"an idle /health took {idle * 1000:.0f} ms (median)"
+    assert max(stalls.values()) < WORST_HEALTH_S * 1000, f"/health waited (ms): {stalls}"
+
+
+def test_the_heap_a_load_left_is_out_of_full_collections():
+    """server/heap.py: after the app's loader returned, a full collection visits only what came later
+    (before: every object of the process, 0.4 s and more with the GIL held)."""
+    app = create_app(loader=lambda: types.SimpleNamespace(close=lambda: None))
+
+    async def served() -> tuple[int, float]:
+        async with app.router.lifespan_context(app):
+            await app.state.foveal.loaded.wait()
+            assert app.state.foveal.model is not None
+            seconds = []
+            for _ in range(3):  # the best of 3: a shared machine's preemption does not repeat
+                started = time.perf_counter()
+                gc.collect()
+                seconds.append(time.perf_counter() - started)
+            return gc.get_freeze_count(), min(seconds)
+
+    frozen, seconds = asyncio.run(served())
+    assert frozen > 10_000 and seconds < 0.05, (frozen, seconds)
+    assert gc.get_freeze_count() == 0  # given back when the app closed its model
+
+
+def test_bodies_of_values_no_hook_counts_are_refused_unparsed(server):
+    for body in (b"[" + b"[]," * 200_000 + b"[]]", b"[" + b'"",' * 200_000 + b'""]', b'{"a": [' + b"{}," * 200_000 + b"{}]}"):
+        started = time.perf_counter()
+        response = httpx.post(f"{server}/v1/query", content=body, headers={"content-type": "application/json"})
+        error = response.json()["error"]
+        assert response.status_code == 413 and f"more than {MAX_STRUCTURE} of JSON's structural" in error["message"]
+        assert time.perf_counter() - started < 2
+    text = "one, two: three; " * 5000  # 10,000 commas and colons in a text are not values
+    response = post(server, "/v1/query", {"image_url": data_url(scene(0)), "question": text})
+    assert response.status_code == 400 and "context of 512 tokens" in response.json()["error"]["message"], response.text
+
+
+def test_messages_are_bounded(server):
+    many = {"messages": [{"role": "user", "content": "hi"}] * (MAX_MESSAGES + 1)}
+    response = post(server, "/v1/chat/completions", many)
+    error = response.json()["error"]
+    assert response.status_code == 400 and error["param"] == "messages", response.text
+    assert f"more than this server takes ({MAX_MESSAGES})" in error["message"]
 
 
 def post(url: str, path: str, body: dict) -> httpx.Response:
