@@ -518,10 +518,10 @@ class Model:
         task, images, s, explicit, chat_plan = call
         job = await asyncio.to_thread(self._prepare, task, images, s, explicit)
         self._chat_sampling(job, logprobs)
-        if stream:
-            logprobs_so_far = chat_tools.LogprobsSoFar(None, self.family.tokenizer)
-            chunks = self._astream(job, logprobs_so_far.follow)
-            text = chat_tools.AsyncChatStream(chunks, chat_plan, logprobs_so_far)
+        if stream:  # submitted before the stream is returned, as chat's: a request that cannot fit raises here
+            handle = self._submit(job)
+            logprobs_so_far = chat_tools.LogprobsSoFar(handle.logprobs, self.family.tokenizer)
+            text = chat_tools.AsyncChatStream(_Chunks(self._astream(job, handle), handle), chat_plan, logprobs_so_far)
             return ChatResult.of_answer("", text, job.image)
         output = await AsyncEngine(self.engine).generate(job.request)
         return self._chat_result(job, output, chat_plan, logprobs)
@@ -877,19 +877,14 @@ class Model:
 
     async def _arun(self, task: Task, images: list, settings: Settings, explicit: bool, stream: bool) -> Any:
         job = await asyncio.to_thread(self._prepare, task, images, settings, explicit)
-        if stream:
-            return job.result.of_answer("", AsyncTextStream(self._astream(job)), job.image)
+        if stream:  # submitted before the stream is returned, as _run's: a request that cannot fit raises here
+            handle = self._submit(job)
+            return job.result.of_answer("", AsyncTextStream(_Chunks(self._astream(job, handle), handle)), job.image)
         return self._result(job, await AsyncEngine(self.engine).generate(job.request))
 
-    async def _astream(
-        self, job: Job, on_handle: Callable[[RequestHandle], None] | None = None
-    ) -> AsyncIterator[str | Usage]:
+    async def _astream(self, job: Job, handle: RequestHandle) -> AsyncIterator[str | Usage]:
         """The async twin of `_stream`: an engine error, a cancellation or a cut constrained answer
-        raises at the end of the stream, as it does for the sync stream and the whole result.
-        `on_handle` sees the request's handle once submitted (a chat stream reads its logprobs)."""
-        handle = self._submit(job)
-        if on_handle is not None:
-            on_handle(handle)
+        raises at the end of the stream, as it does for the sync stream and the whole result."""
         try:
             async for delta in AsyncEngine.deltas(handle):
                 yield delta
@@ -898,6 +893,29 @@ class Model:
             yield _usage(output)  # AsyncTextStream keeps it as its .usage
         finally:
             handle.cancel()  # the caller stopped early: free the sequence (no-op when finished)
+
+
+class _Chunks:
+    """`_astream`'s generator over a submitted request, whose `aclose` cancels the request even when
+    the generator never started (closing an async generator before its first step skips its
+    `finally`): a stream closed before its first read frees its place in the engine."""
+
+    __slots__ = ("_chunks", "_handle")
+
+    def __init__(self, chunks: AsyncIterator[str | Usage], handle: RequestHandle) -> None:
+        self._chunks, self._handle = chunks, handle
+
+    def __aiter__(self) -> _Chunks:
+        return self
+
+    async def __anext__(self) -> str | Usage:
+        return await self._chunks.__anext__()
+
+    async def aclose(self) -> None:
+        try:
+            await self._chunks.aclose()  # type: ignore[attr-defined]
+        finally:
+            self._handle.cancel()  # a no-op once finished
 
 
 def _usage(output: RequestOutput) -> Usage:

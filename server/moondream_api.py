@@ -40,7 +40,7 @@ from foveal.server.errors import ApiError, error_event
 from foveal.server.images import decode_image
 from foveal.server.measure import check_fits
 from foveal.server.state import call, state_of, stream_call
-from foveal.server.streaming import events, primed
+from foveal.server.streaming import events
 from foveal.settings import MAX_OBJECTS_CEILING, MAX_TOKENS_CEILING, OBJECT_SKILLS, SEED_LIMIT
 from foveal.skills import CAPTION_LENGTHS
 
@@ -213,7 +213,7 @@ async def _text(request: Request, key: str, stream: bool, start: Any) -> Any:
         return await call(request, lambda m: start(m, False))
 
     async def begin(model: Any) -> Any:
-        return await primed((await start(model, True))[key])  # refused at submit: a 400, no event
+        return (await start(model, True))[key]  # submitted: refused at submit is a 400, no event
 
     return await stream_call(
         request,

@@ -35,7 +35,7 @@ from foveal.server.chat import ChatCall, ChatRequest, chat_call
 from foveal.server.errors import ApiError, error_event
 from foveal.server.measure import check_fits
 from foveal.server.state import ServerState, call, state_of, stream_call
-from foveal.server.streaming import primed_all, sse
+from foveal.server.streaming import sse
 from foveal.server.usage import finish_reason, usage
 
 router = APIRouter(prefix="/v1", tags=["openai"], route_class=JsonRoute)  # bodies: bodies.py
@@ -153,8 +153,8 @@ def _id() -> str:
 
 
 async def _start_streams(model: Any, plan: ChatCall) -> list[Any]:
-    """The choices' streams, started and primed (each one's input checked, by the SDK and by the
-    engine's submit, before the 200 goes out)."""
+    """The choices' streams, started (each one's input checked, by the SDK and by the engine's
+    submit, which the SDK does before it returns a stream: before the 200 goes out)."""
     streams: list[Any] = []
     grounded = _grounded(model, plan)
     question = plan.question() if grounded else None
@@ -174,7 +174,7 @@ async def _start_streams(model: Any, plan: ChatCall) -> list[Any]:
             with anyio.CancelScope(shield=True):
                 await stream.aclose()
         raise
-    return await primed_all(streams)  # refused at submit: a 400 before any event
+    return streams
 
 
 class _ReasonedStream:

@@ -14,8 +14,9 @@ SOLUTION
     closes the event generator, whose `finally` closes the SDK stream (shielded from the
     cancellation), which cancels the engine request. After `stop` the stream then sends its `final`
     lines (an error event and `data: [DONE]`, state.py) and ends. `events()` turns an SDK text
-    stream into SSE lines and owns that close. `primed()` reads a stream's first item before the
-    200 goes out, so that what the engine refuses at submit is a status, not an error event.
+    stream into SSE lines and owns that close. What the engine refuses at submit (max_tokens or a
+    prompt beyond the context) is a status, not an error event: the SDK's async skills submit
+    before they return the stream, inside the route's call, before the 200 goes out.
 INVARIANTS
     - The body iterator is closed however the stream ended; `on_close` runs once, last, after the
       final lines were sent (admission counts the stream until then).
@@ -121,91 +122,6 @@ class _Sent:
         elif message["type"] == "http.response.body" and not message.get("more_body", False):
             self.complete = True
         await self.send(message)
-
-
-class Primed:
-    """An SDK text stream whose first item was already read: the stream's own attributes (usage,
-    plan, logprobs) through it, its items from the first one on, `aclose()` closing it.
-
-    Why: the SDK submits a streamed request to the engine at the stream's first read, so its
-    refusals (max_tokens or a prompt beyond the context) come from that read. Read before the 200
-    goes out, they are the same 400 as the call without `stream`, not an error event after a 200."""
-
-    _EMPTY = object()
-
-    def __init__(self, stream: Any, items: AsyncIterator[str], first: Any) -> None:
-        self._stream, self._items, self._first = stream, items, first
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._stream, name)
-
-    def __aiter__(self) -> Primed:
-        return self
-
-    async def __anext__(self) -> str:
-        if self._first is not Primed._EMPTY:
-            first, self._first = self._first, Primed._EMPTY
-            return first
-        return await self._items.__anext__()
-
-    async def aclose(self) -> None:
-        await _close(self._items, self._stream)
-
-
-async def primed(stream: Any) -> Primed:
-    """`stream` with its first item read (see Primed); an error of that read is raised here, after
-    the stream was closed (so is a cancellation: the engine request is cancelled with it)."""
-    items = stream.__aiter__()
-    try:
-        first = await items.__anext__()
-    except StopAsyncIteration:
-        first = _END
-    except BaseException:
-        with anyio.CancelScope(shield=True):
-            await _close(items, stream)
-        raise
-    return Primed(stream, _Ended() if first is _END else items, Primed._EMPTY if first is _END else first)
-
-
-async def primed_all(streams: Sequence[Any]) -> list[Primed]:
-    """Every stream primed at once (the engine batches their first steps). If one fails, the others
-    are stopped, and every stream closed, before its error is raised."""
-    tasks = [asyncio.ensure_future(primed(stream)) for stream in streams]
-    try:
-        await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
-    finally:  # also when this call is cancelled (a disconnect, the shutdown)
-        with anyio.CancelScope(shield=True):
-            for task in tasks:
-                task.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
-    failed = [task for task in tasks if task.cancelled() or task.exception() is not None]
-    if failed:
-        with anyio.CancelScope(shield=True):
-            for task in tasks:
-                if not task.cancelled() and task.exception() is None:
-                    await task.result().aclose()
-        failed[0].result()  # raises its error (a cancelled one raises CancelledError)
-    return [task.result() for task in tasks]
-
-
-_END = object()
-
-
-class _Ended:
-    """The items of a stream that ended at its first read."""
-
-    def __aiter__(self) -> _Ended:
-        return self
-
-    async def __anext__(self) -> str:
-        raise StopAsyncIteration
-
-
-async def _close(items: Any, stream: Any) -> None:
-    closer = getattr(items, "aclose", None)
-    if closer is not None and items is not stream:
-        await closer()
-    await stream.aclose()
 
 
 async def events(
