@@ -47,6 +47,13 @@ class SamplingParams:
 
     logprobs=k records each output token's log-probability and its k most likely alternatives
     (k in 0..MAX_LOGPROBS; None records nothing): see `TokenLogprob` for the distribution.
+
+    The engine checks only what would break it (temperature >= 0, 0 < top_p <= 1, ...). The SDK's
+    settings (sdk/settings.py) are narrower, and what reaches the engine from foveal's skills and
+    server is within them: temperature 0 or in [1e-6, 2], and top_p >= 2**-126 (float32's smallest
+    normal number). The sampler works in float32: a top_p below that bound is 0 there, and logits
+    are tempered as (logits - row max) / temperature, so that no positive temperature overflows
+    them; the most likely allowed token always stays in the nucleus.
     """
 
     temperature: float = 0.0
