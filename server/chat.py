@@ -22,8 +22,9 @@ the tools, the settings, the number of choices. No HTTP here (openai_api.py does
   field) and `reasoning_content`, its groundings as `reasoning_details.grounding`. On a model whose
   template has a thinking section it changes nothing (the thinking is always returned); elsewhere 400.
 - settings: max_completion_tokens (or max_tokens), temperature, top_p, seed, stop, passed to the SDK,
-  which validates them. `user`, `metadata` and `store` (false) are accepted and unused: the server
-  keeps nothing.
+  which validates them. `user` (and OpenAI's replacements for it, `safety_identifier` and
+  `prompt_cache_key`), `metadata` and `store` (false) are accepted and unused: the server keeps
+  nothing, and its prefix cache needs no key.
 """
 
 from __future__ import annotations
@@ -66,6 +67,9 @@ class ChatRequest(BaseModel):
     logprobs: bool | None = None
     top_logprobs: int | None = None
     user: str | None = None  # accepted, unused
+    # OpenAI's replacements for `user` (the openai client documents them in its place): accepted, unused
+    safety_identifier: str | None = None
+    prompt_cache_key: str | None = None
     metadata: dict[str, str] | None = None  # accepted, unused
     store: bool | None = None  # accepted when not true: the server stores nothing
     reasoning: bool | None = None  # the moondream client's chat(reasoning=...): see the module docstring

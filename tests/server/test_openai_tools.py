@@ -87,7 +87,10 @@ def test_system_several_turns_and_images_in_two_turns_are_the_sdks_chat(qwen):
         {"role": "assistant", "content": "three"},
         {"role": "user", "content": [{"type": "text", "text": "and here?"}, image_part(2)]},
     ]
-    reply = client.chat.completions.create(model="foveal", messages=messages, max_completion_tokens=6, user="u1", metadata={"run": "t"})
+    reply = client.chat.completions.create(
+        model="foveal", messages=messages, max_completion_tokens=6, user="u1", metadata={"run": "t"},
+        safety_identifier="u1", prompt_cache_key="shapes",  # what the openai client documents in user's place
+    )
     sdk = [
         {"role": m["role"], "content": m["content"] if isinstance(m["content"], str) else [
             {"type": "image", "image": _decoded(p)} if p["type"] == "image_url" else p for p in m["content"]
