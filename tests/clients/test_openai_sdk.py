@@ -60,7 +60,7 @@ def test_a_counting_question_is_a_valid_call_of_the_tool(client, tool_choice):
     check_count_call(call.function.name, call.function.arguments, obj)
 
 
-def test_a_streamed_call_joins_to_the_whole_one(client):
+def test_a_streamed_calls_deltas_join_to_a_valid_call(client):
     messages, obj = ask_count(2)
     kwargs = {
         "model": "foveal",
