@@ -18,6 +18,8 @@ SOLUTION
                     other question is answered in text;
       tool result   the call made and its result given (any number, not the scene's): the answer is
                     the result;
+      follow_up     (drawn only where a config asks for it) a count question answered, then an
+                    elliptic one about the same image;
       json          the system line JSON_INSTRUCTION and a JSON object of a few fields about the
                     scene (field names from a pool, some unknown words), or a question's answer as
                     its one field, closed at once.
@@ -40,7 +42,7 @@ from foveal.families.conversation import Conversation, Message, ToolCall, with_t
 from foveal.families.shapes.format import JSON_INSTRUCTION
 from foveal.vision import scenes
 
-KINDS = ("conversation", "tool_call", "tool_result", "json")
+KINDS = ("conversation", "tool_call", "tool_result", "json", "follow_up")
 SYSTEM_PROMPTS = (
     "You are a helpful assistant.",
     "You are a helpful assistant that answers questions about images.",
@@ -129,6 +131,7 @@ def sample_chat(
         "tool_call": tool_call_example,
         "tool_result": tool_result_example,
         "json": json_example,
+        "follow_up": follow_up_example,
     }[kind](rng, new_scene)
 
 
@@ -149,6 +152,18 @@ def conversation_example(rng: np.random.Generator, new_scene) -> ChatExample:
         parts = (question,) if image is None else (image, question)
         turns += [Message("user", parts), Message("assistant", (answer,))]
     return ChatExample(tuple(turns[:-1]), images, asks[-1][2], "conversation")
+
+
+def follow_up_example(rng: np.random.Generator, new_scene) -> ChatExample:
+    """A count question answered, then an elliptic one about the same image ("and how many squares?")."""
+    scene = new_scene(rng)
+    first = _count_noun(rng, scene)
+    question = f"how many {first}?"
+    turns = [*_system(rng, 0.5), Message("user", (0, question)), Message("assistant", (_count(scene, first),))]
+    follow, answer = _follow_up(rng, scene, question)
+    while not follow.startswith(("and ", "what about ", "how about ")):
+        follow, answer = _follow_up(rng, scene, question)
+    return ChatExample((*turns, Message("user", (follow,))), [scene], answer, "follow_up")
 
 
 def _system(rng: np.random.Generator, p: float) -> list[Message]:

@@ -29,6 +29,8 @@ AUX = {"aux_weight": 0.5}
 CAPTION_MIX = {"detect": 0.3, "point": 0.15, "caption": 0.35, "query": 0.2}
 CHAT_MIX = {"detect": 0.3, "point": 0.15, "caption": 0.3, "query": 0.2, "chat": 0.8}
 TOOL_KINDS = {"conversation": 0.25, "tool_call": 0.3, "tool_result": 0.3, "json": 0.15}
+TALK_MIX = {"detect": 0.3, "point": 0.15, "caption": 0.45, "query": 0.2, "chat": 0.8}
+TALK_KINDS = {"conversation": 0.25, "follow_up": 0.2, "tool_call": 0.1, "tool_result": 0.3, "json": 0.15}
 
 
 @dataclass(frozen=True, slots=True)
@@ -61,6 +63,13 @@ STAGES = (
         "6-tools",
         1600,
         {**AUX, "warmup": 50, "lr": 0.0003, "task_weights": CHAT_MIX, "chat_kinds": TOOL_KINDS},
+        threads=2,
+        start="checkpoint",
+    ),
+    Stage(
+        "7-talk",
+        1400,
+        {**AUX, "warmup": 50, "lr": 0.0002, "task_weights": TALK_MIX, "chat_kinds": TALK_KINDS},
         threads=2,
         start="checkpoint",
     ),
