@@ -590,8 +590,18 @@ class Trainer:
         image_processor.save_pretrained(folder)  # preprocessor_config.json, for loaders that read it alone
         processor = PaliGemmaProcessor(image_processor=image_processor, tokenizer=self.tok, chat_template=CHAT_TEMPLATE)
         processor.save_pretrained(folder)  # chat_template.jinja beside processor_config.json
+        _drop_load_options(folder / "tokenizer_config.json")
         self.fmt.save(folder)
         return folder
+
+
+def _drop_load_options(path: Path) -> None:
+    """transformers writes how the run's tokenizer was loaded (is_local, local_files_only) into the
+    config it saves; they say nothing of the model, and the shipped folder should not carry them."""
+    config = json.loads(path.read_text())
+    if any(key in config for key in ("is_local", "local_files_only")):
+        config = {k: v for k, v in config.items() if k not in ("is_local", "local_files_only")}
+        path.write_text(json.dumps(config, indent=2, ensure_ascii=False) + "\n")
 
 
 def _run_tokenizer(run: Path, fmt: ShapesFormat):

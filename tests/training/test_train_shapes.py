@@ -77,6 +77,8 @@ def test_cli_trains_resumes_and_exports(tmp_path):
     steps = [json.loads(line)["step"] for line in (run / "log.jsonl").read_text().splitlines()]
     assert steps == [1, 2, 3]
     assert {p.name for p in (tmp_path / "hf").iterdir()} >= ts.EXPORTED_FILES
+    tokenizer_config = json.loads((tmp_path / "hf" / "tokenizer_config.json").read_text())
+    assert not {"is_local", "local_files_only"} & set(tokenizer_config)  # how the run loaded it is not shipped
 
 
 def test_a_warm_started_run_resumes_after_its_source_is_gone(tmp_path):
