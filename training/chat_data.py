@@ -20,6 +20,10 @@ SOLUTION
                     the result;
       follow_up     (drawn only where a config asks for it) a count question answered, then an
                     elliptic one about the same image;
+      answer_tool   (where a config asks for it) a tool whose parameters are the answer's fields,
+                    as agents declare their output type (pydantic-ai's final_result, instructor's
+                    and langchain's tool named after the class): called with the fields' values
+                    about the scene, or, after a counting tool's result, with that result;
       json          the system line JSON_INSTRUCTION and a JSON object of a few fields about the
                     scene (field names from a pool, some unknown words), or a question's answer as
                     its one field, closed at once.
@@ -42,7 +46,7 @@ from foveal.families.conversation import Conversation, Message, ToolCall, with_t
 from foveal.families.shapes.format import JSON_INSTRUCTION
 from foveal.vision import scenes
 
-KINDS = ("conversation", "tool_call", "tool_result", "json", "follow_up")
+KINDS = ("conversation", "tool_call", "tool_result", "json", "follow_up", "answer_tool")
 SYSTEM_PROMPTS = (
     "You are a helpful assistant.",
     "You are a helpful assistant that answers questions about images.",
@@ -132,6 +136,7 @@ def sample_chat(
         "tool_result": tool_result_example,
         "json": json_example,
         "follow_up": follow_up_example,
+        "answer_tool": answer_tool_example,
     }[kind](rng, new_scene)
 
 
@@ -340,3 +345,80 @@ def json_object(rng: np.random.Generator, scene: scenes.Scene, keys: list[str]) 
         else:
             out[key] = picked.phrase()
     return out
+
+
+# ---- answers as tool calls (agents' output types) ------------------------------------------------------------
+
+OUTPUT_TOOLS = (
+    ("final_result", "The final response which ends this conversation"),
+    ("Shape", "Correctly extracted `Shape` with all the required parameters with correct types"),
+    ("ShapeCount", ""),
+    ("Answer", "Answer the user"),
+    ("SceneInfo", "Correctly extracted `SceneInfo` with all the required parameters with correct types"),
+    ("extract", "Extract the fields"),
+)
+FIELD_SCHEMAS = {
+    "shapes": {"type": "array", "items": {"type": "string"}},
+    "colours": {"type": "array", "items": {"type": "string"}},
+    "count": {"type": "integer"},
+    "objects": {
+        "type": "array",
+        "items": {
+            "type": "object",
+            "properties": {"colour": {"type": "string"}, "shape": {"type": "string"}},
+            "required": ["colour", "shape"],
+        },
+    },
+}
+
+
+def answer_tool_example(rng: np.random.Generator, new_scene) -> ChatExample:
+    scene = new_scene(rng)
+    name, description = OUTPUT_TOOLS[int(rng.integers(len(OUTPUT_TOOLS)))]
+    relay = rng.random() < 0.4
+    if relay:  # a counting tool was called and answered: the output carries its result
+        tools, spec = tool_definitions(rng)
+        question, arguments = count_call(rng, scene, spec)
+        keys = [k for k in ("shape", "colour", "count") if k == "count" or rng.random() < 0.6]
+    else:
+        tools, spec = [], None
+        keys = _answer_keys(rng)
+        question, answer = JSON_ASKS[int(rng.integers(len(JSON_ASKS)))], None
+        if rng.random() < 0.5:
+            question, answer = _ask(rng, scene)
+    properties = {k: FIELD_SCHEMAS.get(JSON_KEYS.get(k, k), {"type": "string"}) for k in keys}
+    output = _function(name, description, properties, list(keys))
+    turns: list[Message] = [*_system(rng, 0.4), Message("user", (0, question))]
+    if relay:
+        call_id = f"call_{int(rng.integers(10**6))}"
+        n = int(rng.integers(0, 13))
+        turns += [
+            Message("assistant", (), (ToolCall(call_id, spec[0], json.dumps(arguments)),)),
+            Message("tool", (RESULT_FORMATS[int(rng.integers(len(RESULT_FORMATS)))].format(n=n),), (), call_id),
+        ]
+        values = {"shape": arguments[spec[3]], "colour": arguments.get(spec[2]) if spec[2] else None, "count": n}
+        value = {k: values[k] for k in keys if values[k] is not None}
+        output = _function(name, description, {k: properties[k] for k in value}, list(value))
+    else:
+        value = json_object(rng, scene, keys)
+        for key in ("answer", "result", "value"):  # a question's answer where a field asks for it
+            if key in value and answer is not None:
+                value[key] = answer
+    every = [*tools, output]
+    order = rng.permutation(len(every))
+    return ChatExample(
+        with_tools(tuple(turns), [every[int(i)] for i in order]), [scene], hermes_call(name, value), "answer_tool"
+    )
+
+
+def _answer_keys(rng: np.random.Generator) -> list[str]:
+    keys = list(JSON_KEYS) + list(OTHER_KEYS)
+    chosen: list[str] = []
+    for i in rng.permutation(len(keys))[: int(rng.integers(1, 4))]:
+        key = keys[int(i)]
+        if all(JSON_KEYS.get(k, k) != JSON_KEYS.get(key, key) for k in chosen):
+            chosen.append(key)
+    if "count" in chosen and "shape" not in chosen and rng.random() < 0.5:
+        chosen.insert(0, "shape")  # Shape(shape, count): the count is of that shape
+    return chosen
+

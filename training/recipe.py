@@ -31,6 +31,15 @@ CHAT_MIX = {"detect": 0.3, "point": 0.15, "caption": 0.3, "query": 0.2, "chat": 
 TOOL_KINDS = {"conversation": 0.25, "tool_call": 0.3, "tool_result": 0.3, "json": 0.15}
 TALK_MIX = {"detect": 0.3, "point": 0.15, "caption": 0.45, "query": 0.2, "chat": 0.8}
 TALK_KINDS = {"conversation": 0.25, "follow_up": 0.2, "tool_call": 0.1, "tool_result": 0.3, "json": 0.15}
+AGENT_MIX = {"detect": 0.3, "point": 0.15, "caption": 0.45, "query": 0.2, "chat": 0.9}
+AGENT_KINDS = {
+    "conversation": 0.25,
+    "follow_up": 0.2,
+    "tool_call": 0.1,
+    "tool_result": 0.15,
+    "json": 0.1,
+    "answer_tool": 0.2,
+}
 
 
 @dataclass(frozen=True, slots=True)
@@ -70,6 +79,14 @@ STAGES = (
         "7-talk",
         1400,
         {**AUX, "warmup": 50, "lr": 0.0002, "task_weights": TALK_MIX, "chat_kinds": TALK_KINDS},
+        stop_at=600,
+        threads=2,
+        start="checkpoint",
+    ),
+    Stage(
+        "8-agents",
+        1200,
+        {**AUX, "warmup": 50, "lr": 0.0002, "task_weights": AGENT_MIX, "chat_kinds": AGENT_KINDS},
         threads=2,
         start="checkpoint",
     ),

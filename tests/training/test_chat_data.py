@@ -28,9 +28,10 @@ def _examples(kind, n=60, seed=0):
     return [chat_data.sample_chat(rng, _new_scene, kind) for _ in range(n)]
 
 
-def test_tool_call_targets_read_back_as_calls_of_declared_tools_with_valid_arguments():
+@pytest.mark.parametrize("kind", ["tool_call", "answer_tool"])
+def test_tool_call_targets_read_back_as_calls_of_declared_tools_with_valid_arguments(kind):
     calls = 0
-    for ex in _examples("tool_call", 120):
+    for ex in _examples(kind, 120):
         tools = tools_of(ex.conversation)
         reply = read_reply(plan(None, tools, "auto", tool_format="hermes"), ex.target)
         if not reply.tool_calls:
@@ -115,7 +116,7 @@ def test_hermes_calls_are_accepted_by_the_tool_grammar():
 
     tok = ts.build_tokenizer(ts.ShapesFormat())
     assert isinstance(tok, PreTrainedTokenizerFast)
-    for ex in _examples("tool_call", 30, seed=4):
+    for ex in _examples("tool_call", 30, seed=4) + _examples("answer_tool", 30, seed=4):
         if "<tool_call>" not in ex.target:
             continue
         spec = plan(None, tools_of(ex.conversation), "required", tool_format="hermes").spec
