@@ -10,7 +10,10 @@ scenes (`eval_shapes.eval_scene`: seeds below training's), one case of each kind
   one, tool_choice "auto", "how many <colour> <shape>s are there?": a call of count_shapes with
   exactly those arguments; `called` counts any call of count_shapes;
 - tool relay: the call made and its result given (a number other than the scene's count): the
-  answer is that number;
+  answer is that number; `output_tool_relay`: the same with an output tool beside it
+  (`final_result(shape, count)`, as pydantic-ai declares an output type) and tool_choice
+  "required": final_result is called with that number as its count;
+- no tool needed: a question that is not a count, tools offered, tool_choice "auto": a text answer;
 - open JSON: generate(image, "describe the scene", {"type": "object"}): finished (not cut at
   max_tokens) and a JSON object; its token count; and a pydantic-like schema {shape: str, count:
   int} (required): finished and valid.
@@ -77,6 +80,8 @@ def evaluate(model, n: int, seed_offset: int = 0) -> dict:
             "tool_called",
             "tool_arguments",
             "tool_relay",
+            "output_tool_relay",
+            "no_tool_needed_text",
             "json_object_finished",
             "json_schema_valid",
         )
@@ -129,6 +134,22 @@ def evaluate(model, n: int, seed_offset: int = 0) -> dict:
         ]
         answer = model.chat(relay, tools=[OTHER_TOOL, COUNT_TOOL])["text"]
         hits["tool_relay"].append(answer.strip() == str(result))
+
+        final = {
+            "type": "function",
+            "function": {
+                "name": "final_result",
+                "description": "The final response which ends this conversation",
+                "parameters": SHAPE_COUNT,
+            },
+        }
+        reply = model.chat(relay, tools=[COUNT_TOOL, final], tool_choice="required")
+        outs = [c["arguments"] for c in reply.get("tool_calls") or [] if c["name"] == "final_result"]
+        hits["output_tool_relay"].append(bool(outs) and outs[0].get("count") == result)
+
+        other = task["question"] if not task["question"].startswith("how many") else "what do you see?"
+        reply = model.chat([user(image, other)], tools=[OTHER_TOOL, COUNT_TOOL], tool_choice="auto")
+        hits["no_tool_needed_text"].append(not reply.get("tool_calls") and bool(reply["text"].strip()))
 
         hits["json_object_finished"].append(_finished(model, image, {"type": "object"}, json_tokens))
         hits["json_schema_valid"].append(_finished(model, image, SHAPE_COUNT, None))
