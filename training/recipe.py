@@ -32,6 +32,14 @@ TOOL_KINDS = {"conversation": 0.25, "tool_call": 0.3, "tool_result": 0.3, "json"
 TALK_MIX = {"detect": 0.3, "point": 0.15, "caption": 0.45, "query": 0.2, "chat": 0.8}
 TALK_KINDS = {"conversation": 0.25, "follow_up": 0.2, "tool_call": 0.1, "tool_result": 0.3, "json": 0.15}
 AGENT_MIX = {"detect": 0.3, "point": 0.15, "caption": 0.45, "query": 0.2, "chat": 0.9}
+RELAY_KINDS = {
+    "conversation": 0.15,
+    "follow_up": 0.15,
+    "tool_call": 0.1,
+    "tool_result": 0.3,
+    "json": 0.05,
+    "answer_tool": 0.25,
+}
 AGENT_KINDS = {
     "conversation": 0.25,
     "follow_up": 0.2,
@@ -87,6 +95,13 @@ STAGES = (
         "8-agents",
         1200,
         {**AUX, "warmup": 50, "lr": 0.0002, "task_weights": AGENT_MIX, "chat_kinds": AGENT_KINDS},
+        threads=2,
+        start="checkpoint",
+    ),
+    Stage(
+        "9-relay",
+        1000,
+        {**AUX, "warmup": 50, "lr": 0.00015, "task_weights": AGENT_MIX, "chat_kinds": RELAY_KINDS},
         threads=2,
         start="checkpoint",
     ),

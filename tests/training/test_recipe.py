@@ -14,8 +14,9 @@ def test_each_stage_starts_from_the_one_before_and_exports_its_run(tmp_path):
         source = tmp_path / before.name / ("last.pt" if stage.start == "checkpoint" else "export")
         assert config["init_from"] == str(source)
     assert lines[0][lines[0].index("--stop-at") + 1] == "1000"
-    assert [c["chat_kinds"] for c in configs[-3:]] == [recipe.TOOL_KINDS, recipe.TALK_KINDS, recipe.AGENT_KINDS]
-    assert configs[-4]["task_weights"] == recipe.CHAT_MIX  # the chat stages train the chat data
+    kinds = [recipe.TOOL_KINDS, recipe.TALK_KINDS, recipe.AGENT_KINDS, recipe.RELAY_KINDS]
+    assert [c["chat_kinds"] for c in configs[-4:]] == kinds
+    assert configs[-5]["task_weights"] == recipe.CHAT_MIX  # the chat stages train the chat data
     assert lines[-1][-2:] == ["--export", str(tmp_path / "out")]
 
 
