@@ -146,7 +146,7 @@ def test_a_config_without_its_vision_parts_is_refused(folder, tmp_path, missing)
 def test_a_folder_without_its_image_processor_is_refused(folder, tmp_path):
     out = _copy(folder, tmp_path)
     (out / "preprocessor_config.json").unlink()
-    with pytest.raises(ModelLoadError, match="no preprocessor_config.json"):
+    with pytest.raises(ModelLoadError, match=r"no image processor settings \(preprocessor_config.json, or processor_config.json"):
         load(out, device="cpu")
 
 

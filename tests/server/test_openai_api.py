@@ -32,11 +32,16 @@ def ask(question: str, image=None) -> list[dict]:
     return [{"role": "user", "content": parts}]
 
 
-def test_text_answer_is_the_sdk_query(client, model):
+def test_text_answer_is_the_sdk_chat(client, model):
+    """The route answers what `model.chat` answers for the same messages (the model's chat template
+    renders them; `query`'s task prefix is another prompt)."""
     image = scene(2)
     reply = client.chat.completions.create(model="foveal", messages=ask("how many squares?", image))
     choice = reply.choices[0]
-    assert choice.message.content == model.query(data_url_bytes(image), "how many squares?")["answer"]
+    sdk_messages = [
+        {"role": "user", "content": [{"type": "text", "text": "how many squares?"}, {"type": "image", "image": data_url_bytes(image)}]}
+    ]
+    assert choice.message.content == model.chat(sdk_messages)["text"]
     assert choice.finish_reason == "stop" and reply.object == "chat.completion"
     assert reply.usage.completion_tokens >= 1 and reply.usage.prompt_tokens > reply.usage.completion_tokens
 
