@@ -303,13 +303,7 @@ def tool_result_example(rng: np.random.Generator, new_scene) -> ChatExample:
 
 def json_example(rng: np.random.Generator, new_scene) -> ChatExample:
     scene = new_scene(rng)
-    keys = list(JSON_KEYS) + list(OTHER_KEYS)
-    chosen: list[str] = []
-    for i in rng.permutation(len(keys))[: int(rng.integers(1, 4))]:
-        key = keys[int(i)]
-        if all(JSON_KEYS.get(k, k) != JSON_KEYS.get(key, key) for k in chosen):
-            chosen.append(key)
-    value = json_object(rng, scene, chosen)
+    value = json_object(rng, scene, _distinct_keys(rng))
     if rng.random() < 0.5:
         ask = JSON_ASKS[int(rng.integers(len(JSON_ASKS)))]
     else:  # a question: its answer as the one field, or fields about the scene
@@ -411,13 +405,19 @@ def answer_tool_example(rng: np.random.Generator, new_scene) -> ChatExample:
     )
 
 
-def _answer_keys(rng: np.random.Generator) -> list[str]:
+def _distinct_keys(rng: np.random.Generator) -> list[str]:
+    """One to three field names, no two meaning the same (colour and color, count and total)."""
     keys = list(JSON_KEYS) + list(OTHER_KEYS)
     chosen: list[str] = []
     for i in rng.permutation(len(keys))[: int(rng.integers(1, 4))]:
         key = keys[int(i)]
         if all(JSON_KEYS.get(k, k) != JSON_KEYS.get(key, key) for k in chosen):
             chosen.append(key)
+    return chosen
+
+
+def _answer_keys(rng: np.random.Generator) -> list[str]:
+    chosen = _distinct_keys(rng)
     if "count" in chosen and "shape" not in chosen and rng.random() < 0.5:
         chosen.insert(0, "shape")  # Shape(shape, count): the count is of that shape
     return chosen

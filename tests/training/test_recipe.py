@@ -5,6 +5,8 @@ import json
 from foveal.training import recipe
 from foveal.training import train_shapes as ts
 
+from .test_train_shapes import TINY
+
 
 def test_each_stage_starts_from_the_one_before_and_exports_its_run(tmp_path):
     lines = recipe.commands(tmp_path, export=str(tmp_path / "out"))
@@ -22,14 +24,9 @@ def test_each_stage_starts_from_the_one_before_and_exports_its_run(tmp_path):
 
 def test_a_shrunk_recipe_runs_end_to_end_and_resumes_as_a_no_op(tmp_path, monkeypatch):
     tiny = {
+        **{k: v for k, v in TINY.items() if k != "steps"},
         "batch_size": 2,
         "chat_batch_size": 2,
-        "image_size": 32,
-        "patch_size": 8,
-        "vision_width": 64,
-        "vision_layers": 1,
-        "text_width": 64,
-        "text_layers": 1,
         "warmup": 1,
     }
     stages = tuple(
