@@ -236,6 +236,14 @@ class Family:
 
     # ---- user text ---------------------------------------------------------------------------------------------
 
+    def plain_conversation(self, conversation: Conversation) -> Conversation:
+        """`conversation` if every text part of it is plain text (`plain`); ValueError otherwise."""
+        for message in conversation:
+            for part in message.parts:
+                if isinstance(part, str):
+                    self.plain("message", part)
+        return conversation
+
     def plain(self, name: str, text: str) -> str:
         """`text` if it is plain text for this model's tokenizer; ValueError naming the token otherwise."""
         found = self._special.search(text) if self._special else None

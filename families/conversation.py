@@ -114,6 +114,16 @@ def image_count(conversation: Conversation) -> int:
     return sum(len(m.images) for m in conversation)
 
 
+def task_conversation(prompt: str | Conversation, images: int) -> Conversation:
+    """A task's conversation: a chat call's own (checked against the images that came), or one user
+    turn asking `prompt` about them."""
+    if not isinstance(prompt, tuple):
+        return user_turn(prompt, images)
+    if image_count(prompt) != images:
+        raise ValueError(f"the conversation refers to {image_count(prompt)} images but {images} came")
+    return prompt
+
+
 def to_hf(conversation: Conversation, vision: bool) -> list[dict]:
     """The conversation as transformers' `apply_chat_template` takes it."""
     return [_hf_message(m, vision) for m in conversation]

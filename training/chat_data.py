@@ -164,7 +164,7 @@ def follow_up_example(rng: np.random.Generator, new_scene) -> ChatExample:
     scene = new_scene(rng)
     first = _count_noun(rng, scene)
     question = f"how many {first}?"
-    turns = [*_system(rng, 0.5), Message("user", (0, question)), Message("assistant", (_count(scene, first),))]
+    turns = [*_system(rng, 0.5), Message("user", (0, question)), Message("assistant", (count_answer(scene, first),))]
     follow, answer = _follow_up(rng, scene, question)
     while not follow.startswith(("and ", "what about ", "how about ")):
         follow, answer = _follow_up(rng, scene, question)
@@ -197,18 +197,18 @@ def _follow_up(rng: np.random.Generator, scene: scenes.Scene, previous: str) -> 
     if COUNT_QUESTION.match(previous) and rng.random() < 0.7:
         noun = _count_noun(rng, scene)
         form = ("and how many {}?", "what about {}?", "and {}?", "how about {}?")[int(rng.integers(4))]
-        return form.format(noun), _count(scene, noun)
+        return form.format(noun), count_answer(scene, noun)
     return _ask(rng, scene)
 
 
 def _count_noun(rng: np.random.Generator, scene: scenes.Scene) -> str:
     nouns = [m[1] for q, _ in scenes.questions(scene)["count"] if (m := COUNT_QUESTION.match(q))]
-    present = [n for n in nouns if _count(scene, n) != "0"]
+    present = [n for n in nouns if count_answer(scene, n) != "0"]
     pool = present if present and rng.random() < 0.7 else nouns
     return pool[int(rng.integers(len(pool)))]
 
 
-def _count(scene: scenes.Scene, noun: str) -> str:
+def count_answer(scene: scenes.Scene, noun: str) -> str:
     """The scene's answer to 'how many <noun>?' (the count questions' own answer)."""
     for q, a in scenes.questions(scene)["count"]:
         if q == f"how many {noun}?":

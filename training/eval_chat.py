@@ -29,6 +29,7 @@ from pathlib import Path
 
 import numpy as np
 
+from foveal.training.chat_data import count_answer
 from foveal.training.eval_shapes import DEFAULT_MODEL, eval_scene, eval_tasks
 from foveal.vision import scenes
 
@@ -59,13 +60,6 @@ SHAPE_COUNT = {
 }
 
 
-def count_of(scene: scenes.Scene, noun: str) -> str:
-    for q, a in scenes.questions(scene)["count"]:
-        if q == f"how many {noun}?":
-            return a
-    raise ValueError(noun)
-
-
 def user(image, text: str) -> dict:
     return {"role": "user", "content": [{"type": "image", "image": image}, {"type": "text", "text": text}]}
 
@@ -94,9 +88,9 @@ def evaluate(model, n: int, seed_offset: int = 0) -> dict:
         rng = np.random.default_rng([seed, 7])
         nouns = [q[len("how many ") : -1] for q, _ in scenes.questions(scene)["count"]]
         a, b = (nouns[int(j)] for j in rng.choice(len(nouns), 2, replace=False))
-        talk = [user(image, f"how many {a}?"), {"role": "assistant", "content": count_of(scene, a)}]
+        talk = [user(image, f"how many {a}?"), {"role": "assistant", "content": count_answer(scene, a)}]
         answer = model.chat([*talk, {"role": "user", "content": f"and how many {b}?"}])["text"]
-        hits["follow_up"].append(answer.strip() == count_of(scene, b))
+        hits["follow_up"].append(answer.strip() == count_answer(scene, b))
 
         task = eval_tasks(scene, i)
         system = {"role": "system", "content": "You are a helpful assistant. Answer briefly."}
@@ -107,7 +101,7 @@ def evaluate(model, n: int, seed_offset: int = 0) -> dict:
         c = nouns2[int(rng.integers(len(nouns2)))]
         first = [user(image, task["question"]), {"role": "assistant", "content": task["answer"]}]
         answer = model.chat([*first, user(second, f"how many {c}?")])["text"]
-        hits["second_image"].append(answer.strip() == count_of(other, c))
+        hits["second_image"].append(answer.strip() == count_answer(other, c))
 
         obj = scene.objects[int(rng.integers(len(scene.objects)))]
         ask = user(image, f"how many {obj.colour} {obj.shape}s are there?")
@@ -117,7 +111,7 @@ def evaluate(model, n: int, seed_offset: int = 0) -> dict:
         args = calls[0]["arguments"] if calls else None
         hits["tool_arguments"].append(args == {"colour": obj.colour, "shape": obj.shape})
 
-        truth = int(count_of(scene, f"{obj.colour} {obj.shape}s"))
+        truth = int(count_answer(scene, f"{obj.colour} {obj.shape}s"))
         result = (truth + 1 + int(rng.integers(0, 9))) % 13
         call = {
             "id": "call_1",

@@ -22,7 +22,7 @@ from typing import Any, ClassVar
 from foveal.engine.models.arch import Architecture, ModelLoadError
 from foveal.engine.models.loader import LoadedModel, LoadOptions, assemble, load_gguf, load_transformers
 from foveal.families.base import Capabilities, Family
-from foveal.families.conversation import Conversation, image_count, single_user_message, user_turn
+from foveal.families.conversation import Conversation, single_user_message, task_conversation
 from foveal.families.task import Task, is_loc, spatial_task
 from foveal.families.template import ChatTemplate
 from foveal.grammars import spatial
@@ -139,10 +139,7 @@ class ChatFamily(Family):
         return Task("generate", self.plain("prompt", prompt), output_type, None, is_loc(output_type))
 
     def chat(self, conversation: Conversation, output_type: Any) -> Task:
-        for message in conversation:
-            for part in message.parts:
-                if isinstance(part, str):
-                    self.plain("message", part)
+        self.plain_conversation(conversation)
         if not self.capabilities.conversations:
             single_user_message(conversation, "this checkpoint")
         return Task("chat", conversation, output_type, None, is_loc(output_type))
@@ -156,10 +153,4 @@ class ChatFamily(Family):
 
     def conversation(self, task: Task, images: int) -> Conversation:
         """The task's conversation: a chat call's own, or one user turn with the call's images."""
-        if isinstance(task.prompt, tuple):
-            if image_count(task.prompt) != images:
-                raise ValueError(
-                    f"the conversation refers to {image_count(task.prompt)} images but {images} came"
-                )
-            return task.prompt
-        return user_turn(task.prompt, images)
+        return task_conversation(task.prompt, images)

@@ -20,7 +20,7 @@ from typing import Any
 from foveal.engine.models.arch import ModelLoadError
 from foveal.engine.models.loader import LoadedModel
 from foveal.families.base import Capabilities, Family
-from foveal.families.conversation import Conversation, Message, image_count, tools_of, user_turn, with_tools
+from foveal.families.conversation import Conversation, Message, task_conversation, tools_of, with_tools
 from foveal.families.paligemma import PaliGemmaFamily
 from foveal.families.shapes.format import FORMAT_FILE, JSON_INSTRUCTION, ShapesFormat
 from foveal.families.task import Task, is_loc, spatial_task
@@ -73,26 +73,15 @@ class ShapesFamily(PaliGemmaFamily):
         spec = spatial.points("loc", max_objects, self._label(phrase), self.fmt.n_bins, self.fmt.separator)
         return spatial_task("point", self.fmt.prompt("point", object=phrase), spec)
 
-    def generate(self, prompt: str, output_type: Any) -> Task:
-        if not self.template.available:
-            return super().generate(prompt, output_type)
-        return Task("generate", self.plain("prompt", prompt), output_type, None, is_loc(output_type))
-
     def chat(self, conversation: Conversation, output_type: Any) -> Task:
         if not self.template.available:
             return super().chat(conversation, output_type)
-        for message in conversation:
-            for part in message.parts:
-                if isinstance(part, str):
-                    self.plain("message", part)
-        return Task("chat", conversation, output_type, None, is_loc(output_type))
+        return Task("chat", self.plain_conversation(conversation), output_type, None, is_loc(output_type))
 
     def encode(self, task: Task, images: list, image_key: str | None) -> tuple[Any, Task]:
         if not self.template.available or task.skill not in ("generate", "chat"):
             return super().encode(task, images, image_key)
-        conversation = task.prompt if isinstance(task.prompt, tuple) else user_turn(task.prompt, len(images))
-        if image_count(conversation) != len(images):
-            raise ValueError(f"the conversation refers to {image_count(conversation)} images but {len(images)} came")
+        conversation = task_conversation(task.prompt, len(images))
         if _asks_json(task.spec):
             conversation = _with_json_instruction(conversation)
         text, special = self.template.render(conversation)

@@ -73,7 +73,7 @@ def test_follow_ups_are_answered_about_the_latest_image():
         for form in ("and how many ", "what about ", "how about "):
             if question.startswith(form):
                 noun = question[len(form) : -1]
-                assert ex.target == chat_data._count(ex.images[-1], noun)
+                assert ex.target == chat_data.count_answer(ex.images[-1], noun)
 
 
 def test_chat_training_ids_equal_what_model_chat_sends(tmp_path):
