@@ -81,7 +81,7 @@ class Family:
         self.capabilities = capabilities
         self._special = _special_pattern(special_texts(loaded.tokenizer))
         self._bounds: LRUCache[spatial.ItemTokenBounds] = LRUCache(maxsize=256)
-        self._reserved: ReservedMask | None = None  # built on the first free-text call
+        self._reserved: ReservedMask | None = None  # `reserve`: the family's reserved tokens
 
     @property
     def image_min_size(self) -> tuple[int, int] | None:
@@ -213,21 +213,19 @@ class Family:
             self._bounds.put(key, bounds)
         return bounds
 
+    def reserve(self, ids: tuple[int, ...]) -> None:
+        """Mark tokens that belong to this family's answer formats only (PaliGemma's location
+        tokens): free text never holds them (`free_text_matcher`). Called once, at construction."""
+        self._reserved = ReservedMask(self.runner.vocab_size, ids) if ids else None
+
     @property
     def reserved_token_ids(self) -> tuple[int, ...]:
-        """Tokens that belong to this family's answer formats only (PaliGemma's location tokens):
-        free text never holds them (`free_text_matcher`). Default: none."""
-        return ()
+        return tuple(sorted(self._reserved.ids)) if self._reserved is not None else ()
 
     def free_text_matcher(self) -> ReservedTokens | None:
         """The matcher of an answer decoded without a grammar: None (no mask at all), or, where the
         family reserves tokens, one that masks them (families/reserved.py)."""
-        ids = self.reserved_token_ids
-        if not ids:
-            return None
-        if self._reserved is None:
-            self._reserved = ReservedMask(self.runner.vocab_size, ids)
-        return self._reserved.matcher()
+        return self._reserved.matcher() if self._reserved is not None else None
 
     @property
     def fill_masks(self) -> FillMasks:

@@ -46,12 +46,7 @@ class PaliGemmaFamily(Family):
 
     def __init__(self, loaded: LoadedModel, capabilities: Capabilities | None = None) -> None:
         super().__init__(loaded, capabilities or Capabilities(SKILLS, vision=True, image_required=True))
-        self._reserved_ids = reserved_ids(self.tokenizer, PALIGEMMA_RESERVED)
-
-    @property
-    def reserved_token_ids(self) -> tuple[int, ...]:
-        """The location and segmentation tokens: only detect and point answers hold them."""
-        return self._reserved_ids
+        self.reserve(reserved_ids(self.tokenizer, PALIGEMMA_RESERVED))  # only detect and point write them
 
     @classmethod
     def load(cls, folder: Path, raw: dict, options: LoadOptions) -> Family:
