@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from foveal.batch.skill_call import SKILLS
+from foveal.cli_common import check_device, fail, quiet_loading
 
 RESUME_HELP = """\
 resuming:
@@ -96,12 +97,10 @@ def add_command(commands: Any) -> argparse.ArgumentParser:
 
 def run_command(args: argparse.Namespace) -> int:
     """Run the parsed `foveal batch` command; the exit status."""
-    from foveal.cli import _fail, _quiet_loading  # foveal.cli imports this module: not at the top
-
     try:
         options = _options(args)
     except ValueError as error:
-        return _fail(error, 2)
+        return fail(error, 2)
     use_ray = args.ray or bool(os.environ.get("RAY_ADDRESS"))
     try:
         if use_ray:
@@ -111,7 +110,7 @@ def run_command(args: argparse.Namespace) -> int:
         else:
             from foveal.batch.runner import run
 
-            _quiet_loading()
+            quiet_loading()
             job = run(args.input, model=args.model, device=args.device, **options)
             summary = job.run()
     except (
@@ -120,9 +119,9 @@ def run_command(args: argparse.Namespace) -> int:
         OSError,
         ImportError,
     ) as error:  # InputError, SchemaError, ModelLoadError...
-        return _fail(error, 2)
+        return fail(error, 2)
     except RuntimeError as error:  # the model closed under the run
-        return _fail(error, 1)
+        return fail(error, 1)
     except KeyboardInterrupt:  # Ctrl-C: what is written stays; one line says how to go on
         how = "run the same command again" if args.resume else "run the same command with --resume"
         print(
@@ -136,10 +135,7 @@ def run_command(args: argparse.Namespace) -> int:
 
 
 def _options(args: argparse.Namespace) -> dict[str, Any]:
-    from foveal.cli import DEVICES
-
-    if not DEVICES.fullmatch(args.device):
-        raise ValueError(f"--device {args.device!r} is not accepted; use auto, cpu, cuda or cuda:N")
+    check_device(args.device)
     if args.window is not None and args.window < 1:
         raise ValueError(f"--window must be >= 1, got {args.window}")
     if args.concurrency is not None and args.concurrency < 1:

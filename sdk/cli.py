@@ -20,16 +20,15 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
 import sys
 from pathlib import Path
 from typing import Any
 
 import foveal
 from foveal.batch.cli import add_command as add_batch_command
+from foveal.cli_common import check_device, fail, quiet_loading
 
 DEMO_SIZES = (32, 2048)  # scene side in pixels: the shapes world's smallest, and a sane largest
-DEVICES = re.compile(r"auto|cpu|cuda(:\d+)?")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -145,20 +144,20 @@ def main(argv: list[str] | None = None) -> int:
     try:
         check_args(args)
     except ValueError as error:
-        return _fail(error, 2)
+        return fail(error, 2)
     if args.command == "serve":
         return run_serve(args)
-    _quiet_loading()
+    quiet_loading()
     try:
         model = foveal.load(args.model, device=args.device)
     except (ValueError, TypeError, OSError) as error:  # ModelLoadError is a ValueError
-        return _fail(error, 2)
+        return fail(error, 2)
     try:
         return COMMANDS[args.command](model, args)
     except (ValueError, TypeError) as error:  # ImageError, SchemaError and bad settings are ValueErrors
-        return _fail(error, 2)
+        return fail(error, 2)
     except RuntimeError as error:  # GenerationError, IncompleteOutputError
-        return _fail(error, 1)
+        return fail(error, 1)
     finally:
         model.close()
 
@@ -166,8 +165,7 @@ def main(argv: list[str] | None = None) -> int:
 def check_args(args: argparse.Namespace) -> None:
     """What can be refused before the model loads: the device name, the demo's scene size, the
     IMAGE file, --model, --max-tokens, --max-objects and --out."""
-    if not DEVICES.fullmatch(args.device):
-        raise ValueError(f"--device {args.device!r} is not accepted; use auto, cpu, cuda or cuda:N")
+    check_device(args.device)
     low, high = DEMO_SIZES
     if args.command == "demo" and not low <= args.size <= high:
         raise ValueError(f"--size {args.size} is not accepted; use {low} to {high} pixels")
@@ -226,18 +224,6 @@ def check_out(out: str) -> None:
         raise ValueError(f"--out {out}: the folder {folder} does not exist; create it first")
     if not os.access(folder, os.W_OK) or (path.exists() and not os.access(path, os.W_OK)):
         raise ValueError(f"--out {out} cannot be written (permission denied); choose another path")
-
-
-def _quiet_loading() -> None:
-    """No weight-loading progress bars from transformers: stderr is for foveal's own messages."""
-    from transformers.utils import logging
-
-    logging.disable_progress_bar()
-
-
-def _fail(error: BaseException, status: int) -> int:
-    print(f"foveal: error: {error}", file=sys.stderr)
-    return status
 
 
 # ---- commands --------------------------------------------------------------------------------------------------
@@ -310,7 +296,7 @@ def run_serve(args: argparse.Namespace) -> int:
         from foveal.server import ServerConfig
         from foveal.server.run import serve
     except ImportError as error:
-        return _fail(f"{error}; install the server's dependencies: pip install -e '.[serve]' in foveal's clone", 2)
+        return fail(f"{error}; install the server's dependencies: pip install -e '.[serve]' in foveal's clone", 2)
     try:
         config = ServerConfig(
             api_key=args.api_key or None,
@@ -321,7 +307,7 @@ def run_serve(args: argparse.Namespace) -> int:
         )
         check_serve_args(args)
     except ValueError as error:  # ModelLoadError is a ValueError
-        return _fail(error, 2)
+        return fail(error, 2)
 
     def loader() -> foveal.Model:
         return foveal.load(args.model, device=args.device, max_batch_size=args.max_batch_size)
