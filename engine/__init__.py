@@ -11,8 +11,9 @@ from foveal._guard import require_foveal_name
 require_foveal_name(__name__, "foveal.engine")
 
 from .async_engine import AsyncEngine  # noqa: E402
+from .config import EngineConfig  # noqa: E402
 from .device import Device  # noqa: E402
-from .engine import Engine, EngineConfig  # noqa: E402
+from .engine import Engine  # noqa: E402
 from .matcher import ForcedTokens, Matcher, OwnMask, fill_masks_each  # noqa: E402
 from .regions import RegionHeads, RegionSteps  # noqa: E402
 from .request import (  # noqa: E402

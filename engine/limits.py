@@ -23,18 +23,16 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
+from .config import EngineConfig
 from .kv_cache import DEFAULT_PAGE_SIZE, pages_needed
 from .pipeline import DECODE_SPAN
+from .request import Request
 from .runner import ModelRunner, sliding_window
 from .sliding import hold_pages
-
-if TYPE_CHECKING:
-    from .engine import EngineConfig
-    from .request import Request
 
 DEFAULT_MAX_MODEL_LEN = 4096  # tokens per sequence unless the model allows fewer or the caller asks
 DEFAULT_KV_FRACTION = 0.25  # of free device memory (CUDA) or available RAM (CPU)

@@ -18,7 +18,7 @@ SOLUTION
         calling `fill_mask` and hands only the other rows to `FillMasks`.
     A request's matcher is checked against `Matcher` at submit (`require`: a TypeError naming
     what is missing) and its optional capabilities are resolved once, into the sequence's record
-    (scheduler.Sequence); the step loop reads that record, never the matcher's attributes.
+    (sequence.Sequence); the step loop reads that record, never the matcher's attributes.
     `missing` / `conforms` / `require` are how every engine protocol is checked (matchers here,
     runners in runner.py and regions.py, devices in device.py): a method must be callable, a data
     member present.

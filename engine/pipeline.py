@@ -24,7 +24,7 @@ SOLUTION
     it directly over a device that runs queued jobs only when waited on (foveal.testing).
     What it calls on its device (`device.Device`) is checked when it is built, and so is what it
     may call on its runner beyond `ModelRunner` (`regions.RegionHeads`); what it may call on a
-    matcher beyond `Matcher` was resolved at submit (scheduler.Sequence). A step uses those
+    matcher beyond `Matcher` was resolved at submit (sequence.Sequence). A step uses those
     resolved flags and bound methods: it never probes a matcher or runner for a capability.
 MASKS
     Finalize fills the masks of the step's live constrained rows in one `FillMasks` call; rows
@@ -162,7 +162,8 @@ from .lanes import Lanes
 from .matcher import FillMasks, bitmask_words, conforms, require
 from .request import FinishReason, TokenLogprob
 from .runner import ModelRunner, shares_pages, sliding_window
-from .scheduler import Scheduler, Sequence
+from .scheduler import Scheduler
+from .sequence import Sequence
 from .sequences import Sequences
 from .sliding import SlidingPages
 from .slot import POISON, DecodeSlot, SlotState

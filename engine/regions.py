@@ -8,7 +8,7 @@ PROBLEM
     the device, and which head a row samples is only known once its answer's automaton has
     committed step t.
 SOLUTION
-    Two protocols, each resolved once: a matcher's at submit (scheduler.Sequence), a runner's when
+    Two protocols, each resolved once: a matcher's at submit (sequence.Sequence), a runner's when
     the pipeline is built.
     - `RegionSteps` (a matcher): `step_kind()`, 0 for a token step, k > 0 for the runner's region
       kind k. At finalize (after commit t, so the automaton has seen step t) `stage_kinds` writes
@@ -83,7 +83,7 @@ class RegionLogprobs(Protocol):
 def stage_kinds(rows: Sequence[Any], kinds: Any, region_rows: Any) -> int:
     """Write each row's step kind (host buffers); returns the number of region rows listed.
 
-    `rows` are scheduler.Sequence records: `step_kind` is their matcher's, resolved at submit (None:
+    `rows` are sequence.Sequence records: `step_kind` is their matcher's, resolved at submit (None:
     every step is a token step)."""
     count = 0
     for row, seq in enumerate(rows):

@@ -19,7 +19,8 @@ INVARIANTS
 from __future__ import annotations
 
 from .request import FinishReason, RequestOutput, TokenLogprob
-from .scheduler import Scheduler, Sequence
+from .scheduler import Scheduler
+from .sequence import Sequence
 from .stats import Stats
 
 

@@ -37,14 +37,10 @@ INVARIANTS
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import numpy as np
 
 from .kv_cache import PagePool, pages_needed
-
-if TYPE_CHECKING:
-    from .scheduler import Sequence
+from .sequence import Sequence
 
 
 class SlidingPages:

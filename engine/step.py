@@ -41,7 +41,7 @@ import numpy as np
 from .kv_cache import pages_needed
 from .lanes import Lanes
 from .request import PrefillInputs
-from .scheduler import Sequence
+from .sequence import Sequence
 from .sliding import SlidingPages
 from .slot import DecodeSlot
 

@@ -12,7 +12,7 @@ from foveal.engine.detokenizer import Detokenizer
 from foveal.engine.matcher import fill_masks_each
 from foveal.engine.pipeline import Pipeline
 from foveal.engine.request import FinishReason, Request, RequestHandle, SamplingParams, seed_as_int64
-from foveal.engine.scheduler import Sequence
+from foveal.engine.sequence import Sequence
 from foveal.engine.slot import SlotState
 from foveal.testing import FakeRunner
 from foveal.testing.manual_device import ManualDevice

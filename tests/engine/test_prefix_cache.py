@@ -15,7 +15,7 @@ from foveal.engine.kv_cache import PagePool, prefix_chain
 from foveal.engine.matcher import fill_masks_each
 from foveal.engine.pipeline import Pipeline
 from foveal.engine.request import RequestHandle
-from foveal.engine.scheduler import Sequence
+from foveal.engine.sequence import Sequence
 from foveal.testing import FakeRunner
 from foveal.testing.manual_device import ManualDevice
 

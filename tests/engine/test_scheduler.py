@@ -9,7 +9,8 @@ from foveal.engine.detokenizer import Detokenizer
 from foveal.engine.kv_cache import PagePool
 from foveal.engine.lanes import Lanes
 from foveal.engine.request import PrefillInputs, Request, RequestHandle, SamplingParams
-from foveal.engine.scheduler import Scheduler, Sequence
+from foveal.engine.scheduler import Scheduler
+from foveal.engine.sequence import Sequence
 
 
 def make_scheduler(max_batch=4, max_step_tokens=32, num_pages=16, page_size=4, max_pages=8) -> Scheduler:
