@@ -7,7 +7,8 @@ is downloaded, and each build is deterministic (seeded). The folders load throug
 `foveal.engine.models.load` / `foveal.load` exactly as real checkpoints do; their weights are
 random, so they check plumbing and parity (`parity.py`), not answers.
 
-Also here: the inputs the checks use (`PROMPTS`, `images()`, `family_prompts(loaded)`).
+Also here: the inputs the checks use (`PROMPTS` and `images()`, from tiny_inputs.py, which the
+other tiny_*.py builders share; `family_prompts(loaded)`).
 """
 
 from __future__ import annotations
@@ -15,10 +16,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 import transformers as tf
-from PIL import Image
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 from transformers import PreTrainedTokenizerFast
 from transformers.models.clip.image_processing_pil_clip import CLIPImageProcessorPil
@@ -26,24 +25,11 @@ from transformers.models.idefics3.image_processing_pil_idefics3 import Idefics3I
 from transformers.models.siglip.image_processing_pil_siglip import SiglipImageProcessorPil
 
 from foveal.engine.models.processor import PromptInputs
+from foveal.testing import tiny_qwen  # Qwen2.5-VL and Qwen3-VL: Qwen's tokenizer layout, M-RoPE prompts
+from foveal.testing.tiny_inputs import CORPUS, PROMPTS, TEXT, images
 
-CORPUS = [
-    "a red circle left of a blue square",
-    "describe the image in one sentence",
-    "how many shapes are there? answer with a number",
-    "the quick brown fox jumps over the lazy dog",
-    "detect every green triangle and give its box",
-    "point at the yellow star near the top right corner",
-] * 20
 SPECIALS = ["<pad>", "<bos>", "<eos>", "<unk>", "<image>"]
 
-PROMPTS = [
-    "a",
-    "red circle",
-    "describe the image in one sentence",
-    "how many shapes are there? answer with a number please",
-    "the quick brown fox jumps over the lazy dog and a blue square detect every green triangle",
-]
 
 
 def train_tokenizer(vocab_size: int = 300) -> PreTrainedTokenizerFast:
@@ -62,13 +48,6 @@ def train_tokenizer(vocab_size: int = 300) -> PreTrainedTokenizerFast:
     )
 
 
-def images(n: int = 5) -> list[Image.Image]:
-    """Deterministic images of different sizes and aspect ratios."""
-    rng = np.random.default_rng(0)
-    sizes = [(40, 30), (64, 64), (25, 80), (90, 45), (33, 33), (50, 70)]
-    return [Image.fromarray(rng.integers(0, 256, (h, w, 3), dtype=np.uint8)) for w, h in sizes[:n]]
-
-
 def save(model: Any, folder: Path, tokenizer: Any = None, processor: Any = None) -> Path:
     """Save a model with its processor (which saves its tokenizer) or, for text-only models, its tokenizer."""
     model.save_pretrained(folder)
@@ -81,15 +60,6 @@ def save(model: Any, folder: Path, tokenizer: Any = None, processor: Any = None)
 
 # ---- tiny random checkpoints, one builder per family: (folder) -> folder --------------------------------------
 
-TEXT = dict(
-    hidden_size=64,
-    intermediate_size=128,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    max_position_embeddings=512,
-    initializer_range=0.2,  # peaked logits: greedy ties would make token equality a coin toss
-)
 VISION = dict(
     hidden_size=32,
     intermediate_size=64,
@@ -218,12 +188,9 @@ BUILDERS = {
     "idefics3": build_idefics3,
     "smolvlm": build_smolvlm,
     "llava": build_llava,
+    "qwen2_5_vl": tiny_qwen.build_qwen2_5_vl,
+    "qwen3_vl": tiny_qwen.build_qwen3_vl,
 }
-
-# Qwen2.5-VL and Qwen3-VL: their own module (Qwen's tokenizer layout, M-RoPE prompts); it imports this one.
-from foveal.testing import tiny_qwen  # noqa: E402
-
-BUILDERS.update(qwen2_5_vl=tiny_qwen.build_qwen2_5_vl, qwen3_vl=tiny_qwen.build_qwen3_vl)
 
 
 def build(family: str, folder: str | Path) -> Path:

@@ -25,7 +25,7 @@ from transformers import PreTrainedTokenizerFast
 from transformers.models.gemma4.image_processing_pil_gemma4 import Gemma4ImageProcessorPil
 
 from foveal.engine.models.processor import PromptInputs
-from foveal.testing.tiny import CORPUS, PROMPTS, TEXT
+from foveal.testing.tiny_inputs import CORPUS, PROMPTS, TEXT
 
 NAMED = {  # the tokenizer's named special tokens, as Gemma 4's tokenizer_config.json names them
     "image_token": "<|image|>",

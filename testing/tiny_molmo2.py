@@ -24,7 +24,7 @@ from transformers import PreTrainedTokenizerFast
 
 from foveal.engine.models.processor import PromptInputs
 from foveal.families.molmo2.model import BLOCK_TOKENS, IMAGE_TOKEN, Molmo2ImagesProcessor
-from foveal.testing.tiny import CORPUS, PROMPTS, TEXT
+from foveal.testing.tiny_inputs import CORPUS, PROMPTS, TEXT
 
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 IMAGE_TOKENS = [*BLOCK_TOKENS, IMAGE_TOKEN, "<|video|>"]  # added past the base vocabulary

@@ -22,7 +22,7 @@ from transformers import PreTrainedTokenizerFast
 from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
 from foveal.engine.models.processor import PromptInputs
-from foveal.testing.tiny import CORPUS, PROMPTS, TEXT
+from foveal.testing.tiny_inputs import CORPUS, PROMPTS, TEXT
 
 SPECIALS = [
     "<|endoftext|>",

@@ -16,10 +16,7 @@ import transformers as tf
 from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
 from foveal.engine.models.processor import PromptInputs
-from foveal.testing import (
-    tiny,  # noqa: F401  (first: tiny imports tiny_qwen at its end)
-    tiny_qwen,
-)
+from foveal.testing import tiny_qwen
 
 LAYER_TYPES = ["linear_attention", "linear_attention", "full_attention", "linear_attention"]
 
