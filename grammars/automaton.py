@@ -20,8 +20,8 @@ largest grammar the default budget admits); the caller waits for it. Decoding do
 this way; renewing a template (a recompile) takes the same path.
 Error backtraces: with RUST_BACKTRACE=1 in the environment (common in development images), every
 error llguidance creates captures a backtrace of the whole (deep) stack, at every level of its
-recursive compile: a 2,000-rule chain ending in an unknown name took 40 s to be refused instead of
-0.05 s. Nobody reads those backtraces (the message is what the caller gets), so importing this
+recursive compile, and a long rule chain ending in an unknown name took hundreds of times longer to
+be refused (docs/performance.md). Nobody reads those backtraces (the message is what the caller gets), so importing this
 module sets RUST_LIB_BACKTRACE=0 unless the environment sets it, which turns off the capture for
 library errors and leaves panics' backtraces as RUST_BACKTRACE says.
 INVARIANTS (tests/grammars/test_budget.py): no grammar within the budget crashes the process; the

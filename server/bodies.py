@@ -4,21 +4,21 @@ loop when large, and checked for text that is not Unicode.
 PROBLEM
     FastAPI parses a JSON body with one `json.loads` on the event loop, then validates it there. A
     body within the size limit (16 MB) can still hold millions of values (a 500,000-point
-    `spatial_refs` array: 6 MB, half a second to parse and seconds to validate), and every other
+    `spatial_refs` array: 6 MB, a long parse and a longer validation), and every other
     request, /health included, waits for it. A string with a lone UTF-16 surrogate (`"\\ud800"`) is
     valid JSON but no text: it reached the tokenizer, whose message ("TextEncodeInput must be
     Union[...]") tells an HTTP client nothing.
     Values the number hooks cannot see are cheap to send and dear to parse: 16 MB of `[[],[],...]`
     is 5.6 million lists, which one `json.loads` (a C call: the GIL held throughout, in a worker
-    thread too) took 2 s to build; `[null,...]`, `[{},...]` and `["",...]` the same, less.
+    thread too) builds for seconds; `[null,...]`, `[{},...]` and `["",...]` the same, less.
 SOLUTION
     `JsonRoute` parses the body itself and hands FastAPI the parsed value (`_Parsed.json()`). A body
     over INLINE_BYTES is parsed in a worker thread. First its structural bytes (`[`, `{`, `,` and
     `:`, which every value but the first follows) are counted, a slice of the body at a time (each
     `bytes.count` a fraction of a millisecond, so the GIL goes back to the loop between them): past
     MAX_STRUCTURE the body is refused (413) unparsed. The bound is loose (MAX_VALUES times 5: the
-    bytes in texts count too, so a long text with commas passes), and it caps what one `json.loads`
-    builds at about 6 ms. Then the parse, with hooks on its numbers that count them (past
+    bytes in texts count too, so a long text with commas passes), and it keeps what one
+    `json.loads` builds to milliseconds (docs/performance.md has the figures). Then the parse, with hooks on its numbers that count them (past
     MAX_VALUES the parse stops: a 413) and, being Python calls, let the thread hand the GIL back to
     the loop while it parses. Then every value is visited once (at most MAX_VALUES of them) and every
     string checked for lone surrogates: a 400 naming where it is. Bad JSON is the 400 `invalid_json`
@@ -46,7 +46,7 @@ from foveal.server.errors import NOT_JSON, ApiError
 INLINE_BYTES = 16 * 1024  # parsed and walked on the loop below this: about a millisecond at most
 # JSON values of one body (numbers, strings, arrays, ...), far above any real request. Low enough
 # that a refused body leaves few objects behind: 100,000 numbers left 50,000 lists whose promotion
-# set off a full garbage collection of the process (0.5 s, GIL held) in a server with a model loaded.
+# set off a full garbage collection of the process (GIL held; server/heap.py) in a server with a model loaded.
 MAX_VALUES = 20_000
 # Structural bytes ([ { , :) of one body: every value but the first follows one, so this bounds the
 # values a parse builds. Loose (texts' commas count), and low enough that a parse stays short.

@@ -3,12 +3,12 @@
 PROBLEM
     A full collection (generation 2) visits every container object of the process, with the GIL
     held. After `foveal serve` has loaded the embedded model that is about 400,000 objects (torch,
-    transformers, the tokenizer, the app): 0.4-0.5 s on a two-core machine, during which the event
+    transformers, the tokenizer, the app): tenths of a second (docs/performance.md), during which the event
     loop (and /health) waits, whichever thread the collection ran on. The collector starts one once
     the objects that survived into generation 2 since the last reach a quarter of those it holds; a
     load leaves that many, so the first request that allocated a few thousand containers (a
-    500,000-point `spatial_refs` body, parsed up to its 20,000th value) paid for it: /health waited
-    0.56 s. In the test process, whose collector state is another, the same request took 7 ms.
+    500,000-point `spatial_refs` body, parsed up to its 20,000th value) paid for it, and /health
+    waited as long. In the test process, whose collector state is another, the same request did not.
 SOLUTION
     When the app's loader has returned, collect once (the load's own garbage) and `gc.freeze()` the
     rest: it moves to the permanent generation, which no collection visits. Full collections then
@@ -27,7 +27,7 @@ import gc
 
 def settle() -> None:
     """Collect the load's garbage, then freeze every object left (module docstring). Holds the GIL
-    for one full collection (about 0.4 s for the embedded model): call it while loading."""
+    for one full collection (tenths of a second for the embedded model): call it while loading."""
     gc.collect()
     gc.freeze()
 

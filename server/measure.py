@@ -2,8 +2,9 @@
 
 PROBLEM
     The SDK tokenizes a prompt whole, then compares its length with the context. A tokenizer's
-    encode holds the GIL for its whole run, so a 10 MB question took 36-67 s to be refused, held
-    the event loop (and /health) for seconds, and grew the process by 1.5 GB, for an answer known
+    encode holds the GIL for its whole run, so a 10 MB question took most of a minute to be refused
+    (docs/performance.md), held the event loop (and /health) for seconds, and grew the process by
+    gigabytes, for an answer known
     from its first few kilobytes.
 SOLUTION
     Texts of at most MEASURE_FROM_CHARS characters in all are left to the SDK (whole, they tokenize

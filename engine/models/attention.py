@@ -106,8 +106,8 @@ _NUMPY_OF_WIDTH = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
 
 def kv_zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """A zero KV tensor. On CPU the memory comes from numpy's calloc: the kernel maps zero pages
-    and faults them in on first write, where torch.zeros writes every byte up front (60 tensors of
-    SmolLM2's 16,400-token cache: 0.27 s against 0.005 s here, a tenth of a GGUF load). The zeros
+    and faults them in on first write, where torch.zeros writes every byte up front (for a long
+    cache, a tenth of a GGUF load: docs/performance.md). The zeros
     matter: a masked key position still multiplies its V row by weight 0, and 0 * NaN is NaN."""
     if device.type != "cpu":
         return torch.zeros(shape, dtype=dtype, device=device)

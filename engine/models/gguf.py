@@ -154,8 +154,8 @@ def tokenizer_source(header: Any) -> tuple[Any, dict[str, Any]]:
     """(the `tokenizers.Tokenizer` transformers' GGUF conversion builds of the file, the settings
     `tokenizer_from` builds the tokenizer with): what the weight cache stores of a tokenizer.
 
-    The metadata is read by `read_metadata` (the vocabulary and merges in 0.09-0.10 s; transformers'
-    `get_gguf_tokenizer` reads them in 0.43-0.49 s here, a quarter of a GGUF load's critical path)
+    The metadata is read by `read_metadata` (several times faster than transformers'
+    `get_gguf_tokenizer`, which was a quarter of a GGUF load's critical path: docs/performance.md)
     and grouped by transformers' own key table, as `get_gguf_tokenizer` does for a llama file:
     sentencepiece ("llama") vocabularies add BOS unless the file says otherwise.
     """
@@ -206,7 +206,8 @@ def read_metadata(header: Any, string_arrays: tuple[str, ...] = ()) -> dict[str,
     in full when named in `string_arrays`, else their length (what transformers' reader gives).
 
     Strings are cut from one `bytes` of the header: transformers' reader slices a numpy memmap
-    per string, 9 us each, which for SmolLM2's 98,000 vocabulary and merge strings was 0.45 s.
+    per string, which for a vocabulary's and merges' tens of thousands of strings is a large share
+    of a load (docs/performance.md).
     """
     with open(header.path, "rb") as f:
         blob = f.read(header.data_start)  # the parsed header (`read_header`) says where the metadata ends

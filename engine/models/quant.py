@@ -396,7 +396,8 @@ _INT_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 def _concatenate(tensors: list[torch.Tensor], dim: int) -> torch.Tensor:
     """torch.cat by numpy (bits as integers: numpy has no bf16): one thread, where torch's copies
-    run parallel regions that wait, on a loaded machine, for a preempted thread (3-6x longer here)."""
+    run parallel regions that wait, on a loaded machine, for a preempted thread (several times
+    longer: docs/performance.md, "Measurements behind the code's choices")."""
     as_int = _INT_OF_SIZE[tensors[0].element_size()]
     joined = np.concatenate([t.view(as_int).numpy() for t in tensors], axis=dim)
     return torch.from_numpy(joined).view(tensors[0].dtype)
@@ -438,7 +439,7 @@ class HalfEmbedding(nn.Module):
 
 def builder() -> ThreadPoolExecutor:
     """A pool on torch's intra-op thread count, to build layers in parallel: quantizing and packing
-    release the GIL (fbgemm's fp16 packing took 13 ns a weight here, 1.8 s for SmolLM2 on one thread)."""
+    release the GIL, and fbgemm's fp16 packing alone is seconds of a load on one thread (docs/performance.md)."""
     return ThreadPoolExecutor(max(1, torch.get_num_threads()), thread_name_prefix="foveal-load")
 
 
