@@ -1,39 +1,32 @@
-"""`Task`: one skill call made concrete by a family, and the spatial tasks every family builds the same way.
+"""Scores of spatial answers: one definition for every family's boxes and points, and `Decoded`, what scorers read.
 
-A task is what the SDK needs to run a call and read its answer: the skill's name (which result type
-wraps the value), the prompt in the family's own form (a `Conversation` for families with a chat
-template, a task-prefix string for PaliGemma, a `MoondreamPrompt`), the output spec the grammar
-compiles, how the answer's text becomes the value, and how its items are scored. The SDK never looks
-inside `prompt`: it hands it back to the family's `encode`.
+Every box and point carries `"score"` in [0, 1], read from the distributions its tokens were drawn
+from under the grammar's mask (the engine's `TokenLogprob`s: the sampled token and its
+`SCORE_ALTERNATIVES` most likely alternatives). An item's score is
 
-SCORES
-    Every box and point carries `"score"` in [0, 1], read from the distributions its tokens were drawn
-    from under the grammar's mask (the engine's `TokenLogprob`s: the sampled token and its
-    `SCORE_ALTERNATIVES` most likely alternatives). An item's score is
+    P(the answer went on to this item rather than stop) x prod over its coordinates of
+    P(the coordinate lands within a tolerance of the value chosen)
 
-        P(the answer went on to this item rather than stop) x prod over its coordinates of
-        P(the coordinate lands within a tolerance of the value chosen)
-
-    - Going on: at each step between the previous item's last coordinate and this item's first one,
-      the alternatives that would have ended the answer there (EOS where the answer may end, or a
-      token whose text starts the answer's closing text and not the separator) take probability
-      away from going on; their mass is removed, step by step.
-    - A coordinate's mass: for a location token, the probability of the location tokens within the
-      tolerance of the chosen bin; for a coordinate written as digits (foveal's JSON, Qwen's
-      grounding JSON and Qwen2.5-VL's XML points), the same at each of its
-      tokens (and at the token that ends it), where an alternative's value is the number read with
-      that one token replaced and the others kept, the product over its tokens.
-    - The tolerance is `BOX_TOLERANCE` (a quarter) of the box's own extent along the coordinate's
-      axis: one edge moved that far keeps the box's IoU with the chosen one at 0.8 or more, so the
-      mass measures how sure the model is of *this* box, at the scale of the box; a point's is
-      `POINT_TOLERANCE` of the image. (Both chosen on scenes disjoint from those docs/scores.md
-      reports: see there for what else was tried.)
-    Alternatives beyond the recorded ones count as neither stopping nor near: a score is a lower
-    bound of the quantity above when the distribution is wider than SCORE_ALTERNATIVES tokens.
-    The definition and its measured ranking are in docs/scores.md.
+- Going on: at each step between the previous item's last coordinate and this item's first one,
+  the alternatives that would have ended the answer there (EOS where the answer may end, or a
+  token whose text starts the answer's closing text and not the separator) take probability
+  away from going on; their mass is removed, step by step.
+- A coordinate's mass: for a location token, the probability of the location tokens within the
+  tolerance of the chosen bin; for a coordinate written as digits (where, the spec says:
+  `spec.coordinate_spans(text)`, foveal's JSON and a family's own format alike), the same at each of its
+  tokens (and at the token that ends it), where an alternative's value is the number read with
+  that one token replaced and the others kept, the product over its tokens.
+- The tolerance is `BOX_TOLERANCE` (a quarter) of the box's own extent along the coordinate's
+  axis: one edge moved that far keeps the box's IoU with the chosen one at 0.8 or more, so the
+  mass measures how sure the model is of *this* box, at the scale of the box; a point's is
+  `POINT_TOLERANCE` of the image. (Both chosen on scenes disjoint from those docs/scores.md
+  reports: see there for what else was tried.)
+Alternatives beyond the recorded ones count as neither stopping nor near: a score is a lower
+bound of the quantity above when the distribution is wider than SCORE_ALTERNATIVES tokens.
+The definition and its measured ranking are in docs/scores.md.
 INVARIANTS (tests/sdk/test_scores.py)
-    - Every score is in [0, 1]; items and scores pair one to one, in answer order.
-    - Scoring reads the recorded distributions only: it never changes a sampled token.
+- Every score is in [0, 1]; items and scores pair one to one, in answer order.
+- Scoring reads the recorded distributions only: it never changes a sampled token.
 """
 
 from __future__ import annotations
@@ -45,7 +38,6 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from foveal.grammars import spatial
-from foveal.grammars.grounding import XmlPointsSpec
 from foveal.grammars.locations import COORDINATES
 
 if TYPE_CHECKING:
@@ -81,38 +73,6 @@ class Decoded:
 
 
 Scorer = Callable[[Decoded], list[float]]
-
-
-@dataclass(frozen=True, slots=True)
-class Task:
-    skill: str  # caption | query | detect | point | generate | chat
-    prompt: Any  # the family's prompt (see the module docstring)
-    spec: Any = None  # an output spec for grammars.compile, or a family's own automaton; None: free text
-    parse: Callable[[str], Any] | None = None  # the model's text -> the value; None: the compiled spec's own
-    keep_special: bool = False  # the answer's text keeps special tokens (location tokens may be special)
-    # Free text under the family's own decode rules: a factory of one call's matcher. None: unconstrained.
-    rules: Callable[[], Any] | None = None
-    # A score in [0, 1] per item of the value (boxes, points), in order; None: the value is not scored.
-    score: Scorer | None = None
-
-
-def spatial_task(skill: str, prompt: Any, spec: spatial.SpatialSpec) -> Task:
-    """A detect / point task whose answer is `spec`, whose value is its boxes or points, each scored.
-    (max_objects plays no part in a score: a task refitted to its token budget keeps its scorer.)"""
-    key = "objects" if spec.kind == "boxes" else "points"
-    parse = lambda text: spatial.parse(spec, text)[key]  # noqa: E731
-    return Task(skill, prompt, spec, parse, is_loc(spec), score=lambda decoded: spatial_scores(spec, decoded))
-
-
-def is_loc(spec: Any) -> bool:
-    """Whether the answer is written in location tokens (special tokens the text must keep)."""
-    return isinstance(spec, spatial.SpatialSpec) and spec.encoding == "loc"
-
-
-def box_centres(result: dict) -> list[dict[str, float]]:
-    return [
-        {"x": (b["x_min"] + b["x_max"]) / 2, "y": (b["y_min"] + b["y_max"]) / 2} for b in result["objects"]
-    ]
 
 
 def with_scores(items: list[dict], scores: Sequence[float], min_score: float = 0.0) -> list[dict]:
@@ -264,26 +224,12 @@ def _loc_coordinates(spec, decoded: Decoded, pieces, starts, text) -> list[_Coor
 
 
 _NUMBER = re.compile(rb"\d+(?:\.\d+)?")
-# Where each text encoding writes its coordinates (its keys and labels hold no such spans).
-_SPANS = {
-    "json": re.compile(rb'": (\d+(?:\.\d+)?)'),
-    "grounding": re.compile(rb"(?<=_2d\": \[)[0-9, ]*(?=\])"),
-    "xml": re.compile(rb' [xy]\d+="(\d+)"'),
-}
 
 
 def _text_coordinates(spec, decoded: Decoded, pieces, starts, text) -> list[_Coordinate]:
     """Coordinates written as digits: the tokens over each number and the token that ends it; an
     alternative's value is the number read with that token in place of the sampled one."""
-    spans = []
-    style = "xml" if isinstance(spec, XmlPointsSpec) else spec.encoding
-    for match in _SPANS[style].finditer(text):
-        if style != "grounding":
-            spans.append(match.span(1))
-        else:
-            spans += [
-                (match.start() + m.start(), match.start() + m.end()) for m in _NUMBER.finditer(match[0])
-            ]
+    spans = spec.coordinate_spans(text)
     axes = _AXES[spec.kind]
     scales = (getattr(spec, "width", None) or 1, getattr(spec, "height", None) or 1)
     texts = decoded.tokenizer.token_bytes()

@@ -8,7 +8,8 @@ without dispatching on the spec's type again.
 
 `compile_template` is the one place a spec's grammar reaches llguidance's compiler: it checks the
 compile budget first (grammars/limits.py), compiles under the budget's fuel, and turns refusals and
-panics into SchemaError (grammars/errors.py).
+panics into SchemaError (grammars/errors.py). `lark_automaton` is how a spec's own `build` (a
+family's answer format) makes an Automaton of its Lark text, without importing llguidance itself.
 Stack depth: llguidance compiles rule references and `$ref`s recursively on the calling thread's
 stack. A chain of a few thousand Lark rules (`r0: r1`, `r1: r2`, ...) or of about a thousand
 nested `$ref`s, tens of KB of text, overflows an 8 MiB thread stack, and a stack overflow kills
@@ -41,6 +42,7 @@ import llguidance
 from .errors import budget_refusal, native_failure, pattern_refusal, schema_refusal
 from .limits import WHAT, CompileBudget, check_budget, compile_budget
 from .matcher import Matcher
+from .specs import GrammarSource
 from .tokenizer import TokenizerHandle
 
 os.environ.setdefault("RUST_LIB_BACKTRACE", "0")  # before llguidance's first error (module docstring)
@@ -115,6 +117,22 @@ def compile_template(
             raise schema_refusal(message, source.schema)
         raise pattern_refusal("regex" if source.kind == "regex" else "grammar", source.key, message)
     return template
+
+
+def lark_automaton(
+    handle: TokenizerHandle,
+    key: str,
+    kind: str,
+    lark: str,
+    matcher_class: type[Matcher] = Matcher,
+    extra: Any = None,
+) -> Automaton:
+    """The Automaton of a spec's Lark grammar (llguidance dialect; token sets such as `<[5-9]>` allowed,
+    unlike a user's CFG): `key` the spec's cache key, `kind` what it is, a composite `matcher_class` and
+    the `extra` data it reads."""
+    source = GrammarSource("lark", key, llguidance.LLMatcher.grammar_from_lark(lark))
+    template = compile_template(handle, source)
+    return Automaton(key, kind, lark, handle, template, matcher_class=matcher_class, extra=extra)
 
 
 def _compile(

@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import bisect
 import json
+import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -53,6 +54,7 @@ from .tokenizer import TokenizerHandle, tokenizer_handle
 NUMBER = r"0(\.[0-9]{1,3})?|1(\.0{1,3})?"
 LOW_NUMBER = r"0(\.[0-9]{1,3})?"  # a min coordinate: < 1
 HIGH_NUMBER = r"0\.[0-9]{1,3}|1(\.0{1,3})?"  # a max coordinate: > 0 (bounded.py makes it > min)
+JSON_COORDINATE = re.compile(rb'": (\d+(?:\.\d+)?)')  # a JSON answer's coordinate (its keys hold no digits)
 NUMBER_BYTES = len("0.125")  # the longest spelling any of the three allows (0.ddd, 1.000)
 ANSWER_KEYS = {"points": "points", "boxes": "objects"}
 # (key, terminal) of each field of a JSON item, in the order the grammar writes them
@@ -116,6 +118,16 @@ class SpatialSpec:
             item = (LOCATION_TOKEN,) * COORDINATES[self.kind] + ((tail,) if tail else ())
             return AnswerLayout("", "", item, self.separator, "")
         return json_layout(self.kind)
+
+    def coordinate_spans(self, text: bytes) -> list[tuple[int, int]]:
+        """The byte spans of the coordinates an answer's text writes as digits, in answer order (what
+        scores read: families/scores.py). A loc answer has none (its coordinates are tokens); a spec of
+        its own encoding says where its coordinates are by overriding this."""
+        if self.encoding == "loc":
+            return []
+        if self.encoding != "json":
+            raise NotImplementedError(f"a spec of encoding {self.encoding!r} declares its own coordinate_spans")
+        return [match.span(1) for match in JSON_COORDINATE.finditer(text)]
 
     def cache_key(self) -> str:
         label, separator = json.dumps(self.label), json.dumps(self.separator)
@@ -395,7 +407,7 @@ def parse(spec: SpatialSpec, text: str) -> dict:
     grammar cannot produce: the parse never guesses.
     """
     key = "points" if spec.kind == "points" else "objects"
-    if spec.encoding not in ("json", "loc"):  # a subclass with its own encoding (grammars/grounding.py)
+    if spec.encoding not in ("json", "loc"):  # a family's own format (families/qwen_vl/grounding.py)
         return spec.parse_answer(text)
     if spec.encoding == "json":
         return json.loads(text)

@@ -60,7 +60,8 @@ from foveal.engine.request import RequestHandle, RequestOutput
 from foveal.errors import GenerationError, IncompleteOutputError, ModelClosedError
 from foveal.families import Family
 from foveal.families.base import IMAGE_SKILLS
-from foveal.families.task import SCORE_ALTERNATIVES, Decoded, Task, with_scores
+from foveal.families.scores import SCORE_ALTERNATIVES, Decoded, with_scores
+from foveal.families.task import Task
 from foveal.grammars import spatial
 from foveal.results import (
     AsyncTextStream,

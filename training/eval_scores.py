@@ -6,7 +6,7 @@
 PROBLEM
     A VLM's boxes come without confidences; an evaluation that sets every score to 1.0 measures the
     order the model happened to write its boxes in, not how well a threshold separates good boxes
-    from bad ones. foveal scores every box (foveal.families.task); whether the scores mean
+    from bad ones. foveal scores every box (foveal.families.scores); whether the scores mean
     something is measured here, on scenes harder than the training world, where the model makes
     mistakes to rank.
 SOLUTION

@@ -12,7 +12,7 @@ included), the caller's phrase as the label. `parse_answer` gives foveal's norma
 Scores (`point_scores`): a point's score is the product, over the tokens that wrote its two
 coordinates, of the probability of the alternatives at that step that would have put the
 coordinate within `POINT_TOLERANCE` of the image's side of the written value (the recorded
-alternatives: a lower bound), the "near mass" of families/task.py's scores, without its stop mass.
+alternatives: a lower bound), the "near mass" of families/scores.py's scores, without its stop mass.
 
 INVARIANTS (tests/models/test_molmo2.py)
     - Every answer the grammar allows parses, with every point in [0, 1] x [0, 1] and at most
@@ -28,7 +28,7 @@ from dataclasses import dataclass
 
 import llguidance
 
-from foveal.families.task import POINT_TOLERANCE, Decoded
+from foveal.families.scores import POINT_TOLERANCE, Decoded
 from foveal.grammars.automaton import Automaton, compile_template
 from foveal.grammars.errors import SchemaError
 from foveal.grammars.spatial import AnswerLayout, Coordinate, SpatialSpec, check_spellable

@@ -27,7 +27,7 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable
 
-from foveal.families.task import BOX_TOLERANCE, POINT_TOLERANCE, Decoded
+from foveal.families.scores import BOX_TOLERANCE, POINT_TOLERANCE, Decoded
 
 from .region import COORD_BINS, SIZE_BINS, value_of
 

@@ -20,7 +20,8 @@ from foveal.engine.models.loader import LoadedModel, LoadOptions, assemble, load
 from foveal.families.base import Capabilities, Family
 from foveal.families.conversation import Conversation, single_user_message
 from foveal.families.reserved import PALIGEMMA_RESERVED, reserved_ids
-from foveal.families.task import Task, box_centres, is_loc, spatial_scores, spatial_task
+from foveal.families.scores import spatial_scores
+from foveal.families.task import Task, box_centres, is_loc, spatial_task
 from foveal.grammars import spatial
 from foveal.grammars.locations import LocationFormat
 

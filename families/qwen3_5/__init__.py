@@ -2,7 +2,7 @@
 
 Prompts, skills and grounding are Qwen3-VL's (`foveal.families.qwen_vl`): the checkpoint's own chat
 template, detect / point in its trained JSON grounding format on 0..1000, decoded under
-`foveal.grammars.grounding`. The decoder is hybrid (Gated DeltaNet linear attention between
+`foveal.families.qwen_vl.grounding`. The decoder is hybrid (Gated DeltaNet linear attention between
 full-attention layers); its recurrent state lives beside the paged KV, one snapshot per page, so the
 prefix cache shares states with pages (model.py, engine/models/recurrent.py, docs/models/qwen3_5.md).
 """

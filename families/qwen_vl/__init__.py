@@ -10,8 +10,8 @@ but on different scales:
 - Qwen3-VL: relative coordinates in 0..1000 whatever the image.
 Qwen2.5-VL points, as its cookbook asks for them ("point to the X, output its coordinates in XML format
 <points x y>object</points>"), answer one fenced element `<points x1=".." y1=".." alt="X">X</points>`
-in pixels of the resized input (grammars.grounding.XmlPointsSpec); Qwen3-VL points stay JSON.
-The answer is decoded under `foveal.grammars.grounding` (format, ranges, x1 < x2, y1 < y2,
+in pixels of the resized input (`grounding.XmlPointsSpec`); Qwen3-VL points stay JSON.
+The answer is decoded under `foveal.families.qwen_vl.grounding` (format, ranges, x1 < x2, y1 < y2,
 max_objects) and converted to foveal's `{"objects": [{x_min, ..}]}` / `{"points": [{x, y}]}`, fractions
 of the image (the resize maps the whole picture onto the whole input, so fractions of the input are
 fractions of the original). Caption, query, generate and chat are `ChatFamily`'s, with several images
@@ -29,8 +29,8 @@ from foveal.engine.models.arch import Architecture, ModelLoadError
 from foveal.engine.models.loader import LoadOptions, assemble, load_transformers
 from foveal.families.chat import ChatFamily, architecture_for
 from foveal.families.qwen_vl import model as qwen
+from foveal.families.qwen_vl.grounding import GroundingSpec, XmlPointsSpec
 from foveal.families.task import Task, spatial_task
-from foveal.grammars.grounding import GroundingSpec, XmlPointsSpec
 
 RELATIVE_SCALE = 1000  # Qwen3-VL's coordinates: thousandths of the image
 

@@ -19,16 +19,9 @@ the resize maps the whole original image onto the whole input, so fractions of t
 fractions of the original. `layout()` states the answer's pieces (what token budgets are sized from:
 grammars/spatial.py `item_token_bounds`); the Lark grammar is built from the same pieces.
 
-PROBLEM: x2 > x1 and y2 > y1 relate two numbers that a context-free grammar cannot compare compactly
-(bounded.py explains it for 3-decimal JSON numbers).
-SOLUTION: llguidance enforces the shape (a Lark grammar: fence, keys, each field's own range); a
-composite matcher (`GroundingBoxMatcher`) refines the mask while x2 or y2 is written, from the
-committed text: with the digits so far p and the bound (lo, hi] = (x1, width], a token whose bytes
-are digits d followed by nothing may come if some integer in the range starts with p + d; digits d
-followed by other bytes only if int(p + d) is in the range. Tokens are grouped by their leading
-digits once per automaton, so a mask costs one pass over the groups (Qwen's tokenizer has one digit
-per token: 11 groups), cached per (p, lo, hi). Inside a box array, a token that holds digits after
-other bytes (`, 4`) would start the next number unchecked; such tokens are refused there.
+Boxes keep x1 < x2 and y1 < y2 by construction: the Lark grammar enforces the shape (fence, keys, each
+field's own range), and the box matcher of `foveal.grammars.integer_boxes` holds x2 (y2) in
+(x1, width] ((y1, height]) while it is written.
 INVARIANTS (tests/grammars/test_grounding.py):
 1. Every answer a random walk under the mask reaches parses, with every box x1 < x2 <= width,
    y1 < y2 <= height, and at most max_objects items; the mask is never empty before termination.
@@ -39,26 +32,23 @@ INVARIANTS (tests/grammars/test_grounding.py):
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
+import re
+from dataclasses import dataclass
 from typing import Any
 
-import llguidance
-import numpy as np
-
-from .automaton import Automaton, compile_template
-from .bitmask import row_view
-from .cache import LRUCache
-from .errors import GrammarViolation, SchemaError
-from .matcher import Matcher
-from .scalars import int_range
-from .spatial import AnswerLayout, Coordinate, SpatialSpec, check_spellable
-from .specs import GrammarSource
-from .tokenizer import TokenizerHandle
+from foveal.grammars.automaton import Automaton, lark_automaton
+from foveal.grammars.errors import SchemaError
+from foveal.grammars.integer_boxes import IntegerBoxes, IntegerBoxMatcher, integer_box_tables
+from foveal.grammars.scalars import int_range
+from foveal.grammars.spatial import AnswerLayout, Coordinate, SpatialSpec, check_spellable
+from foveal.grammars.tokenizer import TokenizerHandle
 
 FENCE_OPEN, FENCE_CLOSE = "```json\n[", "]\n```"
 ITEM_OPEN, ITEM_SEP, ITEMS_CLOSE = "\n\t", ",\n\t", "\n"
 KEYS = {"boxes": "bbox_2d", "points": "point_2d"}
-_DIGITS = frozenset(b"0123456789")
+COORDINATE_LISTS = re.compile(rb'(?<=_2d": \[)[0-9, ]*(?=\])')  # the numbers of one item's bbox_2d / point_2d
+NUMBER = re.compile(rb"\d+")
+XML_COORDINATE = re.compile(rb' [xy]\d+="(\d+)"')
 
 
 @dataclass(frozen=True, slots=True)
@@ -103,6 +93,13 @@ class GroundingSpec(SpatialSpec):
         coords = [w - 1, h - 1, w, h] if self.kind == "boxes" else [w, h]
         body = ITEM_SEP.join([self.item(coords)] * items)
         return FENCE_OPEN + (ITEM_OPEN + body + ITEMS_CLOSE if items else "") + FENCE_CLOSE
+
+    def coordinate_spans(self, text: bytes) -> list[tuple[int, int]]:
+        """The byte spans of the answer's coordinates, in order (what scores read: families/scores.py)."""
+        spans = []
+        for listed in COORDINATE_LISTS.finditer(text):
+            spans += [(listed.start() + m.start(), listed.start() + m.end()) for m in NUMBER.finditer(listed[0])]
+        return spans
 
     def cache_key(self) -> str:
         return f"grounding:{self.kind}:{self.max_objects}:{self.width}x{self.height}:{json.dumps(self.label)}"
@@ -155,18 +152,12 @@ class GroundingSpec(SpatialSpec):
     def build(self, handle: TokenizerHandle, key: str) -> Automaton:
         self._require_scale("compile")
         check_spellable(self, handle)
-        lark = self.lark()
-        source = GrammarSource("lark", key, llguidance.LLMatcher.grammar_from_lark(lark))
-        extra = (tables_for(handle), self.width, self.height) if self.kind == "boxes" else None
-        return Automaton(
-            key=key,
-            kind=f"grounding-{self.kind}",
-            grammar=lark,
-            tokenizer=handle,
-            template=compile_template(handle, source),
-            extra=extra,
-            **({"matcher_class": GroundingBoxMatcher} if self.kind == "boxes" else {}),
-        )
+        kind = f"grounding-{self.kind}"
+        if self.kind == "points":
+            return lark_automaton(handle, key, kind, self.lark())
+        opening = self._item_open()[1:].encode()  # '"bbox_2d": [': where a box's list starts
+        boxes = IntegerBoxes(integer_box_tables(handle), self.width, self.height, opening)
+        return lark_automaton(handle, key, kind, self.lark(), IntegerBoxMatcher, boxes)
 
     def parse_answer(self, text: str) -> dict:
         """foveal's normalized result of an answer: boxes as x_min..y_max, points as x, y, fractions of the scale."""
@@ -190,159 +181,6 @@ def _box(coords: list[int], w: int, h: int) -> dict[str, float]:
 def _point(coords: list[int], w: int, h: int) -> dict[str, float]:
     x, y = coords
     return {"x": x / w, "y": y / h}
-
-
-# ---- the x2 > x1, y2 > y1 refinement ----------------------------------------------------------------------------
-
-
-def _viable(prefix: str, lo: int, hi: int) -> bool:
-    """Some integer in [lo, hi], written without leading zeros, starts with `prefix` (digits)."""
-    if not prefix:
-        return lo <= hi
-    if prefix[0] == "0" and prefix != "0":
-        return False
-    if prefix == "0":
-        return lo <= 0
-    head = int(prefix)
-    for extra in range(len(str(hi)) - len(prefix) + 1):
-        first, last = head * 10**extra, (head + 1) * 10**extra - 1
-        if first <= hi and last >= lo:
-            return True
-    return False
-
-
-@dataclass(slots=True)
-class GroundingTables:
-    """Per automaton: tokens grouped by their leading digits, and the cached refinement masks."""
-
-    handle: TokenizerHandle
-    token_bytes: list[bytes] = field(init=False)
-    # (leading digits, more bytes after them) -> token ids
-    groups: dict[tuple[str, bool], np.ndarray] = field(init=False)
-    free: np.ndarray = field(init=False)  # every token but the straddling ones
-    _masks: dict[tuple[str, int, int], np.ndarray] = field(init=False, default_factory=dict)
-
-    def __post_init__(self) -> None:
-        self.token_bytes = self.handle.token_bytes()
-        groups: dict[tuple[str, bool], list[int]] = {}
-        for token_id, data in enumerate(self.token_bytes):
-            digits = len(data) - len(data.lstrip(b"0123456789"))
-            rest = data[digits:]
-            if any(b in _DIGITS for b in rest):
-                continue  # digits after other bytes: refused inside a box (see the module docstring)
-            groups.setdefault((data[:digits].decode(), bool(rest)), []).append(token_id)
-        self.groups = {k: np.asarray(v, dtype=np.int64) for k, v in groups.items()}
-        bits = np.zeros(self.handle.mask_words * 32, dtype=bool)
-        for ids in self.groups.values():
-            bits[ids] = True
-        self.free = np.packbits(bits, bitorder="little").view(np.int32)
-
-    def mask(self, partial: str, lo: int, hi: int) -> np.ndarray:
-        """Allowed tokens while a number in [lo, hi] is written and `partial` holds its digits so far."""
-        key = (partial, lo, hi)
-        cached = self._masks.get(key)
-        if cached is None:
-            bits = np.zeros(self.handle.mask_words * 32, dtype=bool)
-            for (digits, more), ids in self.groups.items():
-                number = partial + digits
-                if more:
-                    ok = bool(number) and lo <= int(number) <= hi and _viable(number, lo, hi)
-                else:
-                    ok = _viable(number, lo, hi)
-                if ok:
-                    bits[ids] = True
-            cached = np.packbits(bits, bitorder="little").view(np.int32)
-            if len(self._masks) > 4096:
-                self._masks.clear()
-            self._masks[key] = cached
-        return cached
-
-    def allows(self, mask: np.ndarray, token_id: int) -> bool:
-        return bool((int(mask[token_id >> 5]) >> (token_id & 31)) & 1)
-
-
-# One GroundingTables per tokenizer: Qwen2.5-VL compiles one automaton per resized image size, and
-# grouping a 150k-token vocabulary takes longer than compiling the grammar.
-_TABLES: LRUCache[GroundingTables] = LRUCache(maxsize=16)
-
-
-def tables_for(handle: TokenizerHandle) -> GroundingTables:
-    tables = _TABLES.get(handle.key)
-    if tables is None:
-        tables = GroundingTables(handle)
-        _TABLES.put(handle.key, tables)
-    return tables
-
-
-_OPEN = b'"bbox_2d": ['
-_UNBOUNDED = 10**12  # x1, y1: their ranges are llguidance's; here only straddling tokens are refused
-
-
-class GroundingBoxMatcher(Matcher):
-    """Boxes as [x1, y1, x2, y2]: while x2 (y2) is written, its value is held in (x1, width] ((y1, height])."""
-
-    __slots__ = ("_tables", "_w", "_h", "_text", "_lengths")
-    refines = True
-
-    def __init__(self, automaton: Automaton, ll: llguidance.LLMatcher) -> None:
-        super().__init__(automaton, ll)
-        self._tables, self._w, self._h = automaton.extra
-        self._text = bytearray()
-        self._lengths: list[int] = []  # bytes each committed token added
-
-    def _constraint(self) -> np.ndarray | None:
-        """The refinement mask inside a box array (None outside one)."""
-        text = self._text
-        start = text.rfind(_OPEN)
-        if start < 0:
-            return None
-        body = bytes(text[start + len(_OPEN) :])
-        if b"]" in body:
-            return None
-        fields = body.split(b", ")
-        partial = fields[-1]
-        if partial and not partial.isdigit():  # a separator is being written: no number in progress
-            return self._tables.free
-        digits = partial.decode()
-        if len(fields) == 3:
-            return self._tables.mask(digits, int(fields[0]) + 1, self._w)
-        if len(fields) == 4:
-            return self._tables.mask(digits, int(fields[1]) + 1, self._h)
-        return self._tables.mask(digits, 0, _UNBOUNDED)
-
-    def commit(self, token_id: int) -> None:
-        mask = self._constraint()
-        if mask is not None and not self._tables.allows(mask, token_id):
-            raise GrammarViolation(
-                token_id, self.automaton.tokenizer.token_text(token_id), "a box's max must exceed its min"
-            )
-        super().commit(token_id)
-        data = self._tables.token_bytes[token_id] if token_id < len(self._tables.token_bytes) else b""
-        self._text += data
-        self._lengths.append(len(data))
-
-    def forced_tokens(self) -> list[int]:
-        """llguidance's forced tokens (jump-forward), cut before the first that holds a digit: llguidance
-        does not know the x2 / y2 bounds (in practice no coordinate is forced: every range has several
-        values; a digit in the label only loses its jump)."""
-        forced = super().forced_tokens()
-        texts = self._tables.token_bytes
-        for index, token in enumerate(forced):
-            if token >= len(texts) or _DIGITS.intersection(texts[token]):
-                return forced[:index]
-        return forced
-
-    def _refine(self, ptr: int, row: int, words: int) -> None:
-        mask = self._constraint()
-        if mask is not None:
-            row_view(ptr, row, words)[:] &= mask
-
-    def rollback(self, n: int) -> None:
-        super().rollback(n)
-        for _ in range(n):
-            cut = self._lengths.pop()
-            if cut:
-                del self._text[-cut:]
 
 
 def grounding(kind: str, **fields: Any) -> GroundingSpec:
@@ -394,6 +232,9 @@ class XmlPointsSpec(GroundingSpec):
         )
         return XML_OPEN + pairs + self._close()
 
+    def coordinate_spans(self, text: bytes) -> list[tuple[int, int]]:
+        return [match.span(1) for match in XML_COORDINATE.finditer(text)]
+
     def cache_key(self) -> str:
         return f"grounding-xml:{self.max_objects}:{self.width}x{self.height}:{json.dumps(self.label)}"
 
@@ -415,15 +256,7 @@ class XmlPointsSpec(GroundingSpec):
     def build(self, handle: TokenizerHandle, key: str) -> Automaton:
         self._require_scale("compile")
         check_spellable(self, handle)
-        lark = self.lark()
-        source = GrammarSource("lark", key, llguidance.LLMatcher.grammar_from_lark(lark))
-        return Automaton(
-            key=key,
-            kind="grounding-xml-points",
-            grammar=lark,
-            tokenizer=handle,
-            template=compile_template(handle, source),
-        )
+        return lark_automaton(handle, key, "grounding-xml-points", self.lark())
 
     def parse_answer(self, text: str) -> dict:
         import xml.etree.ElementTree as ElementTree

@@ -1,4 +1,4 @@
-"""grammars.grounding: Qwen-VL's native bbox_2d / point_2d answers; one test per invariant, plus conversions."""
+"""families.qwen_vl.grounding: Qwen-VL's native bbox_2d / point_2d answers; one test per invariant, plus conversions."""
 
 from __future__ import annotations
 
@@ -9,9 +9,10 @@ import numpy as np
 import pytest
 
 from foveal import grammars
+from foveal.families.qwen_vl.grounding import GroundingSpec
 from foveal.grammars.bitmask import allocate_bitmask, allowed_tokens
 from foveal.grammars.errors import GrammarViolation, SchemaError
-from foveal.grammars.grounding import GroundingSpec, int_range
+from foveal.grammars.scalars import int_range
 from foveal.grammars.walk import random_walk
 
 EOS = 2

@@ -17,9 +17,9 @@ from tokenizers import Tokenizer
 
 import foveal
 from foveal import grammars
+from foveal.families.qwen_vl.grounding import GroundingSpec
 from foveal.grammars import spatial
 from foveal.grammars.bitmask import allocate_bitmask, allowed_tokens
-from foveal.grammars.grounding import GroundingSpec
 from foveal.grammars.tokenizer import tokenizer_handle
 
 EMBEDDED = Path(foveal.__file__).parent / "embedded" / "tokenizer.json"

@@ -1,4 +1,4 @@
-"""Qwen2.5-VL's XML points (grammars.grounding.XmlPointsSpec): parsing, refusals, and answers sampled
+"""Qwen2.5-VL's XML points (families.qwen_vl.grounding.XmlPointsSpec): parsing, refusals, and answers sampled
 under the grammar through foveal.load on a tiny random Qwen2.5-VL (the cookbook's prompt, the
 resized image's scale, scored points, token budgets that hold)."""
 
@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 
 import foveal
+from foveal.families.qwen_vl.grounding import XmlPointsSpec
 from foveal.grammars import SchemaError, spatial
-from foveal.grammars.grounding import XmlPointsSpec
 from foveal.testing import tiny
 from foveal.vision import scenes
 

@@ -15,7 +15,7 @@ import pytest
 from PIL import Image
 
 import foveal
-from foveal.grammars.grounding import GroundingSpec, XmlPointsSpec
+from foveal.families.qwen_vl.grounding import GroundingSpec, XmlPointsSpec
 from foveal.testing import tiny
 
 

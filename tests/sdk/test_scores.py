@@ -1,4 +1,4 @@
-"""Scores of boxes and points (foveal.families.task): the definition on hand-made distributions, and the
+"""Scores of boxes and points (foveal.families.scores): the definition on hand-made distributions, and the
 invariants through the public API: every item scored in [0, 1], scores never change a sampled token,
 settings["min_score"] drops the items below it."""
 
@@ -12,9 +12,9 @@ import pytest
 
 import foveal
 from foveal.engine.request import TokenLogprob
-from foveal.families import task as scoring
+from foveal.families import scores as scoring
+from foveal.families.qwen_vl.grounding import GroundingSpec
 from foveal.grammars import spatial
-from foveal.grammars.grounding import GroundingSpec
 from foveal.vision import scenes
 
 

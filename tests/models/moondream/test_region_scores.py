@@ -9,7 +9,7 @@ import pytest
 from foveal.engine.request import TokenLogprob
 from foveal.families.moondream import region
 from foveal.families.moondream.scores import region_scores
-from foveal.families.task import Decoded
+from foveal.families.scores import Decoded
 
 V, EOS = 100, 0  # a vocabulary of 100 tokens; value ids follow it
 
