@@ -43,12 +43,12 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from .automaton import Automaton, compile_template
+from .automaton import Automaton, lark_automaton
 from .bounded import JsonBoxMatcher, JsonBoxTables, LocBoxMatcher, LocBoxTables
 from .cache import LRUCache
 from .errors import SchemaError
 from .locations import COORDINATES, DEFAULT_SEPARATOR, LocationFormat
-from .specs import GrammarSource
+from .matcher import Matcher
 from .tokenizer import TokenizerHandle, tokenizer_handle
 
 NUMBER = r"0(\.[0-9]{1,3})?|1(\.0{1,3})?"
@@ -146,17 +146,8 @@ class SpatialSpec:
             matcher_class, extra = (
                 (LocBoxMatcher, LocBoxTables(handle, ids)) if self.kind == "boxes" else (None, None)
             )
-        template = compile_template(handle, _lark_source(lark, key))
-        automaton = Automaton(
-            key=key,
-            kind=f"spatial-{self.kind}-{self.encoding}",
-            grammar=lark,
-            tokenizer=handle,
-            template=template,
-            extra=extra,
-            **({"matcher_class": matcher_class} if matcher_class else {}),
-        )
-        return automaton
+        kind = f"spatial-{self.kind}-{self.encoding}"
+        return lark_automaton(handle, key, kind, lark, matcher_class or Matcher, extra)
 
 
 def points(*fields: Any, **named: Any) -> SpatialSpec:
@@ -168,12 +159,6 @@ def boxes(*fields: Any, **named: Any) -> SpatialSpec:
     """Spec of the detect skill's output (x_min < x_max and y_min < y_max for every box): SpatialSpec's
     fields after `kind` (encoding, max_objects, label, bins, separator)."""
     return SpatialSpec("boxes", *fields, **named)
-
-
-def _lark_source(lark: str, key: str) -> GrammarSource:
-    import llguidance
-
-    return GrammarSource("lark", key, llguidance.LLMatcher.grammar_from_lark(lark))
 
 
 def _repeat(item: str, sep: str, max_objects: int) -> str:

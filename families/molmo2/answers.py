@@ -26,13 +26,10 @@ import math
 import re
 from dataclasses import dataclass
 
-import llguidance
-
 from foveal.families.scores import POINT_TOLERANCE, Decoded
-from foveal.grammars.automaton import Automaton, compile_template
+from foveal.grammars.automaton import Automaton, lark_automaton
 from foveal.grammars.errors import SchemaError
 from foveal.grammars.spatial import AnswerLayout, Coordinate, SpatialSpec, check_spellable
-from foveal.grammars.specs import GrammarSource
 from foveal.grammars.tokenizer import TokenizerHandle
 
 NONE = "There are none."
@@ -83,11 +80,7 @@ class MolmoPointsSpec(SpatialSpec):
 
     def build(self, handle: TokenizerHandle, key: str) -> Automaton:
         check_spellable(self, handle)
-        lark = self.lark()
-        source = GrammarSource("lark", key, llguidance.LLMatcher.grammar_from_lark(lark))
-        return Automaton(
-            key=key, kind="molmo2-points", grammar=lark, tokenizer=handle, template=compile_template(handle, source)
-        )
+        return lark_automaton(handle, key, "molmo2-points", self.lark())
 
     def parse_answer(self, text: str) -> dict:
         """foveal's normalized points of an answer (ValueError on text the grammar cannot produce)."""
