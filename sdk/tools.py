@@ -10,19 +10,10 @@ PROBLEM
 SOLUTION
     `plan(...)` turns the call into a `ChatPlan` before any work: the tools checked and their
     parameter schemas compiled on their own (a schema the grammar cannot enforce raises SchemaError
-    naming it), the choice resolved, and ONE Lark grammar (llguidance) built from
-      [thinking]  free text in the template's thinking section (`<think>...</think>`, or from the
-                  generation prompt's open `<think>` up to `</think>`), unconstrained;
-      then the answer, one of
-        text      free text (no grammar at all when nothing else constrains the call);
-        output    the output type's JSON schema (`%json`) or regex;
-        calls     tool calls in the template's format (`families.template`): "hermes",
-                  `<tool_call>\\n{"name": .., "arguments": ..}\\n</tool_call>` (several, one per
-                  line, where parallel calls are allowed), or "json", `{"tool_calls": [..]}`;
-                  each call one `%json` schema whose name is a `const` and whose arguments are the
-                  tool's parameters, so a call is valid by construction;
-        auto      text OR calls: hermes text holds no `<tool_call>` until the calls start (text
-                  may come first, as Qwen writes it); json text does not start with `{`.
+    naming it), the choice resolved, and ONE Lark grammar written by `foveal.grammars.tool_calls`:
+    the thinking section (if the template writes one), then free text (no grammar at all when
+    nothing else constrains the call), the output type, tool calls in the template's format
+    (`families.template`: "hermes" or "json"), or, with tool_choice "auto", text or calls.
     `ReplyReader` reads the reply's text, whole or delta by delta, into events: reasoning text,
     answer text, and each tool call once its text is complete (its id made here). `read_reply`
     is the whole-text twin and gives the parsed reply (`Reply`).
@@ -35,15 +26,12 @@ INVARIANTS (tests/sdk/test_chat_tools.py)
 
 from __future__ import annotations
 
-import functools
 import json
 import re
 import uuid
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
-
-import llguidance
 
 from foveal.families.conversation import (
     THINK_CLOSE,
@@ -54,16 +42,14 @@ from foveal.families.conversation import (
     ToolCall,
     with_tools,
 )
-from foveal.grammars import CFG, SchemaError
-from foveal.grammars.errors import schema_refusal
-from foveal.grammars.specs import JSON_OPTIONS, grammar_source, json_schema_source
+from foveal.grammars import CFG, SchemaError, tool_calls
 from foveal.grammars.tokenizer import tokenizer_handle
 from foveal.results import AsyncTextStream, TextStream
 
 MAX_TOOLS = 128  # OpenAI's limit on tools per request
 TOOL_NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")  # OpenAI's rule for function names
 CHOICES = ("none", "auto", "required")
-THINKING = "(?s:.*)"  # what the thinking section may hold: anything (a test may bound it)
+THINKING = tool_calls.THINKING  # what the thinking section may hold: anything (a test may bound it)
 _CALL_START = TOOL_CALL_OPEN + "\n"
 _CALL_END = "\n" + TOOL_CALL_CLOSE
 _CALL_HEAD = re.compile(r'\{"name": "([A-Za-z0-9_-]{1,64})", "arguments": ')
@@ -94,6 +80,11 @@ class ChatPlan:
     @property
     def calls_tools(self) -> bool:
         return bool(self.tools) and self.choice != "none"
+
+    @property
+    def output_is_text(self) -> bool:
+        """Whether the result's output is the reply's text itself (free text, or a grammar's text)."""
+        return self.spec is None or isinstance(self.spec, CFG)
 
 
 @dataclass(slots=True)
@@ -142,23 +133,12 @@ def _tool(tool: Any, where: str) -> Tool:
     if not isinstance(parameters, Mapping) or parameters.get("type", "object") != "object":
         raise ValueError(f'{where}.function.parameters must be a JSON schema of an object ({{"type": "object", ..}})')
     try:
-        enforced = _enforced(json.dumps(parameters))  # key order kept: it is the order the answer writes
+        # key order kept: it is the order the answer writes
+        enforced = tool_calls.enforced_parameters(json.dumps(parameters))
     except SchemaError as error:
         raise SchemaError(f"{where}.function.parameters: {error}", keyword=error.keyword, path=error.path) from None
     definition = {"type": "function", "function": {k: v for k, v in function.items() if k != "strict"}}
     return Tool(name, definition, enforced)
-
-
-@functools.lru_cache(maxsize=256)
-def _enforced(parameters: str) -> dict:
-    """A parameters schema (its JSON text) as the grammar enforces it, after checking llguidance takes it
-    (what compile would refuse, found without a tokenizer). Cached: the server checks a request's tools
-    before any work, and every choice's chat call checks them again. The result is shared: read-only."""
-    source = json_schema_source(json.loads(parameters))
-    refused, problems = llguidance.LLMatcher.validate_grammar_with_warnings(source.grammar)
-    if refused:
-        raise schema_refusal("; ".join(problems), source.schema)
-    return source.schema
 
 
 def choice_of(tool_choice: Any, tools: tuple[Tool, ...]) -> str:
@@ -201,85 +181,17 @@ def plan(
                 "an output type and tools that may be called cannot be combined: the answer is a tool "
                 'call or free text; leave output_type out, or pass tool_choice="none"'
             )
-        return replace(base, spec=CFG(_grammar(base, _calls(base))))
+        return replace(base, spec=CFG(tool_calls.with_thinking(reasoning, _calls(base), THINKING)))
     if output_type is None or reasoning is None:
         return replace(base, spec=output_type)  # the output type's own grammar, or free text
-    answer, parse = _answer(output_type)
-    return replace(base, spec=CFG(_grammar(base, answer)), parse_output=parse)
-
-
-def _answer(output_type: Any) -> tuple[str, Any]:
-    """Lark rules `answer: ..` of an output type that follows a thinking section, and its parser."""
-    source = grammar_source(output_type)
-    if source.kind == "json_schema":
-        return f"answer: {_json(source.schema)}\n", source.parse
-    if source.kind == "regex" and source.pattern is not None:
-        return f"answer: ANSWER\nANSWER: /{_lark_regex(source.pattern)}/\n", source.parse
-    raise ValueError(
-        "this model writes a thinking section first, so its output type must be a JSON schema, a pydantic "
-        "model or a Regex (which can follow the free thinking in one grammar); use one of those"
-    )
-
-
-def _grammar(plan: ChatPlan, answer_rules: str) -> str:
-    """`start` = the thinking section (if any) then `answer`."""
-    if plan.reasoning == "section":
-        head = f"start: think SEP answer\nthink[lazy]: /<think>{THINKING}<\\/think>/\nSEP: /\\n*/\n"
-    elif plan.reasoning == "open":
-        head = f"start: think SEP answer\nthink[lazy]: /{THINKING}<\\/think>/\nSEP: /\\n*/\n"
-    else:
-        head = "start: answer\n"
-    return head + answer_rules
+    answer, parse = tool_calls.output_rules(output_type)
+    return replace(base, spec=CFG(tool_calls.with_thinking(reasoning, answer, THINKING)), parse_output=parse)
 
 
 def _calls(plan: ChatPlan) -> str:
-    """Lark rules `answer: ..` of the plan's tool calls (the module docstring's "calls" and "auto")."""
-    tools = [t for t in plan.tools if plan.choice in ("auto", "required", t.name)]
-    schemas = [_call_schema(t) for t in tools]
-    if plan.tool_format == "hermes":
-        rules = "".join(f"f{i}: {_json(s)}\n" for i, s in enumerate(schemas))
-        rules += "call: " + " | ".join(f"f{i}" for i in range(len(schemas))) + "\n"
-        one = '"\\n</tool_call>"'
-        more = ' ("\\n<tool_call>\\n" call "\\n</tool_call>")*' if plan.parallel else ""
-        rules += f"calls: call {one}{more}\n"
-        if plan.choice == "auto":
-            return (
-                "answer: TEXT | head calls\n"
-                "TEXT: /(?s:.*)/ & ~/(?s:.*)<tool_call>(?s:.*)/\n"
-                "head[lazy]: /(?s:.*)<tool_call>\\n/\n" + rules
-            )
-        return 'answer: "<tool_call>\\n" calls\n' + rules
-    items: dict[str, Any] = {"anyOf": schemas} if len(schemas) > 1 else schemas[0]
-    array: dict[str, Any] = {"type": "array", "items": items, "minItems": 1}
-    if not plan.parallel:
-        array["maxItems"] = 1
-    wrapper = {
-        "type": "object",
-        "properties": {"tool_calls": array},
-        "required": ["tool_calls"],
-        "additionalProperties": False,
-    }
-    if plan.choice == "auto":
-        return f"answer: TEXT | calls\nTEXT: /([^{{](?s:.*))?/\ncalls: {_json(wrapper)}\n"
-    return f"answer: {_json(wrapper)}\n"
-
-
-def _call_schema(tool: Tool) -> dict:
-    return {
-        "type": "object",
-        "properties": {"name": {"const": tool.name}, "arguments": tool.parameters},
-        "required": ["name", "arguments"],
-        "additionalProperties": False,
-    }
-
-
-def _json(schema: dict) -> str:
-    """`%json {..}` of a schema under foveal's JSON options (grammars.specs: compact, one style)."""
-    return "%json " + json.dumps({**schema, "x-guidance": JSON_OPTIONS}, ensure_ascii=False)
-
-
-def _lark_regex(pattern: str) -> str:
-    return pattern.replace("/", "\\/")
+    """Lark rules `answer: ..` of the plan's tool calls: those the choice allows."""
+    tools = [(t.name, t.parameters) for t in plan.tools if plan.choice in ("auto", "required", t.name)]
+    return tool_calls.call_rules(tools, plan.choice == "auto", plan.parallel, plan.tool_format)
 
 
 # ---- messages with tool calls -----------------------------------------------------------------------------------
