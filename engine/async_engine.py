@@ -21,9 +21,13 @@ class AsyncEngine:
         return self.engine.submit(request)
 
     async def generate(self, request: Request) -> RequestOutput:
-        handle = self.engine.submit(request)
+        return await self.finished(self.engine.submit(request))
+
+    @staticmethod
+    async def finished(handle: RequestHandle) -> RequestOutput:
+        """The output of a submitted request, awaited; a cancelled await cancels the request."""
         try:
-            async for _ in self.deltas(handle):
+            async for _ in AsyncEngine.deltas(handle):
                 pass
         except asyncio.CancelledError:
             handle.cancel()

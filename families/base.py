@@ -33,11 +33,23 @@ from typing import Any, ClassVar
 from PIL import Image
 
 from foveal import grammars
-from foveal.engine.matcher import FillMasks
+from foveal.engine.matcher import FillMasks, Matcher
 from foveal.engine.models.loader import LoadedModel, LoadOptions
 from foveal.engine.models.processor import PromptInputs
+from foveal.engine.request import Request
 from foveal.families.conversation import Conversation
+from foveal.families.prepared import (
+    AnswerAutomaton,
+    CallLimits,
+    ImagesOf,
+    Prepared,
+    fixed_start_error,
+    items_error,
+    reader,
+)
 from foveal.families.reserved import ReservedMask, ReservedTokens
+from foveal.families.scores import SCORE_ALTERNATIVES
+from foveal.families.task import Task
 from foveal.grammars import spatial
 from foveal.grammars.cache import LRUCache
 
@@ -178,12 +190,51 @@ class Family:
 
     # ---- running a task ---------------------------------------------------------------------------------------
 
+    def prepare(self, task: Task, images: ImagesOf, limits: CallLimits) -> Prepared:
+        """The call made whole (families/prepared.py): its output spec compiled (a spatial answer's once
+        its item count is sized to the budget the prompt leaves), its prompt encoded with the call's
+        images (decoded by `images()` only then), its request, and how its output reads."""
+        spatial_answer = isinstance(task.spec, spatial.SpatialSpec)
+        # other specs compile first: a bad output type fails before the images are encoded
+        automaton = None if spatial_answer else self.compile(task.spec)
+        decoded, image_key = images()
+        prompt, task = self.encode(task, decoded, image_key)
+        prompt_len = len(prompt.token_ids)
+        max_tokens = limits.budget(prompt_len)
+        if spatial_answer:
+            fitted, one = self.fit_items(task, max_tokens)
+            if fitted is None:
+                raise items_error(task.skill, max_tokens, one, prompt_len, limits.max_model_len)
+            task = fitted
+            automaton = self.compile(task.spec)
+        if automaton is not None and automaton.min_tokens > max_tokens:
+            raise fixed_start_error(automaton.min_tokens, max_tokens)
+        sampling = replace(
+            limits.sampling,
+            max_tokens=max_tokens,
+            skip_special_tokens=not task.keep_special,  # the text the parser reads, made by the engine
+            # what the scores read; else what the caller asked for (chat's logprobs)
+            logprobs=SCORE_ALTERNATIVES if task.score is not None else limits.sampling.logprobs,
+        )
+        request = Request(prompt.token_ids, sampling, self._matcher(task, automaton), prompt.prefill)
+        read = reader(task, automaton, frozenset(self.eos_token_ids), limits.min_score)
+        return Prepared(task, request, read, decoded[0] if decoded else None)
+
+    def _matcher(self, task: Task, automaton: AnswerAutomaton | None) -> Matcher | None:
+        """One call's matcher: its automaton's; else the task's own decode rules; else free text's,
+        which masks the family's reserved tokens (None where it has none: no mask at all)."""
+        if automaton is not None:
+            return automaton.matcher()
+        if task.rules is not None:
+            return task.rules()
+        return self.free_text_matcher()
+
     def encode(self, task: Any, images: list[Image.Image], image_key: str | None) -> tuple[PromptInputs, Any]:
         """The engine inputs of `task` with the call's decoded images (in order), and the task as it
         applies to them (a family whose answer's scale depends on the processed image rebinds it)."""
         return self.processor(task.prompt, images or None, image_key=image_key), task
 
-    def compile(self, spec: Any) -> grammars.Automaton | None:
+    def compile(self, spec: Any) -> AnswerAutomaton | None:
         """The automaton of an output spec (cached by grammars.compile), or None for free text."""
         if spec is None:
             return None

@@ -8,23 +8,23 @@ PROBLEM
     calls in flight, and come back as a plain result dict; a bad call must never disturb the engine
     or the other calls.
 SOLUTION
-    One `Engine` per `Model`. A call goes through three steps:
-      1. task: arguments and settings are checked (skills.py), the family's declared capabilities
+    One `Engine` per `Model`. Every skill, sync or async, streamed or not, on one image or a list,
+    takes one path (the public methods are one line each):
+      1. call (calls.py): arguments and settings are checked, the family's declared capabilities
          are asked, and the family turns the call into a `Task` (prompt, output spec, parser);
-      2. prepare: the family compiles the output spec into an automaton that carries the parser
-         of its text (SchemaError here; a spatial spec first gets as many items as the token
-         budget holds), the images are decoded and keyed (ImageError here), the family renders
-         the prompt (its chat template) and its processor builds prompt ids and `PrefillInputs`
-         (image tensors, key, prefix): a `Job` holding a `Request`;
+      2. prepare: `Family.prepare` makes the call whole (families/prepared.py): it compiles the
+         output spec (SchemaError here; a spatial spec first gets as many items as the token budget
+         holds), asks for the images, which this module decodes within the pixel budget and keys
+         (ImageError here), renders and encodes the prompt, and returns a `Prepared`: the engine
+         `Request` and `read`, which parses and scores the answer;
       3. submit and collect: the engine checks the request against its limits (ValueError here),
-         batches every request in flight (from any thread) and detokenizes the answer (special
-         tokens kept where the format answers in them); the caller blocks on its handle (or
-         iterates its text deltas, or awaits it), then the parser turns the text into the value
-         and the task's result type wraps it.
-    Steps 1-2 run on the caller's thread with no lock held: a slow compile or a large image never
-    delays another caller's call (compiled specs are cached by foveal.grammars, which is safe from
-    many threads; the tokenizer is only read). The model has one tokenizer, shared with the
-    engine's detokenizer.
+         batches every request in flight (from any thread) and detokenizes the answer; the caller
+         blocks on its handle (or iterates its text deltas, or awaits it), then `read` gives the
+         value and the skill's result type wraps it. A grounded query is two such calls, the
+         reasoning's ids in the second's prompt.
+    Steps 1-2 run on the caller's thread (a worker thread for async calls) with no lock held: a slow
+    compile or a large image never delays another caller's call (compiled specs are cached by
+    foveal.grammars, which is safe from many threads; the tokenizer is only read).
     Lists of images go through the same steps with a bounded window of requests in flight.
 INVARIANTS (tests/sdk/test_model.py, test_concurrency.py)
     1. Every bad input raises before a request is submitted; the engine then serves the next call.
@@ -34,7 +34,9 @@ INVARIANTS (tests/sdk/test_model.py, test_concurrency.py)
     4. Batch results come back in input order; a failed image yields its exception in its place.
     5. Each request with an image carries `prefill.image_key` (foveal.vision.image_key of the
        decoded image, or of the call's images together), so a runner can reuse that encoding.
-    6. Nothing here names a model family (tests/sdk/test_architecture.py): the family is asked.
+    6. Nothing here names a model family, a spec type or a scorer (tests/sdk/test_architecture.py):
+       the family is asked.
+    7. Each async skill takes its sync twin's arguments (tests/sdk/test_calls.py).
 """
 
 from __future__ import annotations
@@ -44,7 +46,7 @@ import contextlib
 import dataclasses
 import hashlib
 from collections import deque
-from collections.abc import AsyncIterator, Callable, Generator, Iterable, Mapping
+from collections.abc import AsyncIterator, Generator, Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -52,17 +54,15 @@ from typing import Any
 from PIL import Image
 from tqdm import tqdm
 
-from foveal import families
+from foveal import calls, families
 from foveal import tools as chat_tools
-from foveal.engine import AsyncEngine, Engine, EngineConfig, FinishReason, Request, SamplingParams, shutdown
+from foveal.engine import AsyncEngine, Engine, EngineConfig, FinishReason, SamplingParams, shutdown
 from foveal.engine import models as engine_models
 from foveal.engine.request import RequestHandle, RequestOutput
 from foveal.errors import GenerationError, IncompleteOutputError, ModelClosedError
 from foveal.families import Family
 from foveal.families.base import IMAGE_SKILLS
-from foveal.families.scores import SCORE_ALTERNATIVES, Decoded, with_scores
-from foveal.families.task import Task
-from foveal.grammars import spatial
+from foveal.families.prepared import CallLimits, Prepared
 from foveal.results import (
     AsyncTextStream,
     CaptionResult,
@@ -76,24 +76,11 @@ from foveal.results import (
     TextStream,
     Usage,
 )
-from foveal.settings import Settings, validate_settings
-from foveal.skills import (
-    RESULTS,
-    check_eye,
-    check_length,
-    check_object,
-    check_spatial_refs,
-    check_text,
-    conversation,
-    guarded,
-    parser,
-)
+from foveal.skills import RESULTS, guarded, read_value
 from foveal.vision import PixelBudget, image_key, load_image
 from foveal.vision.budget import DEFAULT_PIXEL_BUDGET
 
 EMBEDDED = Path(__file__).parent / "embedded"
-SKILLS = ("caption", "query", "detect", "point", "generate")  # the skills `map` runs over images
-SETTINGS_OF = {"chat": "generate", "gaze": "point"}  # whose settings a skill takes (validate_settings)
 
 
 @dataclass(frozen=True, slots=True)
@@ -110,22 +97,6 @@ class EncodedImage:
     def __post_init__(self) -> None:
         object.__setattr__(self, "image", load_image(self.image))  # a copy: later edits cannot stale the key
         object.__setattr__(self, "key", image_key(self.image))
-
-
-@dataclass(slots=True)
-class Job:
-    """One prepared call: its task, the engine request, the parser of its answer, the decoded image."""
-
-    task: Task
-    request: Request
-    parse: Callable[[str], Any]  # the task's parser, or its compiled output spec's
-    image: Image.Image | None  # the call's (first) image, which the result is about
-    tokenizer: Any = None  # the compiled answer's tokenizer handle (what a scorer reads tokens with)
-    min_score: float = 0.0  # scored items below it are left out
-
-    @property
-    def result(self) -> type[Result]:
-        return RESULTS[self.task.skill]
 
 
 # ---- loading ------------------------------------------------------------------------------------------------
@@ -170,13 +141,13 @@ def load(
     write them into the KV cache in one launch instead of one decode step each. The forced tokens
     are the grammar's canonical tokenization of its forced text: where the model would have spelled
     that text with other tokens, the answer's ids, and then possibly what follows, can differ
-    (a small text model, greedy: none of 80 answers did; benchmarks/jump_forward.py).
+    (benchmarks/jump_forward.py measures how often).
     `speculative`: None (off) or "ngram": each call's next tokens are guessed from its own prompt
     and output (prompt lookup, cut where the grammar forbids one) and checked in the next launch;
     answers are the ones decoding without it gives (exactly with fp32 weights; a kernel whose
     rounding depends on the launch's rows, a quantized GGUF's int4, can tip a near-tie, as sharing a
-    batch can), in fewer steps where answers copy from the prompt (docs/speculative.md has the
-    figures: no wall-clock gain measured on this CPU yet, so it is off by default). Families whose
+    batch can), in fewer steps where answers copy from the prompt; off by default, since fewer steps
+    are not always less time (docs/speculative.md has the measurements). Families whose
     runner cannot let one launch's rows share a sequence's pages (runner.SharedPages) refuse it.
     `image_options`: the image processor's resolution bounds where the family has them (families
     of dynamic resolution: {"min_pixels": .., "max_pixels": ..}, pixels of the resized image).
@@ -184,7 +155,7 @@ def load(
     "int4" are weight-only quantization of the text decoder's linear layers at load (the LM head
     is int8 in both), computed with bf16 activations unless `dtype` says otherwise; "fp16" keeps
     those layers and the head as fp16 for fbgemm's GEMM (x86 builds of torch) with float32
-    activations: half the fp32 bytes, the fp32 answers (engine/models/quant.py has the figures).
+    activations: half the fp32 bytes, the fp32 answers (docs/quantization.md has the figures).
     A llama `.gguf` file on CPU is always read straight from the file: None means, where fbgemm
     exists, its Q4 blocks as int4 for launches of up to 4 rows and fp16 above (docs/quantization.md),
     else its own blocks (Q4_0/Q4_1 as int4, Q8_0 as int8); "int4" keeps its Q4
@@ -218,14 +189,6 @@ def load(
         speculative,
     )
     return Model(family, config, pixels)
-
-
-def _check_flag(name: str, value: Any, where: str) -> None:
-    """A flag passed positionally where a settings dict was meant is refused, saying where it went."""
-    if not isinstance(value, bool):
-        raise TypeError(
-            f"{name} must be True or False, got {value!r}: {name} is {where}; pass settings=... by keyword"
-        )
 
 
 def _check_load_args(
@@ -333,7 +296,7 @@ class Model:
 
         length: "short", "normal" or "long". settings: temperature, top_p, max_tokens, seed.
         """
-        return self._dispatch(*self._caption_task(length, settings), image, stream)
+        return self._call(calls.caption(self.family, image, length, stream, settings))
 
     def query(
         self,
@@ -352,25 +315,21 @@ class Model:
         `spatial_refs`: points [x, y] and boxes [x1, y1, x2, y2] (normalized) the question refers to,
         on models that take them (`capabilities.spatial_refs`).
         """
-        _check_flag("reasoning", reasoning, "query's third argument (the reference's order)")
-        _check_flag("stream", stream, "query's fifth argument")
-        if reasoning:
-            return self._reason(image, question, spatial_refs, stream, settings)
-        return self._dispatch(*self._query_task(question, settings, spatial_refs), image, stream)
+        return self._call(calls.query(self.family, image, question, reasoning, spatial_refs, stream, settings))
 
     def detect_gaze(
         self, image: Any, eye: Any = None, face: Any = None, unstable_settings: Mapping | None = None
     ) -> GazeResult:
         """Where the person whose eye is at `eye` (x, y, normalized) looks: `{"gaze": {"x", "y"}}`,
         or `{"gaze": None}` (models with `capabilities.gaze`; the reference client API's signature)."""
-        return self._dispatch(*self._gaze_task(eye, face, unstable_settings), image, False)
+        return self._call(calls.detect_gaze(self.family, image, eye, face, unstable_settings))
 
     def detect(self, image: Any, object: str, settings: Mapping | None = None) -> DetectResult:
         """Boxes of every `object`: `{"objects": [{"x_min", "y_min", "x_max", "y_max"}]}`, floats in [0, 1].
 
         settings: max_objects (at most that many boxes), temperature, top_p, max_tokens, seed.
         """
-        return self._dispatch(*self._detect_task(object, settings), image, False)
+        return self._call(calls.detect(self.family, image, object, settings))
 
     def point(
         self, image: Any, object: str, settings: Mapping | None = None, spatial_refs: Any = None
@@ -379,7 +338,7 @@ class Model:
 
         `spatial_refs` (the reference client API's argument): taken only by models that declare it for point
         (`capabilities.spatial_refs`), refused elsewhere."""
-        return self._dispatch(*self._point_task(object, settings, spatial_refs), image, False)
+        return self._call(calls.point(self.family, image, object, settings, spatial_refs))
 
     def generate(
         self, image: Any, prompt: str, output_type: Any = None, settings: Mapping | None = None
@@ -390,7 +349,7 @@ class Model:
         dict (output: a dict), foveal.Regex / foveal.CFG / typing.Literal (output: the str or
         literal), or any other type foveal.grammars accepts (the parsers: foveal/grammars/specs.py).
         """
-        return self._dispatch(*self._generate_task(prompt, output_type, settings), image, False)
+        return self._call(calls.generate(self.family, image, prompt, output_type, settings))
 
     def chat(
         self,
@@ -422,16 +381,10 @@ class Model:
         log-probability under the grammar's mask and its k most likely alternatives. With stream=True the
         chunks are the raw reply (thinking and call markup included: `foveal.tools.ReplyReader` reads them).
         """
-        call = self._chat_task(messages, output_type, settings, stream, tools, tool_choice, parallel_tool_calls)
-        task, images, s, explicit, chat_plan = call
-        job = self._prepare(task, images, s, explicit)
-        self._chat_sampling(job, logprobs)
-        handle = self._submit(job)
-        if stream:
-            logprobs_so_far = chat_tools.LogprobsSoFar(handle.logprobs, self.family.tokenizer)
-            text = chat_tools.ChatTextStream(self._stream(job, handle), chat_plan, logprobs_so_far)
-            return ChatResult.of_answer("", text, job.image)
-        return self._chat_result(job, handle.result(), chat_plan, logprobs)
+        call = calls.chat(
+            self.family, messages, output_type, settings, stream, tools, tool_choice, parallel_tool_calls, logprobs
+        )
+        return self._call(call)
 
     def map(
         self, skill: str, images: Iterable[Any], *args: Any, progress: bool | None = True, **kwargs: Any
@@ -443,12 +396,12 @@ class Model:
         image that fails (unreadable, too large, ...) gets its exception object in its place and the
         others are unaffected. Bad arguments or settings raise before any image is touched.
         """
-        if skill not in SKILLS:
-            raise ValueError(f"unknown skill {skill!r}; use one of {', '.join(SKILLS)}")
+        if skill not in calls.MAPPED:
+            raise ValueError(f"unknown skill {skill!r}; use one of {', '.join(calls.MAPPED)}")
         if isinstance(images, str | bytes) or not isinstance(images, Iterable):
             raise TypeError("images must be a list (or another iterable) of images")
-        task, settings, explicit = getattr(self, f"_{skill}_task")(*args, **kwargs)
-        return self._batch(task, list(images), settings, explicit, progress)
+        call = calls.SKILLS[skill](self.family, list(images), *args, **kwargs)
+        return self._each(dataclasses.replace(call, progress=progress))
 
     def encode_image(self, image: Any) -> EncodedImage:
         """Decode and key an image once, for several calls on it."""
@@ -463,45 +416,41 @@ class Model:
         self, image: Any, length: str = "normal", stream: bool = False, settings: Mapping | None = None
     ) -> CaptionResult:
         """`caption` for asyncio; with stream=True the caption is an async iterator of text chunks."""
-        return await self._adispatch(*self._caption_task(length, settings), image, stream)
+        return await self._acall(calls.caption(self.family, image, length, stream, settings))
 
     async def aquery(
         self,
-        image: Any,
-        question: str,
-        stream: bool = False,
-        settings: Mapping | None = None,
-        *,
+        image: Any = None,
+        question: str | None = None,
         reasoning: bool = False,
         spatial_refs: Any = None,
+        stream: bool = False,
+        settings: Mapping | None = None,
     ) -> QueryResult:
-        """`query` for asyncio; with stream=True the answer is an async iterator of text chunks.
-        (foveal's own order: stream third; reasoning and spatial_refs by keyword.)"""
-        if reasoning:
-            return await self._areason(image, question, spatial_refs, stream, settings)
-        return await self._adispatch(*self._query_task(question, settings, spatial_refs), image, stream)
+        """`query` for asyncio; with stream=True the answer is an async iterator of text chunks."""
+        return await self._acall(calls.query(self.family, image, question, reasoning, spatial_refs, stream, settings))
 
     async def adetect_gaze(
         self, image: Any, eye: Any = None, face: Any = None, unstable_settings: Mapping | None = None
     ) -> GazeResult:
         """`detect_gaze` for asyncio."""
-        return await self._adispatch(*self._gaze_task(eye, face, unstable_settings), image, False)
+        return await self._acall(calls.detect_gaze(self.family, image, eye, face, unstable_settings))
 
     async def adetect(self, image: Any, object: str, settings: Mapping | None = None) -> DetectResult:
         """`detect` for asyncio."""
-        return await self._adispatch(*self._detect_task(object, settings), image, False)
+        return await self._acall(calls.detect(self.family, image, object, settings))
 
     async def apoint(
         self, image: Any, object: str, settings: Mapping | None = None, spatial_refs: Any = None
     ) -> PointResult:
         """`point` for asyncio."""
-        return await self._adispatch(*self._point_task(object, settings, spatial_refs), image, False)
+        return await self._acall(calls.point(self.family, image, object, settings, spatial_refs))
 
     async def agenerate(
         self, image: Any, prompt: str, output_type: Any = None, settings: Mapping | None = None
     ) -> GenerateResult:
         """`generate` for asyncio."""
-        return await self._adispatch(*self._generate_task(prompt, output_type, settings), image, False)
+        return await self._acall(calls.generate(self.family, image, prompt, output_type, settings))
 
     async def achat(
         self,
@@ -515,223 +464,113 @@ class Model:
         logprobs: int | None = None,
     ) -> ChatResult:
         """`chat` for asyncio; with stream=True the text is an async iterator of chunks."""
-        call = self._chat_task(messages, output_type, settings, stream, tools, tool_choice, parallel_tool_calls)
-        task, images, s, explicit, chat_plan = call
-        job = await asyncio.to_thread(self._prepare, task, images, s, explicit)
-        self._chat_sampling(job, logprobs)
-        if stream:  # submitted before the stream is returned, as chat's: a request that cannot fit raises here
-            handle = self._submit(job)
-            logprobs_so_far = chat_tools.LogprobsSoFar(handle.logprobs, self.family.tokenizer)
-            text = chat_tools.AsyncChatStream(_Chunks(self._astream(job, handle), handle), chat_plan, logprobs_so_far)
-            return ChatResult.of_answer("", text, job.image)
-        output = await AsyncEngine(self.engine).generate(job.request)
-        return self._chat_result(job, output, chat_plan, logprobs)
-
-    # ---- step 1: tasks (arguments, settings, the family's task; no image) ----------------------------------
-
-    def _task(self, skill: str, settings: Mapping | None, make: Callable[[Settings], Task]) -> tuple:
-        """The family's task for a call (`make(validated settings)`), after the settings and the
-        family's declared skills are checked."""
-        s, explicit = _settings(settings, SETTINGS_OF.get(skill, skill))
-        caps = self.family.capabilities
-        if skill not in caps.skills and skill != "gaze":
-            raise self.family.unsupported(skill)
-        if not explicit and caps.token_budget is not None and skill in ("caption", "query"):
-            s = dataclasses.replace(s, max_tokens=caps.token_budget)  # the family's own default
-        task = self.family.with_settings(make(s), s)
-        if s.stop and task.spec is not None:
-            raise ValueError(
-                f"settings['stop'] applies to free text; this {skill} answer is decoded under its output "
-                "grammar, which decides where it ends: remove stop"
-            )
-        return task, s, explicit
-
-    def _caption_task(self, length: str = "normal", settings: Mapping | None = None) -> tuple:
-        check_length(length)
-        return self._task("caption", settings, lambda _: self.family.caption(length))
-
-    def _query_task(self, question: str, settings: Mapping | None = None, spatial_refs: Any = None) -> tuple:
-        text = check_text("question", question).strip()
-        refs = check_spatial_refs(spatial_refs)
-        if refs is None:
-            return self._task("query", settings, lambda _: self.family.query(text))
-        return self._task("query", settings, lambda _: self.family.spatial_query(text, refs))
-
-    def _reasoning_task(self, question: str, spatial_refs: Any, settings: Mapping | None) -> tuple:
-        text = check_text("question", question).strip()
-        refs = check_spatial_refs(spatial_refs)
-        if not self.family.capabilities.reasoning:
-            raise self.family.unsupported("reasoning")
-        return self._task("query", settings, lambda _: self.family.reasoning(text, refs))
-
-    def _gaze_task(self, eye: Any, face: Any, unstable_settings: Mapping | None) -> tuple:
-        if not self.family.capabilities.gaze:
-            raise self.family.unsupported("detect_gaze")
-        if eye is None:
-            raise ValueError("detect_gaze needs eye=(x, y), normalized; locating the face (face=) is not implemented")
-        if face is not None or unstable_settings:
-            raise ValueError(
-                "detect_gaze takes eye=(x, y) only: face= and unstable_settings (prioritize_accuracy, "
-                "force_detect) are not implemented; remove them"
-            )
-        point = check_eye(eye)
-        return self._task("gaze", None, lambda _: self.family.detect_gaze(point))
-
-    def _reason(self, image: Any, question: Any, spatial_refs: Any, stream: bool, settings: Any) -> QueryResult:
-        """A grounded query: the reasoning request, then the answer request, whose prompt holds the
-        reasoning's ids (its coordinates as values) after the reasoning's prompt."""
-        if isinstance(image, list | tuple):
-            raise ValueError("reasoning=True takes one image, not a list")
-        task, s, explicit = self._reasoning_task(question, spatial_refs, settings)
-        images = [] if image is None else [image]
-        job = self._prepare(task, images, s, explicit)
-        output = self._submit(job).result()
-        self._check(job, output)
-        reasoning, answer_task = self.family.reasoned_answer(job.task, output.token_ids)
-        result = self._run(answer_task, images, s, explicit, stream)
-        return result.with_reasoning(reasoning)
-
-    async def _areason(
-        self, image: Any, question: Any, spatial_refs: Any, stream: bool, settings: Any
-    ) -> QueryResult:
-        """`_reason` for asyncio."""
-        if isinstance(image, list | tuple):
-            raise ValueError("reasoning=True takes one image, not a list")
-        task, s, explicit = self._reasoning_task(question, spatial_refs, settings)
-        images = [] if image is None else [image]
-        job = await asyncio.to_thread(self._prepare, task, images, s, explicit)
-        output = await AsyncEngine(self.engine).generate(job.request)
-        self._check(job, output)
-        reasoning, answer_task = self.family.reasoned_answer(job.task, output.token_ids)
-        result = await self._arun(answer_task, images, s, explicit, stream)
-        return result.with_reasoning(reasoning)
-
-    def _detect_task(self, object: str, settings: Mapping | None = None) -> tuple:
-        phrase = check_object(object)
-        return self._task("detect", settings, lambda s: self.family.detect(phrase, s.max_objects))
-
-    def _point_task(self, object: str, settings: Mapping | None = None, spatial_refs: Any = None) -> tuple:
-        phrase = check_object(object)
-        if check_spatial_refs(spatial_refs) is not None:  # no family points from references yet
-            raise self.family.unsupported_option("spatial_refs on point", self.family.refs_hint())
-        return self._task("point", settings, lambda s: self.family.point(phrase, s.max_objects))
-
-    def _generate_task(self, prompt: str, output_type: Any = None, settings: Mapping | None = None) -> tuple:
-        check_text("prompt", prompt)
-        return self._task("generate", settings, lambda _: self.family.generate(prompt, output_type))
-
-    def _chat_task(
-        self,
-        messages: Any,
-        output_type: Any,
-        settings: Mapping | None,
-        stream: bool,
-        tools: Any = None,
-        tool_choice: Any = None,
-        parallel_tool_calls: bool = True,
-    ) -> tuple:
-        """The chat call's task, images, settings and `foveal.tools.ChatPlan` (its grammar: tools, the
-        thinking section); raises before any work."""
-        plain, fields = chat_tools.split_tool_fields(messages)
-        talk, images = conversation(plain)
-        chat_plan = chat_tools.plan(
-            output_type, tools, tool_choice, parallel_tool_calls, self.family.tool_format, self.family.thinking
+        call = calls.chat(
+            self.family, messages, output_type, settings, stream, tools, tool_choice, parallel_tool_calls, logprobs
         )
-        if (chat_plan.tools or any(calls for calls, _ in fields)) and not self.capabilities.conversations:
-            raise ValueError(
-                f"this {self.family.name} model has no chat template, so it cannot be given tools or tool "
-                "messages; use a checkpoint whose tokenizer has a chat_template"
-            )
-        talk = chat_tools.attach_tool_fields(talk, fields, chat_plan)
-        for where, text in chat_tools.plain_texts(chat_plan, talk):
-            self.family.plain(where, text)
-        task, s, explicit = self._task("chat", settings, lambda _: self.family.chat(talk, chat_plan.spec))
-        return task, images, s, explicit, chat_plan
+        return await self._acall(call)
 
-    def _chat_sampling(self, job: Job, logprobs: int | None) -> None:
-        """A chat request that records `logprobs` alternatives per token (SamplingParams checks k)."""
-        if logprobs is not None:
-            job.request.sampling = dataclasses.replace(job.request.sampling, logprobs=logprobs)
+    # ---- the call path: one for every skill, sync, async, streamed and over lists of images ----------------
 
-    def _chat_result(self, job: Job, output: RequestOutput, chat_plan: Any, logprobs: int | None) -> ChatResult:
+    def _call(self, call: calls.Call) -> Any:
+        """A call on this thread: prepared here, submitted, then its result (blocking) or its stream."""
+        if call.each:
+            return self._each(call)
+        while True:
+            prepared = self._prepare(call)
+            handle = self._submit(prepared)
+            if call.stream and not call.reasoning:
+                return self._streamed(call, prepared, handle, self._stream(prepared, handle))
+            answer = self._answer(call, prepared, handle.result())
+            if not isinstance(answer, calls.Call):
+                return answer
+            call = answer
+
+    async def _acall(self, call: calls.Call) -> Any:
+        """`_call` for asyncio: prepared on a worker thread (a compile or a large image never stalls
+        the loop), the answer awaited. A stream is submitted before it is returned, as `_call`'s: a
+        request that cannot fit raises here."""
+        if call.each:
+            each = [self._acall(dataclasses.replace(call, images=[one], each=False)) for one in call.images]
+            return list(await asyncio.gather(*each, return_exceptions=True))
+        while True:
+            prepared = await asyncio.to_thread(self._prepare, call)
+            handle = self._submit(prepared)
+            if call.stream and not call.reasoning:
+                return self._streamed(call, prepared, handle, _Chunks(self._astream(prepared, handle), handle))
+            answer = self._answer(call, prepared, await AsyncEngine.finished(handle))
+            if not isinstance(answer, calls.Call):
+                return answer
+            call = answer
+
+    def _answer(self, call: calls.Call, prepared: Prepared, output: RequestOutput) -> Any:
+        """A finished request's result; for a grounded query's reasoning phase, the answer's call
+        (its prompt holds the reasoning's ids, its coordinates as values, after the reasoning's prompt)."""
+        if call.reasoning:
+            self._check(prepared, output)
+            reasoning, answer_task = self.family.reasoned_answer(prepared.task, output.token_ids)
+            return call.answering(answer_task, reasoning)
+        if call.plan is not None:
+            return self._chat_result(call, prepared, output)
+        result = self._result(prepared, output)
+        return result.with_reasoning(call.reasoned) if call.reasoned is not None else result
+
+    def _streamed(self, call: calls.Call, prepared: Prepared, handle: RequestHandle, chunks: Any) -> Any:
+        """The result of a streamed call: its text an iterator of chunks (async where `chunks` is),
+        a chat's read back as it comes (`foveal.tools`)."""
+        asynchronous = isinstance(chunks, _Chunks)
+        if call.plan is not None:
+            so_far = chat_tools.LogprobsSoFar(handle.logprobs, self.family.tokenizer)
+            reader = chat_tools.AsyncChatStream if asynchronous else chat_tools.ChatTextStream
+            return ChatResult.of_answer("", reader(chunks, call.plan, so_far), prepared.image)
+        text = AsyncTextStream(chunks) if asynchronous else TextStream(chunks)
+        result = RESULTS[prepared.skill].of_answer("", text, prepared.image)
+        return result.with_reasoning(call.reasoned) if call.reasoned is not None else result
+
+    def _chat_result(self, call: calls.Call, prepared: Prepared, output: RequestOutput) -> ChatResult:
         """The chat result: the reply read back (thinking, text, tool calls) and the logprobs asked for."""
+        plan = call.plan
+        assert plan is not None  # a chat call always has its plan
         try:
-            result = self._result(job, output)
+            result = self._result(prepared, output)
         except IncompleteOutputError as cut:  # what was written before the cut, read back
-            cut.reply = chat_tools.read_reply(chat_plan, cut.text)
+            cut.reply = chat_tools.read_reply(plan, cut.text)
             raise
-        if chat_plan.calls_tools or chat_plan.reasoning is not None:
-            reply = chat_tools.read_reply(chat_plan, output.text)
+        if plan.calls_tools or plan.reasoning is not None:
+            reply = chat_tools.read_reply(plan, output.text)
             result["text"] = reply.text
-            if chat_plan.parse_output is not None:
-                result["output"] = guarded(job.task.skill, chat_plan.parse_output)(reply.text)
-            elif isinstance(chat_plan.spec, chat_tools.CFG) or chat_plan.spec is None:
+            if plan.parse_output is not None:
+                result["output"] = guarded(prepared.skill, plan.parse_output)(reply.text)
+            elif plan.output_is_text:
                 result["output"] = reply.text
-            if chat_plan.reasoning is not None:
+            if plan.reasoning is not None:
                 result["reasoning"] = reply.reasoning
-            if chat_plan.calls_tools:
+            if plan.calls_tools:
                 result["tool_calls"] = reply.tool_calls
-        elif chat_plan.tools:
+        elif plan.tools:
             result["tool_calls"] = []
-        if logprobs is not None:
+        if call.logprobs is not None:
             result["logprobs"] = chat_tools.token_logprobs(output.logprobs or [], self.family.tokenizer)
         return result
 
-    # ---- step 2: prepare (grammar, images, prompt ids, token budget) ------------------------------------------
+    # ---- prepare: the images decoded within the pixel budget, the family makes the call whole --------------
 
-    def _prepare(self, task: Task, images: list, settings: Settings, explicit: bool) -> Job:
+    def _prepare(self, call: calls.Call) -> Prepared:
+        """The call ready to submit (`Family.prepare`): the images are decoded only when the family asks
+        for them, after its output spec compiled, and their pixels count against the budget until encoded."""
+        task, settings = call.task, call.settings
         if self._closed:
             raise ModelClosedError(task.skill)
-        spatial_answer = isinstance(task.spec, spatial.SpatialSpec)
-        # other specs compile first: a bad output type fails before the image is read
-        automaton = None if spatial_answer else self.family.compile(task.spec)
-        with contextlib.ExitStack() as held:  # the decoded pixels count against the budget until encoded
-            decoded, key = self._images(images, task.skill, held)
-            prompt, task = self.family.encode(task, decoded, key)
-        max_tokens = self._budget(len(prompt.token_ids), settings.max_tokens, explicit)
-        if spatial_answer:  # its item count is sized to the budget, then compiled
-            task = self._fit_items(task, len(prompt.token_ids), max_tokens)
-            automaton = self.family.compile(task.spec)
-        if automaton is not None and automaton.min_tokens > max_tokens:
-            raise ValueError(
-                f"every answer of this output type starts with {automaton.min_tokens} tokens of fixed text, "
-                f"more than the {max_tokens} it may have (settings['max_tokens'], at most what the context "
-                "leaves after the prompt); raise max_tokens, shorten the fixed text, or put it in the prompt"
-            )
         sampling = SamplingParams(
             temperature=settings.temperature,
             top_p=settings.top_p,
-            max_tokens=max_tokens,
+            max_tokens=settings.max_tokens,
             seed=settings.seed,
             stop=settings.stop,
-            skip_special_tokens=not task.keep_special,  # the text the parser reads, made by the engine
-            logprobs=SCORE_ALTERNATIVES if task.score is not None else None,  # what the scores read
+            logprobs=call.logprobs,
         )
-        if automaton is not None:
-            matcher = automaton.matcher()
-        else:  # a family's own automaton, or free text (which masks the family's reserved tokens)
-            matcher = task.rules() if task.rules is not None else self.family.free_text_matcher()
-        request = Request(prompt.token_ids, sampling, matcher, prompt.prefill)
-        image = decoded[0] if decoded else None
-        tokens = getattr(automaton, "tokenizer", None)
-        return Job(task, request, parser(task, automaton), image, tokens, settings.min_score)
-
-    def _fit_items(self, task: Task, prompt_len: int, max_tokens: int) -> Task:
-        """A spatial answer's max_objects lowered to the items `max_tokens` holds whatever spelling the
-        grammar lets the model pick, so a complete answer always fits; ValueError when not one item does."""
-        fitted, one = self.family.fit_items(task, max_tokens)
-        if fitted is not None:
-            return fitted
-        room = self.config.max_model_len - prompt_len
-        if one <= room:
-            raise ValueError(
-                f"settings['max_tokens']={max_tokens} cannot hold one {task.skill} item (up to {one} tokens with "
-                f"this object phrase); use max_tokens >= {one} or a shorter object phrase"
-            )
-        raise ValueError(
-            f"one {task.skill} item takes up to {one} tokens with this object phrase, but this model's context of "
-            f"{self.config.max_model_len} leaves {room} after the prompt ({prompt_len} tokens); shorten the phrase"
-        )
+        limits = CallLimits(sampling, call.explicit, self.config.max_model_len, settings.min_score)
+        with contextlib.ExitStack() as held:
+            return self.family.prepare(task, lambda: self._images(call.images, task.skill, held), limits)
 
     def _images(
         self, images: list, skill: str, held: contextlib.ExitStack
@@ -764,95 +603,84 @@ class Model:
             return decoded, keys[0]
         return decoded, hashlib.sha256("|".join(keys).encode()).hexdigest()
 
-    def _budget(self, prompt_len: int, max_tokens: int, explicit: bool) -> int:
-        """max_tokens for this prompt: a skill's default shrinks to the room the prompt leaves; an
-        explicit one is the caller's. Whether it fits is checked once, by the engine's submit."""
-        if explicit:
-            return max_tokens
-        return max(1, min(max_tokens, self.config.max_model_len - prompt_len))
+    # ---- submit and collect -----------------------------------------------------------------------------------
 
-    # ---- step 3: submit and collect --------------------------------------------------------------------------
+    def _submit(self, prepared: Prepared) -> RequestHandle:
+        try:
+            return self.engine.submit(prepared.request)
+        except RuntimeError:
+            if self._closed:  # closed by another thread since _prepare looked
+                raise ModelClosedError(prepared.skill) from None
+            raise
 
-    def _dispatch(self, task: Task, settings: Settings, explicit: bool, image: Any, stream: bool) -> Any:
-        """A skill call on one image (or none), or on each image of a list."""
-        if isinstance(image, list | tuple):
-            if stream:
-                raise ValueError("stream=True takes one image, not a list")
-            return self._batch(task, list(image), settings, explicit, progress=None)
-        return self._run(task, [] if image is None else [image], settings, explicit, stream)
-
-    def _run(self, task: Task, images: list, settings: Settings, explicit: bool, stream: bool) -> Any:
-        job = self._prepare(task, images, settings, explicit)
-        handle = self._submit(job)
-        if stream:
-            return job.result.of_answer("", TextStream(self._stream(job, handle)), job.image)
-        return self._result(job, handle.result())
-
-    def _stream(self, job: Job, handle: RequestHandle) -> Generator[str, None, Usage]:
+    def _stream(self, prepared: Prepared, handle: RequestHandle) -> Generator[str, None, Usage]:
         try:
             yield from handle
             output = handle.result()
-            self._check(job, output)
+            self._check(prepared, output)
             return _usage(output)
         finally:
             handle.cancel()  # the caller stopped early: free the sequence (no-op when finished)
 
-    def _result(self, job: Job, output: RequestOutput) -> Result:
-        self._check(job, output)
-        value = job.parse(output.text)
-        if job.task.score is not None:  # boxes and points, each with its "score"
-            eos = frozenset(self.family.eos_token_ids)
-            decoded = Decoded(output.token_ids, output.logprobs or [], job.tokenizer, eos)
-            value = with_scores(value, job.task.score(decoded), job.min_score)
-        result = job.result.of_answer(output.text, value, job.image)
+    async def _astream(self, prepared: Prepared, handle: RequestHandle) -> AsyncIterator[str | Usage]:
+        """The async twin of `_stream`: an engine error, a cancellation or a cut constrained answer
+        raises at the end of the stream, as it does for the sync stream and the whole result."""
+        try:
+            async for delta in AsyncEngine.deltas(handle):
+                yield delta
+            output = handle.result()
+            self._check(prepared, output)
+            yield _usage(output)  # AsyncTextStream keeps it as its .usage
+        finally:
+            handle.cancel()  # the caller stopped early: free the sequence (no-op when finished)
+
+    def _result(self, prepared: Prepared, output: RequestOutput) -> Result:
+        """The skill's result: the value `prepared.read` gives (a constrained answer that does not read
+        is a GenerationError naming the skill), the answer's text and the usage."""
+        self._check(prepared, output)
+        value = read_value(prepared.skill, prepared.read, output)
+        result = RESULTS[prepared.skill].of_answer(output.text, value, prepared.image)
         result.usage = _usage(output)
         return result
 
-    def _submit(self, job: Job) -> RequestHandle:
-        try:
-            return self.engine.submit(job.request)
-        except RuntimeError:
-            if self._closed:  # closed by another thread since _prepare looked
-                raise ModelClosedError(job.task.skill) from None
-            raise
-
-    def _check(self, job: Job, output: RequestOutput) -> None:
+    def _check(self, prepared: Prepared, output: RequestOutput) -> None:
+        skill = prepared.skill
         if output.finish_reason is FinishReason.ERROR:
-            raise GenerationError(f"{job.task.skill} failed in the engine: {output.error}")
+            raise GenerationError(f"{skill} failed in the engine: {output.error}")
         if output.finish_reason is FinishReason.CANCELLED and self._closed:
-            raise ModelClosedError(job.task.skill)
+            raise ModelClosedError(skill)
         if output.finish_reason is FinishReason.CANCELLED:
-            raise GenerationError(f"{job.task.skill} was cancelled (the call or its stream was stopped)")
-        if output.finish_reason is FinishReason.LENGTH and job.task.spec is not None:
-            max_tokens = job.request.sampling.max_tokens
-            context_limited = len(job.request.prompt_ids) + max_tokens >= self.config.max_model_len
-            raise IncompleteOutputError(job.task.skill, max_tokens, output.text, context_limited, _usage(output))
+            raise GenerationError(f"{skill} was cancelled (the call or its stream was stopped)")
+        if output.finish_reason is FinishReason.LENGTH and prepared.constrained:
+            max_tokens = prepared.request.sampling.max_tokens
+            context_limited = len(prepared.request.prompt_ids) + max_tokens >= self.config.max_model_len
+            raise IncompleteOutputError(skill, max_tokens, output.text, context_limited, _usage(output))
 
-    def _batch(
-        self, task: Task, images: list, settings: Settings, explicit: bool, progress: bool | None
-    ) -> list:
-        results: list[Any] = [None] * len(images)
-        window: deque[tuple[int, Job, RequestHandle]] = deque()
+    def _each(self, call: calls.Call) -> list:
+        """The call's task on each of its images, a bounded window in flight, results in input order
+        (an image that fails gets its exception in its place)."""
+        results: list[Any] = [None] * len(call.images)
+        window: deque[tuple[int, Prepared, RequestHandle]] = deque()
         bar = tqdm(
-            total=len(images),
-            desc=task.skill,
+            total=len(call.images),
+            desc=call.task.skill,
             unit="image",
-            disable=None if progress is None else not progress,
+            disable=None if call.progress is None else not call.progress,
         )
 
         def collect_oldest() -> None:
-            index, job, handle = window.popleft()
+            index, prepared, handle = window.popleft()
             try:
-                results[index] = self._result(job, handle.result())
+                results[index] = self._result(prepared, handle.result())
             except Exception as error:  # reported in its place; the other images go on
                 results[index] = error
             bar.update()
 
         try:
-            for index, image in enumerate(images):
+            for index, image in enumerate(call.images):
                 try:
-                    job = self._prepare(task, [image], settings, explicit)
-                    window.append((index, job, self._submit(job)))
+                    prepared = self._prepare(dataclasses.replace(call, images=[image], each=False))
+                    window.append((index, prepared, self._submit(prepared)))
                 except Exception as error:
                     results[index] = error
                     bar.update()
@@ -865,36 +693,6 @@ class Model:
                 handle.cancel()
             bar.close()
         return results
-
-    async def _adispatch(
-        self, task: Task, settings: Settings, explicit: bool, image: Any, stream: bool
-    ) -> Any:
-        if isinstance(image, list | tuple):
-            if stream:
-                raise ValueError("stream=True takes one image, not a list")
-            calls = [self._arun(task, [one], settings, explicit, False) for one in image]
-            return list(await asyncio.gather(*calls, return_exceptions=True))
-        return await self._arun(task, [] if image is None else [image], settings, explicit, stream)
-
-    async def _arun(self, task: Task, images: list, settings: Settings, explicit: bool, stream: bool) -> Any:
-        job = await asyncio.to_thread(self._prepare, task, images, settings, explicit)
-        if stream:  # submitted before the stream is returned, as _run's: a request that cannot fit raises here
-            handle = self._submit(job)
-            return job.result.of_answer("", AsyncTextStream(_Chunks(self._astream(job, handle), handle)), job.image)
-        return self._result(job, await AsyncEngine(self.engine).generate(job.request))
-
-    async def _astream(self, job: Job, handle: RequestHandle) -> AsyncIterator[str | Usage]:
-        """The async twin of `_stream`: an engine error, a cancellation or a cut constrained answer
-        raises at the end of the stream, as it does for the sync stream and the whole result."""
-        try:
-            async for delta in AsyncEngine.deltas(handle):
-                yield delta
-            output = handle.result()
-            self._check(job, output)
-            yield _usage(output)  # AsyncTextStream keeps it as its .usage
-        finally:
-            handle.cancel()  # the caller stopped early: free the sequence (no-op when finished)
-
 
 class _Chunks:
     """`_astream`'s generator over a submitted request, whose `aclose` cancels the request even when
@@ -921,9 +719,3 @@ class _Chunks:
 
 def _usage(output: RequestOutput) -> Usage:
     return Usage(output.num_prompt_tokens, len(output.token_ids), output.finish_reason.value)
-
-
-def _settings(settings: Mapping | Settings | None, skill: str) -> tuple[Settings, bool]:
-    """Validated settings, and whether the caller chose max_tokens (defaults shrink to fit the context)."""
-    explicit = isinstance(settings, Settings) or (isinstance(settings, Mapping) and "max_tokens" in settings)
-    return validate_settings(settings, skill), explicit

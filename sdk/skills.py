@@ -1,13 +1,12 @@
-"""The SDK's side of a skill call: argument checks, messages, result types and the answer's parser.
+"""The SDK's side of a skill call: argument checks, messages, result types and the guard of an answer's reading.
 
 A skill call means the same thing on every model; the loaded model's family (`foveal.families`) turns
 it into a `Task` (prompt, output spec, parser). What is the same for every family lives here:
 - argument checks that raise before any work (`check_length`, `check_text`, `check_object`);
 - `conversation(messages)`: OpenAI-style messages -> a `Conversation` and the images it holds;
 - `RESULTS`: the result type of each skill;
-- `parser(task, automaton)`: the task's parser, or the compiled output spec's, whose failures are
-  GenerationErrors naming the skill (a constrained answer that does not parse is a bug to report,
-  never a bare parser exception).
+- `read_value` and `guarded(skill, parse)`: a reading of an answer whose failures are GenerationErrors naming the
+  skill (a constrained answer that does not parse is a bug to report, never a bare parser exception).
 Nothing here names a model family.
 """
 
@@ -146,11 +145,10 @@ def _parts(content: Any, where: str, role: str, images: list[Any]) -> list[str |
     return parts
 
 
-def parser(task: Any, automaton: Any) -> Callable[[str], Any]:
-    """The parser of a task's answer: its own, or else the compiled output spec's (plain text without one)."""
-    if task.parse is not None:
-        return guarded(task.skill, task.parse)
-    return guarded(task.skill, automaton.parse if automaton is not None else str)
+def read_value(skill: str, read: Callable[[Any], Any], output: Any) -> Any:
+    """`read(output)` (a `Prepared.read`), raising GenerationError naming the skill instead of the
+    reader's own exception."""
+    return guarded(skill, lambda _text: read(output))(output.text)
 
 
 def guarded(skill: str, parse: Callable[[str], Any]) -> Callable[[str], Any]:

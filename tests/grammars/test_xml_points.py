@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 
 import foveal
+from foveal import calls
 from foveal.families.qwen_vl.grounding import XmlPointsSpec
 from foveal.grammars import SchemaError, spatial
 from foveal.testing import tiny
@@ -44,8 +45,7 @@ def qwen25(tmp_path_factory):
 
 def test_point_asks_as_the_cookbook_and_answers_under_the_grammar(qwen25):
     image = scenes.render(scenes.generate_scene(1, 96))
-    task, settings, explicit = qwen25._point_task("red circle", {"max_objects": 3})
-    job = qwen25._prepare(task, [image], settings, explicit)
+    job = qwen25._prepare(calls.point(qwen25.family, image, "red circle", {"max_objects": 3}))
     assert isinstance(job.task.spec, XmlPointsSpec) and job.task.spec.width == job.task.spec.height == 84
     prompt = qwen25.family.tokenizer.decode(job.request.prompt_ids)
     assert (
@@ -70,5 +70,5 @@ def test_point_asks_as_the_cookbook_and_answers_under_the_grammar(qwen25):
 
 def test_qwen3_vl_points_stay_json(tmp_path):
     with foveal.load(tiny.build("qwen3_vl", tmp_path / "q3"), device="cpu") as model:
-        task, _, _ = model._point_task("red circle", {"max_objects": 2})
+        task = calls.point(model.family, None, "red circle", {"max_objects": 2}).task
         assert not isinstance(task.spec, XmlPointsSpec)

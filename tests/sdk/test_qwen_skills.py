@@ -15,6 +15,7 @@ import pytest
 from PIL import Image
 
 import foveal
+from foveal import calls
 from foveal.families.qwen_vl.grounding import GroundingSpec, XmlPointsSpec
 from foveal.testing import tiny
 
@@ -41,8 +42,7 @@ def test_grounding_task_is_native_and_on_the_family_scale(models, family, scale,
     Qwen3-VL: 0..1000. The prompt is the family's own grounding request, the answer its fenced JSON
     (Qwen2.5-VL points: the XML its cookbook asks for)."""
     model = models[family]
-    task, settings, explicit = getattr(model, f"_{skill}_task")("red circle", {"max_objects": 2})
-    job = model._prepare(task, [_image()], settings, explicit)
+    job = model._prepare(calls.SKILLS[skill](model.family, _image(), "red circle", {"max_objects": 2}))
     spec = job.task.spec
     assert isinstance(spec, GroundingSpec) and (spec.width, spec.height) == scale
     assert spec.label == "red circle" and spec.max_objects == 2
@@ -114,8 +114,7 @@ def test_max_pixels_from_foveal_load_sets_the_answer_scale(tmp_path):
     """`foveal.load(..., image_options=)` reaches the image processor; Qwen2.5-VL's answer scale follows."""
     folder = tiny.build("qwen2_5_vl", tmp_path / "q")
     with foveal.load(folder, device="cpu", image_options={"max_pixels": 56 * 56}) as model:
-        task, settings, explicit = model._detect_task("red circle", {"max_objects": 1})
-        job = model._prepare(task, [_image()], settings, explicit)
+        job = model._prepare(calls.detect(model.family, _image(), "red circle", {"max_objects": 1}))
         spec = job.task.spec
         assert spec.width * spec.height <= 56 * 56 and (spec.width, spec.height) != (140, 84)
         assert spec.width % 28 == 0 and spec.height % 28 == 0

@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 import foveal
+from foveal import calls
 from foveal.engine.request import TokenLogprob
 from foveal.families import scores as scoring
 from foveal.families.qwen_vl.grounding import GroundingSpec
@@ -175,17 +176,15 @@ def test_every_box_and_point_carries_a_score_in_0_1(embedded, scene_images, skil
 
 @pytest.mark.parametrize("sampling", [{}, {"temperature": 0.9, "seed": 7}])
 def test_scores_never_change_the_sampled_tokens(embedded, scene_images, sampling):
-    task, settings, explicit = embedded._detect_task("shape", sampling)
     for image in scene_images:
-        job = embedded._prepare(task, [image], settings, explicit)
+        call = calls.detect(embedded.family, image, "shape", sampling)
+        job = embedded._prepare(call)
         assert job.request.sampling.logprobs == scoring.SCORE_ALTERNATIVES
         scored = embedded.engine.submit(job.request).result()
         plain = dataclasses.replace(
             job.request, sampling=dataclasses.replace(job.request.sampling, logprobs=None)
         )
-        plain.matcher = embedded._prepare(
-            task, [image], settings, explicit
-        ).request.matcher  # a fresh automaton state
+        plain.matcher = embedded._prepare(call).request.matcher  # a fresh automaton state
         unscored = embedded.engine.submit(plain).result()
         assert scored.token_ids == unscored.token_ids and unscored.logprobs is None
 

@@ -23,9 +23,10 @@ from foveal.errors import GenerationError
 from foveal.families import PaliGemmaFamily, ShapesFamily, family_for
 from foveal.families.chat import ChatFamily
 from foveal.families.conversation import user_turn
+from foveal.families.prepared import reader
 from foveal.families.shapes.format import ShapesFormat
 from foveal.grammars import spatial
-from foveal.skills import check_length, check_object, check_text, parser
+from foveal.skills import check_length, check_object, check_text, read_value
 from foveal.vision import scenes
 
 VISION = Architecture("llava", ("LlavaForConditionalGeneration",), "LlavaProcessor", image_token="<image>")
@@ -154,7 +155,7 @@ def test_a_parse_failure_is_a_generation_error_naming_the_skill(skills, skill, t
     task = skills.generate("x", {"type": "object"}) if skill == "generate" else getattr(skills, skill)("circle", 3)
     json_automaton = types.SimpleNamespace(parse=json.loads)  # what compile({"type": "object"}) carries
     with pytest.raises(GenerationError, match=f"^{skill}: the constrained answer"):
-        parser(task, json_automaton)(text)
+        read_value(skill, reader(task, json_automaton, frozenset(), 0.0), types.SimpleNamespace(text=text))
 
 
 # ---- PaliGemma ---------------------------------------------------------------------------------------------------

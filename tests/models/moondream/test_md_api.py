@@ -9,6 +9,7 @@ import threading
 import pytest
 
 import foveal
+from foveal import calls
 from foveal.families.moondream.family import parse_regions
 
 IMAGES = ("gradient_300x200", "multicrop_900x500", "small_64x64")
@@ -58,8 +59,7 @@ def test_raw_boxes_are_the_reference_floats(model, md_dir, md_figures):
     """Unclipped, the detect answer is the reference's boxes exactly (bins / 1024 +- float32 sizes)."""
     for name in IMAGES:
         image = md_dir / md_figures["images"][name]["image"]["file"]
-        task, settings, explicit = model._detect_task(OBJECT, {"max_objects": 3})
-        job = model._prepare(task, [image], settings, explicit)
+        job = model._prepare(calls.detect(model.family, image, OBJECT, {"max_objects": 3}))
         text = model.engine.submit(job.request).result().text
         assert (
             parse_regions(text, with_size=True, clip=False) == md_figures["images"][name]["detect"]["result"]
@@ -117,13 +117,12 @@ def test_region_steps_record_the_heads_distributions(model, md_dir, md_figures):
 
     name = "multicrop_900x500"
     image = md_dir / md_figures["images"][name]["image"]["file"]
-    task, settings, explicit = model._detect_task(OBJECT, {"max_objects": 3})
-    job = model._prepare(task, [image], settings, explicit)
+    job = model._prepare(calls.detect(model.family, image, OBJECT, {"max_objects": 3}))
     assert job.request.sampling.logprobs == 20
     out = model.engine.submit(job.request).result()
     plain = model.engine.submit(
         type(job.request)(job.request.prompt_ids, SamplingParams(max_tokens=job.request.sampling.max_tokens),
-                          task.rules() if task.rules else model.family.compile(task.spec).matcher(),
+                          job.task.rules() if job.task.rules else model.family.compile(job.task.spec).matcher(),
                           job.request.prefill)
     ).result()
     assert out.token_ids == plain.token_ids and len(out.logprobs) == len(out.token_ids)

@@ -12,6 +12,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 import foveal
+from foveal import calls as skill_calls
 from foveal.engine.models import ModelLoadError
 from foveal.errors import IncompleteOutputError
 from foveal.testing import moondream
@@ -150,8 +151,8 @@ def test_older_layout_refused_at_load(tmp_path):
 def test_cancel_mid_answer_frees_everything(models):
     """A detect answer cancelled while its region steps are in flight ends CANCELLED; pages and lanes come back."""
     for model in models:
-        task, settings, explicit = model._detect_task("car", {"max_objects": 300})
-        handle = model.engine.submit(model._prepare(task, [images()[0]], settings, explicit).request)
+        call = skill_calls.detect(model.family, images()[0], "car", {"max_objects": 300})
+        handle = model.engine.submit(model._prepare(call).request)
         first = next(iter(handle))  # a region value has been committed and spelled
         assert first.startswith("<coord ")
         handle.cancel()

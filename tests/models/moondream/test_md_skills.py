@@ -13,6 +13,7 @@ import pytest
 from safetensors.torch import load_file, save_file
 
 import foveal
+from foveal import calls
 from foveal.families.moondream.family import parse_reasoning
 from foveal.families.moondream.region import coord_id
 
@@ -263,6 +264,6 @@ def test_refusals(models, md_dir):
 def test_reference_defaults(models):
     """Captions and answers default to the reference's 768 tokens; an explicit max_tokens is kept."""
     model = models["base"]
-    assert model._caption_task("normal", None)[1].max_tokens == 768
-    assert model._query_task(QUESTION, None)[1].max_tokens == 768
-    assert model._query_task(QUESTION, {"max_tokens": 5})[1].max_tokens == 5
+    assert calls.caption(model.family, None, "normal").settings.max_tokens == 768
+    assert calls.query(model.family, None, QUESTION).settings.max_tokens == 768
+    assert calls.query(model.family, None, QUESTION, settings={"max_tokens": 5}).settings.max_tokens == 5
