@@ -28,7 +28,7 @@ import re
 from collections.abc import Iterable
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Protocol
 
 from PIL import Image
 
@@ -55,6 +55,13 @@ from foveal.grammars.cache import LRUCache
 
 ALL_SKILLS = ("caption", "query", "detect", "point", "generate", "chat")
 IMAGE_SKILLS = ("caption", "detect", "point")  # meaningless without an image
+
+
+class CallSettings(Protocol):
+    """What a family reads of a call's settings beyond sampling (`foveal.settings.Settings`)."""
+
+    @property
+    def variant(self) -> str | None: ...
 
 
 class UnsupportedSkill(ValueError):
@@ -120,43 +127,43 @@ class Family:
 
     # ---- skills: a call -> a Task -----------------------------------------------------------------------------
 
-    def caption(self, length: str) -> Any:
+    def caption(self, length: str) -> Task:
         raise self.unsupported("caption")
 
-    def query(self, question: str) -> Any:
+    def query(self, question: str) -> Task:
         raise self.unsupported("query")
 
-    def detect(self, phrase: str, max_objects: int) -> Any:
+    def detect(self, phrase: str, max_objects: int) -> Task:
         raise self.unsupported("detect")
 
-    def point(self, phrase: str, max_objects: int) -> Any:
+    def point(self, phrase: str, max_objects: int) -> Task:
         raise self.unsupported("point")
 
-    def generate(self, prompt: str, output_type: Any) -> Any:
+    def generate(self, prompt: str, output_type: Any) -> Task:
         raise self.unsupported("generate")
 
-    def chat(self, conversation: Conversation, output_type: Any) -> Any:
+    def chat(self, conversation: Conversation, output_type: Any) -> Task:
         raise self.unsupported("chat")
 
     # ---- optional skills (families that declare them in their capabilities override these) ---------------
 
-    def spatial_query(self, question: str, refs: tuple[tuple[float, ...], ...]) -> Any:
+    def spatial_query(self, question: str, refs: tuple[tuple[float, ...], ...]) -> Task:
         raise self.unsupported_option("spatial_refs on query", self.refs_hint())
 
-    def reasoning(self, question: str, refs: tuple[tuple[float, ...], ...] | None) -> Any:
+    def reasoning(self, question: str, refs: tuple[tuple[float, ...], ...] | None) -> Task:
         """The reasoning phase of query(reasoning=True); its ids go to `reasoned_answer`."""
         raise self.unsupported("reasoning")
 
-    def reasoned_answer(self, task: Any, token_ids: list[int]) -> tuple[dict[str, Any], Any]:
+    def reasoned_answer(self, task: Task, token_ids: list[int]) -> tuple[dict[str, Any], Task]:
         """(the reasoning dict read from the reasoning task's ids, the answer's task)."""
         raise self.unsupported("reasoning")
 
-    def detect_gaze(self, eye: tuple[float, float]) -> Any:
+    def detect_gaze(self, eye: tuple[float, float]) -> Task:
         raise self.unsupported("detect_gaze")
 
-    def with_settings(self, task: Any, settings: Any) -> Any:
+    def with_settings(self, task: Task, settings: CallSettings) -> Task:
         """The task with what the call's settings say beyond sampling (a LoRA variant)."""
-        if getattr(settings, "variant", None) is not None:
+        if settings.variant is not None:
             raise self.unsupported_option("settings['variant'] (LoRA variants)", "remove it")
         return task
 
@@ -229,7 +236,7 @@ class Family:
             return task.rules()
         return self.free_text_matcher()
 
-    def encode(self, task: Any, images: list[Image.Image], image_key: str | None) -> tuple[PromptInputs, Any]:
+    def encode(self, task: Task, images: list[Image.Image], image_key: str | None) -> tuple[PromptInputs, Task]:
         """The engine inputs of `task` with the call's decoded images (in order), and the task as it
         applies to them (a family whose answer's scale depends on the processed image rebinds it)."""
         return self.processor(task.prompt, images or None, image_key=image_key), task
@@ -240,7 +247,7 @@ class Family:
             return None
         return grammars.compile(spec, self.tokenizer, vocab_size=self.runner.vocab_size)
 
-    def fit_items(self, task: Any, max_tokens: int) -> tuple[Any, int]:
+    def fit_items(self, task: Task, max_tokens: int) -> tuple[Task | None, int]:
         """(the task with its spatial answer's max_objects lowered to the items whose every complete
         answer fits in `max_tokens`, or None when not even one does; the most tokens one item's answer
         takes). Sized by the grammar's worst case (`grammars.spatial.item_token_bounds`): the model
