@@ -8,7 +8,9 @@
 
 Specs: pydantic models, JSON-schema dicts, Regex, CFG (Lark), typing.Literal, Enum, lists of
 choices, outlines output types, and the spatial shapes of `grammars.spatial` (their location-token format:
-`grammars.locations`). Built on llguidance.
+`grammars.locations`). Mechanisms a family's own answer format builds on: `grammars.automaton.lark_automaton`
+(a spec's Lark text), `grammars.integer_boxes` (integer boxes with x1 < x2, y1 < y2); a chat reply's grammar
+(thinking, output type, tool calls): `grammars.tool_calls`. Built on llguidance, which no other package imports.
 """
 
 from foveal._guard import require_foveal_name

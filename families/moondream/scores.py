@@ -1,4 +1,4 @@
-"""Scores of Moondream's region answers: the same definition as every family's (foveal.families.task), read
+"""Scores of Moondream's region answers: the same definition as every family's (foveal.families.scores), read
 from the region heads' distributions instead of token alternatives.
 
 A detect / point answer is a run of value ids (region.py): per object a gate step (eos ends the
@@ -9,8 +9,8 @@ The score of an object is
 
 - P(eos) is the text distribution's at the gate; P(x near) is the coordinate head's mass within the
   tolerance of the chosen x, given going on (the gate's coordinate alternatives, divided by 1 - P(eos));
-- the tolerance is task.BOX_TOLERANCE of the box's own width (x) or height (y) for boxes,
-  task.POINT_TOLERANCE for points; a size alternative is near when its width and its height are both
+- the tolerance is scores.BOX_TOLERANCE of the box's own width (x) or height (y) for boxes,
+  scores.POINT_TOLERANCE for points; a size alternative is near when its width and its height are both
   within BOX_TOLERANCE of the chosen ones, relatively.
 
 CONTRACT with the runner (what `Decoded.logprobs` must hold at region steps): one `TokenLogprob` per
