@@ -19,8 +19,11 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any, ClassVar
 
+from PIL import Image
+
 from foveal.engine.models.arch import Architecture, ModelLoadError
 from foveal.engine.models.loader import LoadedModel, LoadOptions, assemble, load_gguf, load_transformers
+from foveal.engine.models.processor import PromptInputs
 from foveal.families.base import Capabilities, Family
 from foveal.families.conversation import Conversation, single_user_message, task_conversation
 from foveal.families.task import Task, is_loc, spatial_task
@@ -146,7 +149,7 @@ class ChatFamily(Family):
 
     # ---- encoding ----------------------------------------------------------------------------------------------
 
-    def encode(self, task: Task, images: list, image_key: str | None) -> tuple[Any, Task]:
+    def encode(self, task: Task, images: list[Image.Image], image_key: str | None) -> tuple[PromptInputs, Task]:
         conversation = self.conversation(task, len(images))
         text, special = self.template.render(conversation)
         return self.processor(text, images or None, image_key=image_key, add_special_tokens=special), task

@@ -28,11 +28,13 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from PIL import Image
 
 from foveal import grammars
 from foveal.engine.models.arch import ModelLoadError
 from foveal.engine.models.loader import LoadedModel, LoadOptions
-from foveal.families.base import Capabilities, Family
+from foveal.engine.models.processor import PromptInputs
+from foveal.families.base import CallSettings, Capabilities, Family
 from foveal.families.conversation import Conversation, single_user_message
 from foveal.families.moondream import lora
 from foveal.families.moondream.answers import AnswerMatcher, ReasoningMatcher, RegionMatcher
@@ -192,7 +194,7 @@ class MoondreamFamily(Family):
             return spec
         return super().compile(spec)
 
-    def encode(self, task: Any, images: list, image_key: str | None) -> tuple[Any, Any]:
+    def encode(self, task: Task, images: list[Image.Image], image_key: str | None) -> tuple[PromptInputs, Task]:
         """Moondream's processor takes one image (or none): capabilities.max_images is 1."""
         return self.processor(task.prompt, images[0] if images else None, image_key=image_key), task
 
@@ -265,7 +267,7 @@ class MoondreamFamily(Family):
         spec = RegionAnswer(False, 1, self.config.text.vocab_size, self.ids.eos_id)
         return Task("gaze", prompt, spec, parse_gaze, keep_special=True)
 
-    def with_settings(self, task: Task, settings: Any) -> Task:
+    def with_settings(self, task: Task, settings: CallSettings) -> Task:
         """The task with the call's LoRA variant (settings['variant']) resolved and loaded."""
         name = getattr(settings, "variant", None)
         if name is None:

@@ -25,8 +25,11 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any, ClassVar
 
+from PIL import Image
+
 from foveal.engine.models.arch import Architecture, ModelLoadError
 from foveal.engine.models.loader import LoadOptions, assemble, load_transformers
+from foveal.engine.models.processor import PromptInputs
 from foveal.families.chat import ChatFamily, architecture_for
 from foveal.families.qwen_vl import model as qwen
 from foveal.families.qwen_vl.grounding import GroundingSpec, XmlPointsSpec
@@ -105,7 +108,7 @@ class QwenVLFamily(ChatFamily):
         spec = GroundingSpec(kind, max_objects=max_objects, label=label, width=scale, height=scale)
         return spatial_task(skill, self.ASK[kind].format(label), spec)
 
-    def encode(self, task: Task, images: list, image_key: str | None) -> tuple[Any, Task]:
+    def encode(self, task: Task, images: list[Image.Image], image_key: str | None) -> tuple[PromptInputs, Task]:
         prompt, task = super().encode(task, images, image_key)
         if self.absolute and isinstance(task.spec, GroundingSpec):
             task = self._bind(task, prompt)

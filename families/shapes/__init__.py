@@ -17,8 +17,11 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from PIL import Image
+
 from foveal.engine.models.arch import ModelLoadError
 from foveal.engine.models.loader import LoadedModel
+from foveal.engine.models.processor import PromptInputs
 from foveal.families.base import Capabilities, Family
 from foveal.families.conversation import Conversation, Message, task_conversation, tools_of, with_tools
 from foveal.families.paligemma import PaliGemmaFamily
@@ -78,7 +81,7 @@ class ShapesFamily(PaliGemmaFamily):
             return super().chat(conversation, output_type)
         return Task("chat", self.plain_conversation(conversation), output_type, None, is_loc(output_type))
 
-    def encode(self, task: Task, images: list, image_key: str | None) -> tuple[Any, Task]:
+    def encode(self, task: Task, images: list[Image.Image], image_key: str | None) -> tuple[PromptInputs, Task]:
         if not self.template.available or task.skill not in ("generate", "chat"):
             return super().encode(task, images, image_key)
         conversation = task_conversation(task.prompt, len(images))
