@@ -178,7 +178,7 @@ async def query(body: QueryBody, request: Request) -> Any:
         "answer",
         body.stream,
         lambda m, stream: m.aquery(
-            image, body.question, stream, body.settings, reasoning=body.reasoning, spatial_refs=body.spatial_refs
+            image, body.question, body.reasoning, body.spatial_refs, stream, body.settings
         ),
     )
 
