@@ -235,7 +235,7 @@ def _quiet_loading() -> None:
     logging.disable_progress_bar()
 
 
-def _fail(error: BaseException, status: int) -> int:
+def _fail(error: BaseException | str, status: int) -> int:
     print(f"foveal: error: {error}", file=sys.stderr)
     return status
 

@@ -528,7 +528,7 @@ class Model:
 
     # ---- step 1: tasks (arguments, settings, the family's task; no image) ----------------------------------
 
-    def _task(self, skill: str, settings: Mapping | None, make: Callable[[Settings], Task]) -> tuple:
+    def _task(self, skill: str, settings: Mapping | None, make: Callable[[Settings], Task]) -> tuple[Task, Settings, bool]:
         """The family's task for a call (`make(validated settings)`), after the settings and the
         family's declared skills are checked."""
         s, explicit = _settings(settings, SETTINGS_OF.get(skill, skill))
@@ -545,25 +545,25 @@ class Model:
             )
         return task, s, explicit
 
-    def _caption_task(self, length: str = "normal", settings: Mapping | None = None) -> tuple:
+    def _caption_task(self, length: str = "normal", settings: Mapping | None = None) -> tuple[Task, Settings, bool]:
         check_length(length)
         return self._task("caption", settings, lambda _: self.family.caption(length))
 
-    def _query_task(self, question: str, settings: Mapping | None = None, spatial_refs: Any = None) -> tuple:
+    def _query_task(self, question: str, settings: Mapping | None = None, spatial_refs: Any = None) -> tuple[Task, Settings, bool]:
         text = check_text("question", question).strip()
         refs = check_spatial_refs(spatial_refs)
         if refs is None:
             return self._task("query", settings, lambda _: self.family.query(text))
         return self._task("query", settings, lambda _: self.family.spatial_query(text, refs))
 
-    def _reasoning_task(self, question: str, spatial_refs: Any, settings: Mapping | None) -> tuple:
+    def _reasoning_task(self, question: str, spatial_refs: Any, settings: Mapping | None) -> tuple[Task, Settings, bool]:
         text = check_text("question", question).strip()
         refs = check_spatial_refs(spatial_refs)
         if not self.family.capabilities.reasoning:
             raise self.family.unsupported("reasoning")
         return self._task("query", settings, lambda _: self.family.reasoning(text, refs))
 
-    def _gaze_task(self, eye: Any, face: Any, unstable_settings: Mapping | None) -> tuple:
+    def _gaze_task(self, eye: Any, face: Any, unstable_settings: Mapping | None) -> tuple[Task, Settings, bool]:
         if not self.family.capabilities.gaze:
             raise self.family.unsupported("detect_gaze")
         if eye is None:
@@ -605,17 +605,17 @@ class Model:
         result = await self._arun(answer_task, images, s, explicit, stream)
         return result.with_reasoning(reasoning)
 
-    def _detect_task(self, object: str, settings: Mapping | None = None) -> tuple:
+    def _detect_task(self, object: str, settings: Mapping | None = None) -> tuple[Task, Settings, bool]:
         phrase = check_object(object)
         return self._task("detect", settings, lambda s: self.family.detect(phrase, s.max_objects))
 
-    def _point_task(self, object: str, settings: Mapping | None = None, spatial_refs: Any = None) -> tuple:
+    def _point_task(self, object: str, settings: Mapping | None = None, spatial_refs: Any = None) -> tuple[Task, Settings, bool]:
         phrase = check_object(object)
         if check_spatial_refs(spatial_refs) is not None:  # no family points from references yet
             raise self.family.unsupported_option("spatial_refs on point", self.family.refs_hint())
         return self._task("point", settings, lambda s: self.family.point(phrase, s.max_objects))
 
-    def _generate_task(self, prompt: str, output_type: Any = None, settings: Mapping | None = None) -> tuple:
+    def _generate_task(self, prompt: str, output_type: Any = None, settings: Mapping | None = None) -> tuple[Task, Settings, bool]:
         check_text("prompt", prompt)
         return self._task("generate", settings, lambda _: self.family.generate(prompt, output_type))
 
