@@ -27,7 +27,7 @@ class Record:
 
     def to_json(self) -> str:
         """The output line (no newline): keys in a fixed order, non-ASCII kept as is."""
-        body = {"image": self.image}
+        body: dict[str, Any] = {"image": self.image}
         body.update({"result": self.result} if self.error is None else {"error": self.error})
         return json.dumps(body, ensure_ascii=False, default=_plain)
 

@@ -146,6 +146,7 @@ class BatchRun:
             )
             for outcome in merge_kept(self.input.keys, plan, outcomes):
                 if isinstance(outcome, Kept):  # a line of the resumed file, back in its place
+                    assert self.writer is not None  # a resumed file comes with its writer
                     self.writer.write(outcome.key, outcome.line)
                     continue
                 record = record_of(outcome.key, outcome.value)

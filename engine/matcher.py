@@ -39,7 +39,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable, Sequence
-from typing import Any, Protocol, runtime_checkable
+from typing import Any, Protocol, TypeGuard, TypeVar, runtime_checkable
 
 import torch
 from typing_extensions import get_protocol_members
@@ -130,7 +130,11 @@ def missing(obj: Any, protocol: type) -> list[str]:
     return lacking
 
 
-def conforms(obj: Any, protocol: type) -> bool:
+P = TypeVar("P")
+
+
+def conforms(obj: Any, protocol: type[P]) -> TypeGuard[P]:
+    """Whether `obj` has every member of `protocol` (so the checker narrows `obj` to it where true)."""
     return not missing(obj, protocol)
 
 

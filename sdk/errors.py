@@ -34,6 +34,8 @@ class IncompleteOutputError(RuntimeError):
     The text so far is a valid prefix of the output shape but not a whole value; `text` holds it.
     """
 
+    reply: Any  # set by model.chat only: the cut reply read back (foveal.tools.Reply)
+
     def __init__(
         self, skill: str, max_tokens: int, text: str, context_limited: bool = False, usage: Any = None
     ) -> None:

@@ -23,7 +23,7 @@ import io
 import json
 from collections.abc import AsyncIterator, Generator, Iterator
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Self
 
 from PIL import Image
 
@@ -57,7 +57,7 @@ class Result(dict):
         self.usage: Usage | None = None
 
     @classmethod
-    def of_answer(cls, text: str, value: Any, image: Any = None) -> Result:
+    def of_answer(cls, text: str, value: Any, image: Any = None) -> Self:
         """The result of a skill call from the model's text and its parsed value."""
         return cls(value, image=image)
 
@@ -276,7 +276,7 @@ class GenerateResult(Result):
         super().__init__(text=text, output=output, image=image)
 
     @classmethod
-    def of_answer(cls, text: str, value: Any, image: Any = None) -> Result:
+    def of_answer(cls, text: str, value: Any, image: Any = None) -> Self:
         return cls(text, value, image=image)
 
 
@@ -288,7 +288,7 @@ class ChatResult(GenerateResult):
     SKILL = "chat"
 
     @classmethod
-    def of_answer(cls, text: str, value: Any, image: Any = None) -> Result:
+    def of_answer(cls, text: str, value: Any, image: Any = None) -> Self:
         if isinstance(value, TextStream | AsyncTextStream):
             return cls(value, None, image=image)
         return cls(text, value, image=image)

@@ -163,9 +163,10 @@ def make_server(
         port=port,
         log_level=log_level,
         access_log=False,  # Observe logs every request with its latency
-        http=functools.partial(_TimedH11, read_timeout_s=config.read_timeout_s),
+        # (uvicorn's types name a protocol class and an int; it calls any factory, and waits a float)
+        http=functools.partial(_TimedH11, read_timeout_s=config.read_timeout_s),  # type: ignore[arg-type]
         ws="none",  # no websocket routes
-        timeout_graceful_shutdown=CLOSE_S,  # step d: after foveal's own drain (steps a to c)
+        timeout_graceful_shutdown=CLOSE_S,  # type: ignore[arg-type]  # step d: after foveal's own drain (a to c)
         lifespan="on",
     )
     return _Server(settings, getattr(app.state, "foveal", None))

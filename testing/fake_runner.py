@@ -106,10 +106,12 @@ class FakeRunner:
 
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
         start, ps = time.perf_counter(), self.page_size
+        assert self.kv is not None, "allocate_kv first"
         self.kv.index_copy_(0, batch.kv_index, _term(batch.input_ids, batch.positions))
         self.ids.index_copy_(0, batch.kv_index, batch.input_ids)
         tables, lens, id_cache = batch.block_tables, batch.context_lens.long(), self.ids
         if batch.sliding_block_tables is not None:
+            assert self.sliding_ids is not None, "allocate_kv(sliding_pages=...) first"
             self.sliding_ids.index_copy_(0, batch.sliding_kv_index, batch.input_ids)
             tables, id_cache = batch.sliding_block_tables, self.sliding_ids
         offsets = torch.arange(tables.shape[1] * ps, device=self.device)

@@ -41,7 +41,9 @@ def make_batch(
     items: list[tuple[list[int], int, list[int], PrefillInputs | None]], page_size: int, device: Any
 ) -> ForwardBatch:
     """items: (query token ids, position of the first one, page table, prefill inputs) per sequence."""
-    ids, pos, starts, ctx, slots = [], [], [0], [], []
+    ids: list[int] = []
+    pos: list[int] = []
+    starts, ctx, slots = [0], [], []
     width = max(len(t) for _, _, t, _ in items)
     tables = []
     for query, start, table, _ in items:
@@ -91,7 +93,8 @@ def greedy(
     active = list(range(len(prompts)))
     for _ in range(max_new_tokens):
         logits = runner.forward(make_batch(items, page_size, runner.device)).cpu()
-        still, items_next = [], []
+        still: list[int] = []
+        items_next: list[tuple[list[int], int, list[int], PrefillInputs | None]] = []
         for row, seq in enumerate(active):
             token = int(logits[row].argmax())
             result.tokens[seq].append(token)

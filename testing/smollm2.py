@@ -92,7 +92,8 @@ def smollm2_folder() -> Path:
     kwargs = {"gguf_file": gguf.name}
     model = transformers.AutoModelForCausalLM.from_pretrained(gguf.parent, dtype=torch.float32, **kwargs)
     tokenizer = transformers.AutoTokenizer.from_pretrained(gguf.parent, **kwargs)
-    model.hf_quantizer = None  # save_pretrained refuses a GGUF-quantized model otherwise
+    # save_pretrained refuses a GGUF-quantized model otherwise (nn.Module types attributes as tensors or modules)
+    model.hf_quantizer = None  # type: ignore[assignment]
     if hasattr(model.config, "quantization_config"):
         del model.config.quantization_config
     partial = target.with_name(target.name + ".partial")

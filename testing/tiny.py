@@ -14,7 +14,7 @@ other tiny_*.py builders share; `family_prompts(loaded)`).
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 import transformers as tf
@@ -60,7 +60,7 @@ def save(model: Any, folder: Path, tokenizer: Any = None, processor: Any = None)
 
 # ---- tiny random checkpoints, one builder per family: (folder) -> folder --------------------------------------
 
-VISION = dict(
+VISION: dict[str, Any] = dict(
     hidden_size=32,
     intermediate_size=64,
     num_hidden_layers=2,
@@ -96,17 +96,18 @@ def build_gemma(folder: Path) -> Path:
 def build_paligemma(folder: Path) -> Path:
     tok = train_tokenizer()
     image_processor = SiglipImageProcessorPil(size={"height": 28, "width": 28})
-    image_processor.image_seq_length = 4  # (28 / 14) ** 2 patches
+    image_processor.image_seq_length = 4  # type: ignore[attr-defined]  # read by PaliGemmaProcessor; (28 / 14) ** 2 patches
     processor = tf.PaliGemmaProcessor(
         image_processor=image_processor, tokenizer=tok
     )  # adds <loc>/<seg> tokens
     torch.manual_seed(0)
     text = tf.GemmaConfig(vocab_size=len(tok), **{**TEXT, "num_key_value_heads": 1, "head_dim": 16})
-    vision = tf.SiglipVisionConfig(**VISION, projection_dim=TEXT["hidden_size"])
+    # (configs keep extra keyword arguments as attributes; their typed signatures do not list them)
+    vision = tf.SiglipVisionConfig(**VISION, projection_dim=TEXT["hidden_size"])  # type: ignore[call-arg]
     config = tf.PaliGemmaConfig(
         vision_config=vision.to_dict(),
         text_config=text.to_dict(),
-        image_token_index=tok.convert_tokens_to_ids("<image>"),
+        image_token_index=cast(int, tok.convert_tokens_to_ids("<image>")),
         projection_dim=TEXT["hidden_size"],
         hidden_size=TEXT["hidden_size"],
         architectures=["PaliGemmaForConditionalGeneration"],
@@ -172,7 +173,7 @@ def build_llava(folder: Path) -> Path:
     config = tf.LlavaConfig(
         vision_config=tf.CLIPVisionConfig(**VISION).to_dict(),
         text_config=tf.LlamaConfig(vocab_size=len(tok), **TEXT).to_dict(),
-        image_token_index=tok.convert_tokens_to_ids("<image>"),
+        image_token_index=cast(int, tok.convert_tokens_to_ids("<image>")),
         vision_feature_select_strategy="default",
         vision_feature_layer=-1,
         architectures=["LlavaForConditionalGeneration"],

@@ -5,6 +5,8 @@ checks feed them. A module of its own so that the builders import it, not each o
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 from PIL import Image
 
@@ -25,7 +27,7 @@ PROMPTS = [
     "the quick brown fox jumps over the lazy dog and a blue square detect every green triangle",
 ]
 
-TEXT = dict(
+TEXT: dict[str, Any] = dict(
     hidden_size=64,
     intermediate_size=128,
     num_hidden_layers=2,

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import torch
@@ -64,7 +64,7 @@ def train_tokenizer(vocab_size: int = 320) -> PreTrainedTokenizerFast:
 def build_molmo2(folder: Path) -> Path:
     tok = train_tokenizer()
     base = len(tok) - len(IMAGE_TOKENS)
-    ids = dict(zip(IMAGE_TOKENS, tok.convert_tokens_to_ids(IMAGE_TOKENS), strict=True))
+    ids = dict(zip(IMAGE_TOKENS, cast(list[int], tok.convert_tokens_to_ids(IMAGE_TOKENS)), strict=True))
     image_processor = Molmo2ImagesProcessor(
         size={"height": 28, "width": 28}, patch_size=4, max_crops=2, overlap_margins=[1, 1], pooling_size=[2, 2]
     )
@@ -95,7 +95,7 @@ def build_molmo2(folder: Path) -> Path:
         intermediate_size=64,
         text_hidden_size=TEXT["hidden_size"],
     )
-    config = tf.Molmo2Config(
+    config = tf.Molmo2Config(  # type: ignore[call-arg]  # the token ids are extra attributes its signature omits
         text_config=text,
         vision_config=vision,
         adapter_config=adapter,

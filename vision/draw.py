@@ -55,7 +55,8 @@ def _scores(result: Mapping[str, Any], key: str) -> list[float | None]:
     out: list[float | None] = []
     for i, item in enumerate(result.get(key, [])):
         score = item.get("score")
-        if score is not None and not (isinstance(score, Real) and not isinstance(score, bool) and 0 <= score <= 1):
+        # (typeshed's numbers.Real declares no comparisons; every Real compares with ints)
+        if score is not None and not (isinstance(score, Real) and not isinstance(score, bool) and 0 <= score <= 1):  # type: ignore[operator]
             raise ValueError(f"{key}[{i}]['score'] = {score!r}; a score is a number in [0, 1]")
         out.append(None if score is None else float(score))
     return out

@@ -57,7 +57,7 @@ import io
 import os
 import struct
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 from PIL import ExifTags, Image, UnidentifiedImageError
@@ -137,8 +137,8 @@ class OpenedImage:
         self._owned = owned  # opened here from bytes or a path: ours to decode in place and to close
         self._scale = scale  # the JPEG decoder's own reduction (draft), 1 when none
         # The source's stored size (before any draft, before EXIF orientation).
-        self._size = size or (image.size if image is not None else (array.shape[1], array.shape[0]))
-        if scale > 1 and not image.info.get("progressive"):
+        self._size = size or (image.size if image is not None else (cast(np.ndarray, array).shape[1], cast(np.ndarray, array).shape[0]))
+        if scale > 1 and image is not None and not image.info.get("progressive"):  # (scale > 1: a JPEG's draft)
             self.decode_pixels = image.width * image.height  # what the DCT-scaled decoder outputs
         else:  # a progressive JPEG's decoder buffers the coefficients of the whole image at any scale
             self.decode_pixels = self._size[0] * self._size[1]
@@ -154,13 +154,13 @@ class OpenedImage:
                 image = Image.fromarray(np.ascontiguousarray(array))
             elif self._owned:
                 try:
-                    image.load()
+                    cast(Image.Image, image).load()  # owned: opened here, an image
                 except _DECODE_ERRORS as error:
                     raise ImageError(f"{self._source} is corrupt or truncated: {error}") from error
-            return _normalize(image, self._limit, self._source, self._target, self._scale, self._size)
+            return _normalize(cast(Image.Image, image), self._limit, self._source, self._target, self._scale, self._size)
         finally:
             if self._owned:
-                image.close()
+                cast(Image.Image, image).close()
 
     def close(self) -> None:
         if self._owned and self._image is not None:

@@ -139,7 +139,7 @@ def render(scene: Scene) -> Image.Image:
     """Paint the scene: grey background with light noise, then each filled shape."""
     rng = np.random.default_rng([scene.seed, 1])
     noise_std = float(rng.uniform(0.0, 3.0))
-    pixels = scene.background + rng.normal(0.0, noise_std, (scene.height, scene.width, 1))
+    pixels: np.ndarray = scene.background + rng.normal(0.0, noise_std, (scene.height, scene.width, 1))
     pixels = np.clip(np.rint(pixels), 200, 255).astype(np.uint8).repeat(3, axis=2)
     image = Image.fromarray(pixels, "RGB")
     draw = ImageDraw.Draw(image)
@@ -201,8 +201,8 @@ def caption(scene: Scene, length: str = "normal") -> str:
         return _join([_count(n, s) for s, n in counts if n])
     if length == "normal":
         keys = [(c, s) for c in COLOURS for s in SHAPES]
-        counts = [(k, sum((o.colour, o.shape) == k for o in scene.objects)) for k in keys]
-        return _join([_count(n, f"{c} {s}") for (c, s), n in counts if n])
+        pairs = [(k, sum((o.colour, o.shape) == k for o in scene.objects)) for k in keys]
+        return _join([_count(n, f"{c} {s}") for (c, s), n in pairs if n])
     if length == "long":
         ordered = sorted(scene.objects, key=lambda o: (o.x0 + o.x1, o.y0 + o.y1))
         return _join([_describe(scene, o) for o in ordered])
