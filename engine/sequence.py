@@ -76,11 +76,11 @@ class Sequence:
         matcher = self.matcher = self.request.matcher
         if matcher is None:
             return
+        self.own_mask = own_mask(matcher)
         if conforms(matcher, ForcedTokens):
             self.forced_tokens, self.ends_after = matcher.forced_tokens, matcher.ends_after
         if conforms(matcher, RegionSteps):
             self.step_kind = matcher.step_kind
-        self.own_mask = own_mask(matcher)
         if conforms(matcher, Rollback):
             self.rollback = matcher.rollback
         self.can_draft = self.step_kind is None and self.rollback is not None

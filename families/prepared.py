@@ -31,7 +31,7 @@ from PIL import Image
 
 from foveal.engine.matcher import Matcher
 from foveal.engine.request import Request, RequestOutput, SamplingParams
-from foveal.families.scores import Decoded, with_scores
+from foveal.families.scores import Decoded, Scorer, with_scores
 from foveal.families.task import Task
 
 
@@ -95,10 +95,10 @@ def reader(
     a scored task its items with their scores, those below `min_score` left out."""
     # A compiled grammar (`grammars.Automaton`) carries its output's parser and the tokenizer handle
     # scorers read tokens with; a family's own automaton carries neither (its tasks bring their parser).
-    parse = task.parse or getattr(automaton, "parse", str)
-    score = task.score
-    if score is None:
+    parse: Callable[[str], Any] = task.parse if task.parse is not None else getattr(automaton, "parse", str)
+    if task.score is None:
         return lambda output: parse(output.text)
+    score: Scorer = task.score
     tokenizer = getattr(automaton, "tokenizer", None)
 
     def read(output: RequestOutput) -> Any:

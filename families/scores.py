@@ -212,7 +212,7 @@ def _loc_coordinates(spec, decoded: Decoded, pieces, starts, text) -> list[_Coor
     bins = {handle.token_to_id(token): k for k, token in enumerate(fmt.tokens())}
     value_of = lambda token: fmt.decode(bins[token]) if token in bins else None  # noqa: E731
     axes = _AXES["loc", spec.kind]
-    found = []
+    found: list[_Coordinate] = []
     for j, token in enumerate(decoded.token_ids):
         if token in bins:
             found.append(
@@ -233,7 +233,7 @@ def _text_coordinates(spec, decoded: Decoded, pieces, starts, text) -> list[_Coo
     axes = _AXES[spec.kind]
     scales = (getattr(spec, "width", None) or 1, getattr(spec, "height", None) or 1)
     texts = decoded.tokenizer.token_bytes()
-    found = []
+    found: list[_Coordinate] = []
     for a, b in spans:
         axis = axes[len(found) % len(axes)]
         steps = [j for j in range(len(pieces)) if starts[j] <= b and starts[j + 1] > a]

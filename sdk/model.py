@@ -266,6 +266,8 @@ class Model:
         # streams hold the model, so a stream outlives its `foveal.load()` expression.
         shutdown.close_with(self, self.engine)
         self.config = self.engine.config  # sizes resolved from the runner
+        assert self.config.max_model_len is not None  # the engine resolves every size it was not given
+        self._max_model_len: int = self.config.max_model_len
         self._closed = False
 
     def __repr__(self) -> str:
@@ -511,8 +513,7 @@ class Model:
             return call.answering(answer_task, reasoning)
         if call.plan is not None:
             return self._chat_result(call, prepared, output)
-        result = self._result(prepared, output)
-        return result.with_reasoning(call.reasoned) if call.reasoned is not None else result
+        return _with_reasoning(self._result(prepared, output), call.reasoned)
 
     def _streamed(self, call: calls.Call, prepared: Prepared, handle: RequestHandle, chunks: Any) -> Any:
         """The result of a streamed call: its text an iterator of chunks (async where `chunks` is),
@@ -523,8 +524,7 @@ class Model:
             reader = chat_tools.AsyncChatStream if asynchronous else chat_tools.ChatTextStream
             return ChatResult.of_answer("", reader(chunks, call.plan, so_far), prepared.image)
         text = AsyncTextStream(chunks) if asynchronous else TextStream(chunks)
-        result = RESULTS[prepared.skill].of_answer("", text, prepared.image)
-        return result.with_reasoning(call.reasoned) if call.reasoned is not None else result
+        return _with_reasoning(RESULTS[prepared.skill].of_answer("", text, prepared.image), call.reasoned)
 
     def _chat_result(self, call: calls.Call, prepared: Prepared, output: RequestOutput) -> ChatResult:
         """The chat result: the reply read back (thinking, text, tool calls) and the logprobs asked for."""
@@ -532,6 +532,7 @@ class Model:
         assert plan is not None  # a chat call always has its plan
         try:
             result = self._result(prepared, output)
+            assert isinstance(result, ChatResult)  # a chat task's result type
         except IncompleteOutputError as cut:  # what was written before the cut, read back
             cut.reply = chat_tools.read_reply(plan, cut.text)
             raise
@@ -568,7 +569,7 @@ class Model:
             stop=settings.stop,
             logprobs=call.logprobs,
         )
-        limits = CallLimits(sampling, call.explicit, self.config.max_model_len, settings.min_score)
+        limits = CallLimits(sampling, call.explicit, self._max_model_len, settings.min_score)
         with contextlib.ExitStack() as held:
             return self.family.prepare(task, lambda: self._images(call.images, task.skill, held), limits)
 
@@ -653,7 +654,7 @@ class Model:
             raise GenerationError(f"{skill} was cancelled (the call or its stream was stopped)")
         if output.finish_reason is FinishReason.LENGTH and prepared.constrained:
             max_tokens = prepared.request.sampling.max_tokens
-            context_limited = len(prepared.request.prompt_ids) + max_tokens >= self.config.max_model_len
+            context_limited = len(prepared.request.prompt_ids) + max_tokens >= self._max_model_len
             raise IncompleteOutputError(skill, max_tokens, output.text, context_limited, _usage(output))
 
     def _each(self, call: calls.Call) -> list:
@@ -715,6 +716,14 @@ class _Chunks:
             await self._chunks.aclose()  # type: ignore[attr-defined]
         finally:
             self._handle.cancel()  # a no-op once finished
+
+
+def _with_reasoning(result: Result, reasoning: dict | None) -> Result:
+    """A grounded query's answer with the reasoning it was given (only a query is grounded)."""
+    if reasoning is None:
+        return result
+    assert isinstance(result, QueryResult)
+    return result.with_reasoning(reasoning)
 
 
 def _usage(output: RequestOutput) -> Usage:

@@ -30,7 +30,6 @@ from typing import Any
 import torch
 from PIL import Image
 
-from foveal import grammars
 from foveal.engine.models.arch import ModelLoadError
 from foveal.engine.models.loader import LoadedModel, LoadOptions
 from foveal.engine.models.processor import PromptInputs
@@ -43,6 +42,7 @@ from foveal.families.moondream.load import is_moondream, load_folder
 from foveal.families.moondream.processor import Coord, MoondreamPrompt, Size
 from foveal.families.moondream.region import coord_from_bin, size_from_bins, value_of
 from foveal.families.moondream.scores import region_scores
+from foveal.families.prepared import AnswerAutomaton
 from foveal.families.task import Task
 
 VALUE = re.compile(r"<(coord|size) (\d+)(?: (\d+))?>")
@@ -189,7 +189,7 @@ class MoondreamFamily(Family):
         )
         return cls(loaded, config, folder)
 
-    def compile(self, spec: Any) -> grammars.Automaton | None:
+    def compile(self, spec: Any) -> AnswerAutomaton | None:
         if isinstance(spec, RegionAnswer):  # its own automaton: nothing to compile
             return spec
         return super().compile(spec)
