@@ -168,6 +168,13 @@ def test_every_package_imports_only_the_packages_below_it(path):
     assert not bad, f"{_ids(path)} imports {bad}: {own} may import only {sorted(allowed - {own}) or 'no other package'}"
 
 
+@pytest.mark.parametrize("path", _sources(*(folder for folder in FOLDERS if folder != "grammars")), ids=_ids)
+def test_only_the_grammars_import_llguidance(path):
+    """Grammars hold the mechanisms; a family's answer format or the SDK's tools build on them."""
+    _, imports = _code_strings_and_imports(path)
+    assert not [m for m in imports if m.split(".")[0] == "llguidance"], f"{_ids(path)} imports llguidance"
+
+
 def test_the_engine_imports_no_family_and_no_sdk():
     for path in _sources("engine"):
         _, imports = _code_strings_and_imports(path)
