@@ -27,7 +27,7 @@ changed), before llguidance sees it. The policy per keyword, in order of prefere
      character classes (WhiteSpace + LineTerminator; `.` excludes the four line terminators).
 2. Narrower, documented (a false reject, never a false accept): a leap second written with an
    offset whose minutes are not 00/30/45 (e.g. `00:00:60+00:01`) is rejected: all 2 x 1,440
-   offsets would take a 60 KB regex (~170 ms to compile). `hostname` is RFC 1123 LDH labels
+   offsets would take a 60 KB regex, slow to compile. `hostname` is RFC 1123 LDH labels
    of at most 63 characters, at most 253 in all, no trailing dot, and no label with `--` in its
    3rd and 4th positions. Valid IDNA A-labels (`xn--...`) are therefore not emitted: whether one
    is valid depends on Punycode decoding and IDNA2008 rules, which no regular language captures.
@@ -110,8 +110,8 @@ def _leap_seconds() -> str:
     """`HH:MM:60<fraction><offset>` exactly when HH:MM minus the offset is 23:59 UTC.
 
     Local time = 23:59 + offset, so each offset allows one local HH:MM. Covering every offset would
-    take 24 x 60 x 2 alternatives (a regex that compiled in ~170 ms; two intersected regexes cost
-    ~3 ms and exhausted llguidance's lexer when a schema added its own pattern), so Z and offsets
+    take 24 x 60 x 2 alternatives (a regex slow to compile; two intersected regexes exhausted
+    llguidance's lexer when a schema added its own pattern), so Z and offsets
     whose minutes are in LEAP_OFFSET_MINUTES are covered, grouped by local hour.
     """
     offsets: dict[tuple[int, int], list[str]] = {(23, 59): ["[Zz]"]}
@@ -219,8 +219,7 @@ SHARED_PREFIX = "foveal-format-"
 class _Walk:
     """One rewrite: the draft rule for content keywords, and the formats moved to shared `$defs`.
 
-    llguidance compiles an inline `pattern` once per occurrence (~2 ms for the date-time regex)
-    but a `$ref` target once per schema, so plain `{"type": "string", "format": F}` nodes become
+    llguidance compiles an inline `pattern` once per occurrence but a `$ref` target once per schema, so plain `{"type": "string", "format": F}` nodes become
     `{"$ref": "#/$defs/foveal-format-F"}`. A nested `$id` would change what `#` means, so a
     schema with one is rewritten inline instead.
     """

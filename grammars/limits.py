@@ -186,7 +186,7 @@ def probe(template: llguidance.LLMatcher, what: str) -> int:
     returns how many tokens the forced start takes (a lower bound on every output's length)."""
     copy = template.deep_copy()
     # The first mask before the forced text: computing it releases the GIL, and the forced-text calls,
-    # which hold the GIL, then reuse its work (for 10,000 literals: 80 ms under the GIL otherwise).
+    # which hold the GIL, then reuse its work (docs/performance.md: the time they would hold it otherwise).
     mask = copy.compute_bitmask()
     forced = copy.compute_ff_bytes()
     if len(forced) > MAX_FORCED_BYTES:

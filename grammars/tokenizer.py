@@ -1,6 +1,7 @@
 """A tokenizer as the grammar layer needs it: llguidance's LLTokenizer plus an identity key.
 
-PROBLEM: building an LLTokenizer from a 49k-token vocabulary costs ~0.2 s, and the compile cache
+PROBLEM: building an LLTokenizer from a large vocabulary is slow (a fraction of a second for 49k
+tokens: docs/performance.md), and the compile cache
 needs a key that says "same vocabulary, same EOS, same model vocab size" for different Python
 objects loaded from the same files.
 SOLUTION: `tokenizer_handle()` serializes the tokenizer once (tokenizers JSON), hashes it into the
@@ -167,7 +168,7 @@ def _encoder_reading_added_tokens_as_text(
     gives them no text either. So those get the flag in a private copy rebuilt from the JSON first.
     Where every such token is flagged already (most tokenizers), `backend` itself is the encoder:
     the grammar layer's private copy (`_build`), whose only other use reads token ids' strings,
-    which the flag does not change (a rebuild costs about 0.4 s for a 49k vocabulary).
+    which the flag does not change (so the rebuild is skipped).
     """
     added = backend.get_added_tokens_decoder()
     if all(token.special for index, token in added.items() if index in special_ids):

@@ -232,8 +232,8 @@ def paged_attention(
         v_cache.index_copy_(0, kv_index, _as(value, v_cache.dtype))
     mask = ctx.mask_for(window)
 
-    # index_select over the flat KV rows, not k_cache[gather_index]: same rows, ~5x faster on CPU
-    # (advanced indexing takes a generic path; 32 x 128 keys: 49 vs 243 us per tensor). The
+    # index_select over the flat KV rows, not k_cache[gather_index]: same rows, faster on CPU
+    # (advanced indexing takes a generic path; docs/performance.md has the figures). The
     # head counts are Python ints (int() of a traced shape is a constant of the graph) and the key
     # count is -1: a traced key count would cost an item() per use in every replay.
     num_seqs, kv_heads, dim, heads = ctx.num_seqs, int(k_cache.shape[1]), int(k_cache.shape[2]), int(query.shape[1])

@@ -12,7 +12,7 @@ SOLUTION
     `<root>/prepared/<name>.safetensors`, where the root is `$FOVEAL_CACHE` or `~/.cache/foveal`
     (the folder foveal's test models use), and the tokenizer's `tokenizers` JSON beside it
     (`<name>.tokenizer.json`: transformers builds a tokenizer from a file without the deep copy it
-    makes of a tokenizer object, 0.4-0.6 s for SmolLM2's), the settings it was built with in the
+    makes of a tokenizer object), the settings it was built with in the
     entry's metadata. A later load opens the entry memory-mapped, checks it and builds the layers
     from it; fbgemm's fp16 pack is an opaque object, so it is built again from the fp16 weight
     (most of what a hit still costs).
