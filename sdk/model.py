@@ -481,7 +481,7 @@ class Model:
             prepared = self._prepare(call)
             handle = self._submit(prepared)
             if call.stream and not call.reasoning:
-                return self._streamed(call, prepared, handle, self._stream(prepared, handle))
+                return self._streamed(call, prepared, handle, _SyncChunks(self._stream(prepared, handle), handle))
             answer = self._answer(call, prepared, handle.result())
             if not isinstance(answer, calls.Call):
                 return answer
@@ -498,7 +498,7 @@ class Model:
             prepared = await asyncio.to_thread(self._prepare, call)
             handle = self._submit(prepared)
             if call.stream and not call.reasoning:
-                return self._streamed(call, prepared, handle, _Chunks(self._astream(prepared, handle), handle))
+                return self._streamed(call, prepared, handle, _AsyncChunks(self._astream(prepared, handle), handle))
             answer = self._answer(call, prepared, await AsyncEngine.finished(handle))
             if not isinstance(answer, calls.Call):
                 return answer
@@ -518,7 +518,7 @@ class Model:
     def _streamed(self, call: calls.Call, prepared: Prepared, handle: RequestHandle, chunks: Any) -> Any:
         """The result of a streamed call: its text an iterator of chunks (async where `chunks` is),
         a chat's read back as it comes (`foveal.tools`)."""
-        asynchronous = isinstance(chunks, _Chunks)
+        asynchronous = isinstance(chunks, _AsyncChunks)
         if call.plan is not None:
             so_far = chat_tools.LogprobsSoFar(handle.logprobs, self.family.tokenizer)
             reader = chat_tools.AsyncChatStream if asynchronous else chat_tools.ChatTextStream
@@ -695,7 +695,30 @@ class Model:
             bar.close()
         return results
 
-class _Chunks:
+class _SyncChunks(Generator[str, None, Usage]):
+    """`_stream`'s generator over a submitted request, whose `close` cancels the request even when the
+    generator never started (closing a generator before its first step skips its `finally`): a
+    stream closed before its first read frees its place in the engine."""
+
+    __slots__ = ("_chunks", "_handle")
+
+    def __init__(self, chunks: Generator[str, None, Usage], handle: RequestHandle) -> None:
+        self._chunks, self._handle = chunks, handle
+
+    def send(self, value: None) -> str:
+        return self._chunks.send(value)
+
+    def throw(self, *args: Any) -> str:
+        return self._chunks.throw(*args)
+
+    def close(self) -> None:
+        try:
+            self._chunks.close()
+        finally:
+            self._handle.cancel()  # a no-op once finished
+
+
+class _AsyncChunks:
     """`_astream`'s generator over a submitted request, whose `aclose` cancels the request even when
     the generator never started (closing an async generator before its first step skips its
     `finally`): a stream closed before its first read frees its place in the engine."""
@@ -705,7 +728,7 @@ class _Chunks:
     def __init__(self, chunks: AsyncIterator[str | Usage], handle: RequestHandle) -> None:
         self._chunks, self._handle = chunks, handle
 
-    def __aiter__(self) -> _Chunks:
+    def __aiter__(self) -> _AsyncChunks:
         return self
 
     async def __anext__(self) -> str | Usage:

@@ -9,6 +9,7 @@ import asyncio
 
 import pytest
 
+from foveal.engine import FinishReason
 from tests.sdk.conftest import scene_image
 
 TOO_LONG = {"max_tokens": 8000}
@@ -64,3 +65,13 @@ def test_an_async_stream_reads_as_before(shapes_model):
     text, usage = asyncio.run(read())
     plain = shapes_model.caption(scene_image(), settings={"max_tokens": 6, "temperature": 0.0})
     assert text == plain["caption"] and usage is not None
+
+
+def test_a_stream_closed_before_its_first_read_frees_its_request(shapes_model, llama_model):
+    caption = shapes_model.caption(scene_image(), stream=True, settings={"max_tokens": 200})
+    chat = llama_model.chat([{"role": "user", "content": "hi"}], settings={"max_tokens": 400}, stream=True)
+    for stream in (caption["caption"], chat["text"]):
+        stream.close()
+        # the request itself was stopped, not left to run to its max_tokens
+        assert stream._chunks._handle.result().finish_reason is FinishReason.CANCELLED
+    assert all_pages_free(shapes_model) and all_pages_free(llama_model)
