@@ -3,7 +3,7 @@
 engine = Engine(runner, tokenizer, EngineConfig(pipelined=True))
 handle = engine.submit(Request(prompt_ids, SamplingParams(max_tokens=64), matcher))
 for delta in handle: ...          # text of committed tokens, streamed after each step's finalize
-handle.result()                   # RequestOutput(token_ids, text, finish_reason, ...)
+handle.result()                   # RequestOutput(token_ids, text, finish_reason, ..., timings)
 """
 
 from foveal._guard import require_foveal_name
@@ -23,6 +23,7 @@ from .request import (  # noqa: E402
     RequestHandle,
     RequestOutput,
     SamplingParams,
+    Timings,
     TokenLogprob,
 )
 from .runner import ForwardBatch, ModelRunner, Quiesce  # noqa: E402
@@ -46,6 +47,7 @@ __all__ = [
     "RequestHandle",
     "RequestOutput",
     "SamplingParams",
+    "Timings",
     "TokenLogprob",
     "fill_masks_each",
 ]

@@ -1,5 +1,5 @@
 """What a caller submits (`Request`, `SamplingParams`, `PrefillInputs`) and what it gets back
-(`RequestHandle`, `RequestOutput`).
+(`RequestHandle`, `RequestOutput` and its `Timings`).
 
 `PrefillInputs` is the typed contract between a family's processor, the SDK and the runner: what a
 prompt needs beyond its token ids (image tensors, the image's content key, how many placeholder
@@ -151,6 +151,35 @@ class TokenLogprob:
     top: tuple[tuple[int, float], ...] = ()
 
 
+@dataclass(slots=True, frozen=True)
+class Timings:
+    """Where one request's time went, in seconds, on the engine's clock (time.perf_counter).
+
+    queued_s:  from submit to admission (waiting for a batch row and KV pages);
+    prefill_s: from admission to the first output token's commit (the prompt's launches, chunked or
+               not, and the first sample: the host learns the first token at its commit);
+    decode_s:  from that commit to the finish.
+    A request that ends before it is admitted, or before its first token, counts the time it had
+    as queued, or as prefill: each span ends at the finish where the next never began.
+    """
+
+    queued_s: float
+    prefill_s: float
+    decode_s: float
+
+    @property
+    def ttft_s(self) -> float:
+        """Submit to the first token: the wait and the prefill."""
+        return self.queued_s + self.prefill_s
+
+    @classmethod
+    def of(cls, submitted: float, admitted: float, first_token: float, finished: float) -> Timings:
+        """From the stamps (0.0 where that moment never came) and the finish time."""
+        admitted = admitted or finished
+        first_token = first_token or finished
+        return cls(admitted - submitted, first_token - admitted, finished - first_token)
+
+
 @dataclass(slots=True)
 class RequestOutput:
     token_ids: list[int]  # generated tokens, without the EOS / stop token that ended them
@@ -159,6 +188,7 @@ class RequestOutput:
     num_prompt_tokens: int
     error: str | None = None
     logprobs: list[TokenLogprob] | None = None  # one per token id, when SamplingParams.logprobs is set
+    timings: Timings | None = None  # set by the engine; None where an output is made by hand
 
 
 class RequestHandle:

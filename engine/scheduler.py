@@ -32,6 +32,7 @@ INVARIANTS
 
 from __future__ import annotations
 
+import time
 from collections import deque
 
 from .kv_cache import PagePool
@@ -80,6 +81,7 @@ class Scheduler:
             lane = self.lanes.take(seq.prompt_len, pages, seq.request.sampling, seq.seed, seq.sliding)
             self.waiting.popleft()  # only now: if take() raised, shutdown finds seq where remove() looks
             seq.pages, seq.lane = pages, lane
+            seq.admitted_s = time.perf_counter()  # its queued time ends, its prefill begins (Timings)
             seq.num_prefilled = seq.num_cached
             self.running.append(seq)
             rows.append(seq)

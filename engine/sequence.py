@@ -9,6 +9,7 @@ looks for them on the matcher.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -66,8 +67,14 @@ class Sequence:
     verifying: bool = False
     logprobs_k: int = field(init=False, default=-1)  # SamplingParams.logprobs; -1: none recorded
     logprobs: list[TokenLogprob] | None = field(init=False, default=None)  # one per token_ids entry
+    # when it was submitted, admitted (scheduler.py) and its first token committed (sequences.py), on
+    # time.perf_counter; 0.0 until then. Its output's Timings are made from them at the finish.
+    submitted_s: float = field(init=False, default=0.0)
+    admitted_s: float = 0.0
+    first_token_s: float = 0.0
 
     def __post_init__(self) -> None:
+        self.submitted_s = time.perf_counter()  # made at submit, on the caller's thread
         self.prompt_len = len(self.request.prompt_ids)
         self.max_tokens = self.request.sampling.max_tokens
         if self.request.sampling.logprobs is not None:

@@ -18,7 +18,9 @@ INVARIANTS
 
 from __future__ import annotations
 
-from .request import FinishReason, RequestOutput, TokenLogprob
+import time
+
+from .request import FinishReason, RequestOutput, Timings, TokenLogprob
 from .scheduler import Scheduler
 from .sequence import Sequence
 from .stats import Stats
@@ -45,6 +47,8 @@ class Sequences:
         `logprob`: the sampler's record of the token, for a sequence that asked for logprobs; None
         for a token forced without a forward (its logprob under the grammar's mask is 0.0).
         """
+        if not seq.num_committed:  # its first token: the end of its prefill (Timings)
+            seq.first_token_s = time.perf_counter()
         seq.num_committed += 1
         self.stats.tokens += 1
         matcher = seq.matcher
@@ -89,7 +93,8 @@ class Sequences:
             seq.handle._push(delta)
         del self.live[seq.id]
         logprobs = list(seq.logprobs) if seq.logprobs is not None else None
-        output = RequestOutput(list(seq.token_ids), seq.detok.text, reason, seq.prompt_len, error, logprobs)
+        timings = Timings.of(seq.submitted_s, seq.admitted_s, seq.first_token_s, time.perf_counter())
+        output = RequestOutput(list(seq.token_ids), seq.detok.text, reason, seq.prompt_len, error, logprobs, timings)
         if seq.inflight_refs == 0:
             self.scheduler.release(seq)
         seq.handle._finish(output)

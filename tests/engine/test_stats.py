@@ -1,12 +1,13 @@
-"""Observability: `engine.stats()` and the Chrome trace of the timeline."""
+"""Observability: `engine.stats()`, the Chrome trace of the timeline, and each output's `Timings`."""
 
 from __future__ import annotations
 
 import json
+import time
 
 import pytest
 
-from foveal.engine import Request, SamplingParams
+from foveal.engine import Request, SamplingParams, Timings
 from foveal.testing import FakeRunner
 
 
@@ -69,3 +70,25 @@ def test_text_runs_after_the_next_finalize(h, tokenizer, pipelined):
         assert ("commit", "text", "finalize") not in triples
     else:
         assert ("finalize", "commit", "text") in triples and ("commit", "text", "finalize") not in triples
+
+
+@pytest.mark.parametrize("pipelined", [True, False])
+def test_each_output_carries_its_timings(h, pipelined):
+    """Queued + prefill is the time to the first token; prefill covers at least one forward, decode
+    the other forwards of a 6-token answer; the spans add up to about the request's wall time."""
+    with h.engine(pipelined=pipelined, runner=FakeRunner(vocab_size=h.VOCAB, seed=1, delay_s=0.01)) as eng:
+        started = time.perf_counter()
+        out = eng.submit(Request([1, 2, 3], SamplingParams(max_tokens=6, ignore_eos=True))).result()
+        wall = time.perf_counter() - started
+    t = out.timings
+    assert isinstance(t, Timings) and min(t.queued_s, t.prefill_s, t.decode_s) >= 0
+    assert t.ttft_s == t.queued_s + t.prefill_s
+    assert t.prefill_s >= 0.01 and t.decode_s >= 4 * 0.01
+    assert t.ttft_s + t.decode_s <= wall
+
+
+def test_timings_of_a_request_that_never_started():
+    never_admitted = Timings.of(submitted=1.0, admitted=0.0, first_token=0.0, finished=3.0)
+    assert (never_admitted.queued_s, never_admitted.prefill_s, never_admitted.decode_s) == (2.0, 0.0, 0.0)
+    no_token = Timings.of(submitted=1.0, admitted=1.5, first_token=0.0, finished=3.0)
+    assert (no_token.queued_s, no_token.prefill_s, no_token.decode_s) == (0.5, 1.5, 0.0)
