@@ -53,8 +53,8 @@ from foveal.families.task import Task
 from foveal.grammars import spatial
 from foveal.grammars.cache import LRUCache
 
-ALL_SKILLS = ("caption", "query", "detect", "point", "generate", "chat")
-IMAGE_SKILLS = ("caption", "detect", "point")  # meaningless without an image
+ALL_SKILLS = ("caption", "query", "detect", "point", "generate", "chat", "segment")
+IMAGE_SKILLS = ("caption", "detect", "point", "segment")  # meaningless without an image
 
 
 class CallSettings(Protocol):
@@ -160,6 +160,12 @@ class Family:
 
     def detect_gaze(self, eye: tuple[float, float]) -> Task:
         raise self.unsupported("detect_gaze")
+
+    def segment(self, phrase: str, refs: tuple[tuple[float, ...], ...] | None) -> Task:
+        """The object's mask: a Task of skill "segment" whose value (its `parse` of the whole answer's
+        text) is `{"path": SVG path data in normalized coordinates, "bbox": {"x_min", "y_min",
+        "x_max", "y_max"}}`, and whose `progress` reads a streamed answer's text so far (Task)."""
+        raise self.unsupported("segment")
 
     def with_settings(self, task: Task, settings: CallSettings) -> Task:
         """The task with what the call's settings say beyond sampling (a LoRA variant)."""

@@ -20,7 +20,7 @@ from foveal.grammars import spatial
 
 @dataclass(frozen=True, slots=True)
 class Task:
-    skill: str  # caption | query | detect | point | generate | chat
+    skill: str  # caption | query | detect | point | generate | chat | segment | gaze
     prompt: Any  # the family's prompt (see the module docstring)
     spec: Any = None  # an output spec for grammars.compile, or a family's own automaton; None: free text
     parse: Callable[[str], Any] | None = None  # the model's text -> the value; None: the compiled spec's own
@@ -29,6 +29,10 @@ class Task:
     rules: Callable[[], Any] | None = None
     # A score in [0, 1] per item of the value (boxes, points), in order; None: the value is not scored.
     score: Scorer | None = None
+    # A streamed answer's text so far -> what of its value is settled, for skills whose stream is of
+    # updates, not text (segment: {"bbox": the box or None while unknown, "path": the settled path});
+    # None: the stream is the text itself.
+    progress: Callable[[str], dict[str, Any]] | None = None
 
 
 def spatial_task(skill: str, prompt: Any, spec: spatial.SpatialSpec) -> Task:

@@ -18,6 +18,7 @@ from typing import Any
 from foveal import tools as chat_tools
 from foveal.families import Family
 from foveal.families.task import Task
+from foveal.results import Usage
 from foveal.settings import Settings, validate_settings
 from foveal.skills import (
     check_eye,
@@ -46,10 +47,11 @@ class Call:
     logprobs: int | None = None  # chat: alternatives recorded per token
     reasoning: bool = False  # a grounded query's reasoning phase: its answer is a second call
     reasoned: dict | None = None  # that answer's call: the reasoning it carries into the result
+    spent: Usage | None = None  # that answer's call: what the reasoning cost (the result's usage adds it)
 
-    def answering(self, task: Task, reasoning: dict) -> Call:
+    def answering(self, task: Task, reasoning: dict, spent: Usage | None = None) -> Call:
         """The answer phase of a grounded query: `task` (whose prompt holds the reasoning's ids)."""
-        return dataclasses.replace(self, task=task, reasoning=False, reasoned=reasoning)
+        return dataclasses.replace(self, task=task, reasoning=False, reasoned=reasoning, spent=spent)
 
 
 def caption(
@@ -118,6 +120,26 @@ def point(
     return _call(family, "point", settings, lambda s: family.point(phrase, s.max_objects), image, False)
 
 
+def segment(
+    family: Family,
+    image: Any,
+    object: str,
+    spatial_refs: Any = None,
+    stream: bool = False,
+    settings: Mapping | None = None,
+) -> Call:
+    """The object's outline as an SVG path and its box (Moondream's segment), the client 2.6.1's
+    arguments in its order; spatial_refs (points and boxes) say which object is meant."""
+    phrase = check_object(object)
+    check_flag("stream", stream, "segment's fourth argument (the reference's order)")
+    refs = check_spatial_refs(spatial_refs)
+    if "segment" not in family.capabilities.skills:  # before its options: the skill itself is missing
+        raise family.unsupported("segment")
+    if refs is not None and "segment" not in family.capabilities.spatial_refs:
+        raise family.unsupported_option("spatial_refs on segment", family.refs_hint())
+    return _call(family, "segment", settings, lambda _: family.segment(phrase, refs), image, stream)
+
+
 def generate(
     family: Family, image: Any, prompt: str, output_type: Any = None, settings: Mapping | None = None
 ) -> Call:
@@ -164,6 +186,7 @@ SKILLS: dict[str, Callable[..., Call]] = {
     "generate": generate,
     "detect_gaze": detect_gaze,
     "chat": chat,
+    "segment": segment,
 }
 MAPPED = ("caption", "query", "detect", "point", "generate")  # the skills `map` runs over images
 

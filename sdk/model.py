@@ -64,6 +64,7 @@ from foveal.families import Family
 from foveal.families.base import IMAGE_SKILLS
 from foveal.families.prepared import CallLimits, Prepared
 from foveal.results import (
+    AsyncSegmentStream,
     AsyncTextStream,
     CaptionResult,
     ChatResult,
@@ -73,6 +74,8 @@ from foveal.results import (
     PointResult,
     QueryResult,
     Result,
+    SegmentResult,
+    SegmentStream,
     TextStream,
     Usage,
 )
@@ -342,6 +345,24 @@ class Model:
         (`capabilities.spatial_refs`), refused elsewhere."""
         return self._call(calls.point(self.family, image, object, settings, spatial_refs))
 
+    def segment(
+        self,
+        image: Any,
+        object: str,
+        spatial_refs: Any = None,
+        stream: bool = False,
+        settings: Mapping | None = None,
+    ) -> SegmentResult | SegmentStream:
+        """The outline of `object`: `{"path": SVG path data, "bbox": {"x_min", "y_min", "x_max", "y_max"}}`,
+        normalized (models with "segment" in `capabilities.skills`; UnsupportedSkill elsewhere).
+
+        The reference client API's arguments and order. `spatial_refs`: points and boxes that say which
+        object is meant, where the model takes them for segment. stream=True: a SegmentStream of
+        updates, `{"bbox"}` first, then `{"chunk"}` pieces of the path, then
+        `{"path", "bbox", "completed": True}`, as Moondream's client yields them.
+        """
+        return self._call(calls.segment(self.family, image, object, spatial_refs, stream, settings))
+
     def generate(
         self, image: Any, prompt: str, output_type: Any = None, settings: Mapping | None = None
     ) -> GenerateResult:
@@ -448,6 +469,17 @@ class Model:
         """`point` for asyncio."""
         return await self._acall(calls.point(self.family, image, object, settings, spatial_refs))
 
+    async def asegment(
+        self,
+        image: Any,
+        object: str,
+        spatial_refs: Any = None,
+        stream: bool = False,
+        settings: Mapping | None = None,
+    ) -> SegmentResult | AsyncSegmentStream:
+        """`segment` for asyncio; with stream=True an async iterator of its updates."""
+        return await self._acall(calls.segment(self.family, image, object, spatial_refs, stream, settings))
+
     async def agenerate(
         self, image: Any, prompt: str, output_type: Any = None, settings: Mapping | None = None
     ) -> GenerateResult:
@@ -481,7 +513,8 @@ class Model:
             prepared = self._prepare(call)
             handle = self._submit(prepared)
             if call.stream and not call.reasoning:
-                return self._streamed(call, prepared, handle, _SyncChunks(self._stream(prepared, handle), handle))
+                chunks = _SyncChunks(self._stream(prepared, handle, call.spent), handle)
+                return self._streamed(call, prepared, handle, chunks)
             answer = self._answer(call, prepared, handle.result())
             if not isinstance(answer, calls.Call):
                 return answer
@@ -498,7 +531,8 @@ class Model:
             prepared = await asyncio.to_thread(self._prepare, call)
             handle = self._submit(prepared)
             if call.stream and not call.reasoning:
-                return self._streamed(call, prepared, handle, _AsyncChunks(self._astream(prepared, handle), handle))
+                chunks = _AsyncChunks(self._astream(prepared, handle, call.spent), handle)
+                return self._streamed(call, prepared, handle, chunks)
             answer = self._answer(call, prepared, await AsyncEngine.finished(handle))
             if not isinstance(answer, calls.Call):
                 return answer
@@ -510,10 +544,11 @@ class Model:
         if call.reasoning:
             self._check(prepared, output)
             reasoning, answer_task = self.family.reasoned_answer(prepared.task, output.token_ids)
-            return call.answering(answer_task, reasoning)
+            return call.answering(answer_task, reasoning, _usage(output))
         if call.plan is not None:
             return self._chat_result(call, prepared, output)
-        return _with_reasoning(self._result(prepared, output), call.reasoned)
+        result = self._result(prepared, output, call.spent)
+        return _with_reasoning(result, call.reasoned)
 
     def _streamed(self, call: calls.Call, prepared: Prepared, handle: RequestHandle, chunks: Any) -> Any:
         """The result of a streamed call: its text an iterator of chunks (async where `chunks` is),
@@ -524,6 +559,10 @@ class Model:
             reader = chat_tools.AsyncChatStream if asynchronous else chat_tools.ChatTextStream
             return ChatResult.of_answer("", reader(chunks, call.plan, so_far), prepared.image)
         text = AsyncTextStream(chunks) if asynchronous else TextStream(chunks)
+        task = prepared.task
+        if task.progress is not None:  # a stream of the value's updates (segment), read by its result type
+            parse = guarded(prepared.skill, task.parse or str)
+            return RESULTS[prepared.skill].of_updates(text, task.progress, parse, prepared.image)
         return _with_reasoning(RESULTS[prepared.skill].of_answer("", text, prepared.image), call.reasoned)
 
     def _chat_result(self, call: calls.Call, prepared: Prepared, output: RequestOutput) -> ChatResult:
@@ -614,16 +653,20 @@ class Model:
                 raise ModelClosedError(prepared.skill) from None
             raise
 
-    def _stream(self, prepared: Prepared, handle: RequestHandle) -> Generator[str, None, Usage]:
+    def _stream(
+        self, prepared: Prepared, handle: RequestHandle, before: Usage | None = None
+    ) -> Generator[str, None, Usage]:
         try:
             yield from handle
             output = handle.result()
             self._check(prepared, output)
-            return _usage(output)
+            return _usage(output, before)
         finally:
             handle.cancel()  # the caller stopped early: free the sequence (no-op when finished)
 
-    async def _astream(self, prepared: Prepared, handle: RequestHandle) -> AsyncIterator[str | Usage]:
+    async def _astream(
+        self, prepared: Prepared, handle: RequestHandle, before: Usage | None = None
+    ) -> AsyncIterator[str | Usage]:
         """The async twin of `_stream`: an engine error, a cancellation or a cut constrained answer
         raises at the end of the stream, as it does for the sync stream and the whole result."""
         try:
@@ -631,17 +674,18 @@ class Model:
                 yield delta
             output = handle.result()
             self._check(prepared, output)
-            yield _usage(output)  # AsyncTextStream keeps it as its .usage
+            yield _usage(output, before)  # AsyncTextStream keeps it as its .usage
         finally:
             handle.cancel()  # the caller stopped early: free the sequence (no-op when finished)
 
-    def _result(self, prepared: Prepared, output: RequestOutput) -> Result:
+    def _result(self, prepared: Prepared, output: RequestOutput, before: Usage | None = None) -> Result:
         """The skill's result: the value `prepared.read` gives (a constrained answer that does not read
-        is a GenerationError naming the skill), the answer's text and the usage."""
+        is a GenerationError naming the skill), the answer's text and the usage (with `before`'s, the
+        usage of a request this call made first)."""
         self._check(prepared, output)
         value = read_value(prepared.skill, prepared.read, output)
         result = RESULTS[prepared.skill].of_answer(output.text, value, prepared.image)
-        result.usage = _usage(output)
+        result.usage = _usage(output, before)
         return result
 
     def _check(self, prepared: Prepared, output: RequestOutput) -> None:
@@ -749,5 +793,10 @@ def _with_reasoning(result: Result, reasoning: dict | None) -> Result:
     return result.with_reasoning(reasoning)
 
 
-def _usage(output: RequestOutput) -> Usage:
-    return Usage(output.num_prompt_tokens, len(output.token_ids), output.finish_reason.value)
+def _usage(output: RequestOutput, before: Usage | None = None) -> Usage:
+    """What a request cost (its engine Timings in milliseconds), after `before` where the call made
+    another request first (a grounded query's reasoning)."""
+    t = output.timings
+    times = (0.0, 0.0, 0.0) if t is None else (t.prefill_s * 1e3, t.decode_s * 1e3, t.ttft_s * 1e3)
+    usage = Usage(output.num_prompt_tokens, len(output.token_ids), output.finish_reason.value, *times)
+    return usage if before is None else before.then(usage)

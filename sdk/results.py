@@ -21,14 +21,14 @@ import base64
 import html
 import io
 import json
-from collections.abc import AsyncIterator, Generator, Iterator
-from dataclasses import dataclass
+from collections.abc import AsyncIterator, Callable, Generator, Iterator
+from dataclasses import dataclass, field
 from typing import Any, ClassVar, Self
 
-from PIL import Image
+from PIL import Image, ImageDraw
 
 from foveal.errors import GenerationError
-from foveal.vision import draw, load_image
+from foveal.vision import draw, load_image, svg
 from foveal.vision.draw import parse_result
 
 DISPLAY_MAX_SIDE = 768  # notebook previews are downscaled; normalized coordinates make this lossless
@@ -37,11 +37,32 @@ DISPLAY_MAX_SIDE = 768  # notebook previews are downscaled; normalized coordinat
 @dataclass(frozen=True, slots=True)
 class Usage:
     """What a call cost: prompt tokens (image placeholders included), generated tokens (without the
-    EOS or stop token that ended them), and why generation ended ("stop" or "length")."""
+    EOS or stop token that ended them), why generation ended ("stop" or "length"), and where its
+    time went in the engine, in milliseconds (foveal.engine.Timings): `ttft_ms` from submit to the
+    first token (the wait for a batch row included), `prefill_time_ms` from admission to the first
+    token, `decode_time_ms` from the first token to the end.
+
+    The times are measurements, different on every run: equality compares what was counted only."""
 
     prompt_tokens: int
     completion_tokens: int
     finish_reason: str
+    prefill_time_ms: float = field(default=0.0, compare=False)
+    decode_time_ms: float = field(default=0.0, compare=False)
+    ttft_ms: float = field(default=0.0, compare=False)
+
+    def then(self, later: Usage) -> Usage:
+        """One call made of this request and then `later`, whose prompt holds this one's prompt and
+        output (a grounded query: its reasoning, then its answer): this prompt, both outputs, the
+        later end, the first token and prefill of this one, and everything after as decoding."""
+        return Usage(
+            self.prompt_tokens,
+            self.completion_tokens + later.completion_tokens,
+            later.finish_reason,
+            self.prefill_time_ms,
+            self.decode_time_ms + later.ttft_ms + later.decode_time_ms,
+            self.ttft_ms,
+        )
 
 
 class Result(dict):
@@ -60,6 +81,15 @@ class Result(dict):
     def of_answer(cls, text: str, value: Any, image: Any = None) -> Self:
         """The result of a skill call from the model's text and its parsed value."""
         return cls(value, image=image)
+
+    @classmethod
+    def of_updates(
+        cls, text: TextStream | AsyncTextStream, progress: Callable[[str], dict], parse: Callable[[str], Any],
+        image: Any = None,
+    ) -> Any:
+        """A streamed answer read as updates of its value (`progress` of the text so far, `parse` of
+        the whole): only skills whose stream is not text (segment) have one."""
+        raise TypeError(f"{cls.SKILL or 'this skill'} streams its answer as text, not as updates")
 
     def annotated(self) -> Image.Image:
         """The image with this result's boxes and points drawn (the image alone when it has neither)."""
@@ -256,6 +286,160 @@ class PointResult(Result):
         parse_result({"points": points})
         _check_scores(points, "points")
         super().__init__(points=points, image=image)
+
+
+class SegmentResult(Result):
+    """`{"path": SVG path data, "bbox": {"x_min", "y_min", "x_max", "y_max"}}`: the object's outline in
+    normalized coordinates (origin top-left; every point in [0, 1]) and its box, Moondream's
+    segment answer; "bbox" is None where the model gave none. Streamed: a `SegmentStream`."""
+
+    __slots__ = ()
+    SKILL = "segment"
+
+    def __init__(self, path: str, bbox: dict[str, float] | None, *, image: Any = None) -> None:
+        svg.check_inside(path)
+        if bbox is not None:
+            parse_result({"objects": [bbox]})
+        super().__init__(path=path, bbox=bbox, image=image)
+
+    @classmethod
+    def of_answer(cls, text: str, value: Any, image: Any = None) -> Self:
+        return cls(value["path"], value.get("bbox"), image=image)
+
+    @classmethod
+    def of_updates(
+        cls, text: TextStream | AsyncTextStream, progress: Callable[[str], dict], parse: Callable[[str], Any],
+        image: Any = None,
+    ) -> SegmentStream | AsyncSegmentStream:
+        if isinstance(text, AsyncTextStream):
+            return AsyncSegmentStream(text, progress, parse, image)
+        return SegmentStream(text, progress, parse, image)
+
+    def annotated(self) -> Image.Image:
+        """The image with the outline drawn (its points joined) and the box."""
+        if self.image is None:
+            raise ValueError("this result has no image to draw on; use foveal.vision.draw(image, result)")
+        picture = draw(self.image, {"objects": [self["bbox"]]}) if self["bbox"] else load_image(self.image)
+        w, h = picture.size
+        outline = [(x * (w - 1), y * (h - 1)) for x, y in svg.path_points(svg.parse_path(self["path"]))]
+        if len(outline) >= 2:
+            ImageDraw.Draw(picture).line([*outline, outline[0]], fill=(255, 64, 160), width=2)
+        return picture
+
+
+class _SegmentUpdates:
+    """A segment stream's updates from its text chunks, as Moondream's client 2.6.1 yields them:
+    `{"bbox"}` once the box is known, `{"chunk"}` for each piece of the path settled since, then
+    `{"path", "bbox", "completed": True}` (the box before it if it never came earlier)."""
+
+    __slots__ = ("_progress", "text", "_bbox_sent", "_path")
+
+    def __init__(self, progress: Callable[[str], dict]) -> None:
+        self._progress = progress
+        self.text = ""
+        self._bbox_sent = False
+        self._path = ""  # the path sent so far in chunks
+
+    def add(self, chunk: str) -> list[dict[str, Any]]:
+        self.text += chunk
+        now = self._progress(self.text)
+        return self._bbox(now.get("bbox")) + self._chunk(now.get("path") or "", strict=True)
+
+    def finish(self, result: SegmentResult) -> list[dict[str, Any]]:
+        # A final path that does not extend the chunks (a refined outline) is sent whole, at the end.
+        updates = self._bbox(result["bbox"]) + self._chunk(result["path"], strict=False)
+        return [*updates, {"path": result["path"], "bbox": result["bbox"], "completed": True}]
+
+    def _bbox(self, bbox: dict | None) -> list[dict[str, Any]]:
+        if self._bbox_sent or bbox is None:
+            return []
+        self._bbox_sent = True
+        return [{"bbox": bbox}]
+
+    def _chunk(self, path: str, strict: bool) -> list[dict[str, Any]]:
+        if len(path) <= len(self._path) or not path.startswith(self._path):
+            if strict and path != self._path and not self._path.startswith(path):
+                raise GenerationError(
+                    f"segment: the streamed path {self._path[:60]!r} was rewritten as {path[:60]!r}; "
+                    "a family's progress must only extend it, please report it"
+                )
+            return []
+        piece, self._path = path[len(self._path) :], path
+        return [{"chunk": piece}]
+
+
+class SegmentStream:
+    """A streamed segment: iterate it for update dicts, `{"bbox": {...}}` first, then `{"chunk": str}`
+    pieces of the path, then `{"path", "bbox", "completed": True}` (the client 2.6.1's stream). At
+    the end `.result` is the whole SegmentResult and `.usage` its Usage. Leaving the loop early or
+    `close()` stops the generation, as for a TextStream."""
+
+    __slots__ = ("_text", "_progress", "_parse", "_image", "result", "usage")
+
+    def __init__(
+        self, text: TextStream, progress: Callable[[str], dict], parse: Callable[[str], Any], image: Any = None
+    ) -> None:
+        self._text, self._progress, self._parse, self._image = text, progress, parse, image
+        self.result: SegmentResult | None = None
+        self.usage: Usage | None = None
+
+    def __iter__(self) -> Iterator[dict[str, Any]]:
+        updates = _SegmentUpdates(self._progress)
+        try:
+            for chunk in self._text:
+                yield from updates.add(chunk)
+            yield from updates.finish(self._finish(updates.text))
+        except GeneratorExit:
+            self._text.close()
+            raise
+
+    def _finish(self, text: str) -> SegmentResult:
+        result = SegmentResult.of_answer(text, self._parse(text), self._image)
+        result.usage = self.usage = self._text.usage
+        self.result = result
+        return result
+
+    def close(self) -> None:
+        self._text.close()
+
+    def __enter__(self) -> SegmentStream:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class AsyncSegmentStream:
+    """`SegmentStream` for `asegment`: `async for update in stream`; `await stream.aclose()` stops it."""
+
+    __slots__ = ("_text", "_progress", "_parse", "_image", "result", "usage")
+
+    def __init__(
+        self, text: AsyncTextStream, progress: Callable[[str], dict], parse: Callable[[str], Any], image: Any = None
+    ) -> None:
+        self._text, self._progress, self._parse, self._image = text, progress, parse, image
+        self.result: SegmentResult | None = None
+        self.usage: Usage | None = None
+
+    async def __aiter__(self) -> AsyncIterator[dict[str, Any]]:
+        updates = _SegmentUpdates(self._progress)
+        done = False
+        try:
+            async for chunk in self._text:
+                for update in updates.add(chunk):
+                    yield update
+            result = SegmentResult.of_answer(updates.text, self._parse(updates.text), self._image)
+            result.usage = self.usage = self._text.usage
+            self.result = result
+            for update in updates.finish(result):
+                yield update
+            done = True
+        finally:
+            if not done:  # left early (or failed): stop the generation
+                await self._text.aclose()
+
+    async def aclose(self) -> None:
+        await self._text.aclose()
 
 
 def _check_scores(items: list[dict], key: str) -> None:

@@ -168,5 +168,6 @@ SKILL_DEFAULTS: dict[str, Settings] = {
     "detect": Settings(max_tokens=2048, max_objects=50),
     "point": Settings(max_tokens=1024, max_objects=50),
     "generate": Settings(max_tokens=512),
+    "segment": Settings(max_tokens=768),  # an outline is long: Moondream's engine allows 768 by default
 }
 KEYS = tuple(field.name for field in dataclasses.fields(Settings))

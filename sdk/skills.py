@@ -26,13 +26,16 @@ from foveal.results import (
     PointResult,
     QueryResult,
     Result,
+    SegmentResult,
 )
 
 CAPTION_LENGTHS = ("short", "normal", "long")
 MAX_PHRASE_CHARS = 200
 RESULTS: dict[str, type[Result]] = {
     r.SKILL: r
-    for r in (CaptionResult, QueryResult, DetectResult, PointResult, GenerateResult, ChatResult, GazeResult)
+    for r in (
+        CaptionResult, QueryResult, DetectResult, PointResult, GenerateResult, ChatResult, GazeResult, SegmentResult
+    )
 }
 _EXAMPLES = {"object": "red circle", "question": "how many shapes are there?", "prompt": "describe the image"}
 

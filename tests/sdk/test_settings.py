@@ -149,8 +149,9 @@ def test_settings_must_be_a_dict(bad):
 
 
 def test_unknown_skill():
-    with pytest.raises(ValueError, match="unknown skill 'segment'"):
-        validate_settings(None, "segment")
+    with pytest.raises(ValueError, match="unknown skill 'frobnicate'"):
+        validate_settings(None, "frobnicate")
+    assert validate_settings(None, "segment").max_tokens == 768  # an outline takes many tokens
 
 
 @pytest.mark.parametrize(
