@@ -14,6 +14,9 @@ SOLUTION
     the second step on; the answer id ends the reasoning.
     `RegionMatcher`: an automaton over the step kinds GATE (token: eos ends the answer, anything
     else means "one more object", whose x the same step samples), COORD (y) and SIZE (w, h).
+    Moondream 3 decides every gate after the first object on two rows of the lm_head only,
+    [coord, eos] (`gate_ids`: the mask allows just those); the first gate, after the prompt, is
+    the full argmax as in Moondream 2.
     Its `step_kind()` tells the engine what the next step samples (`foveal.engine.regions.RegionSteps`);
     `commit` reads the value id the sampler wrote (region.py) and moves on; eos or the
     `max_objects`-th object terminates it. Both fill their own masks (`fills_own_mask`,
@@ -45,6 +48,17 @@ def _clear_bits(bitmask: torch.Tensor, row: int, tokens: tuple[int, ...]) -> Non
     for token in tokens:
         word, bit = divmod(token, 32)
         words[word] = words.get(word, 0xFFFFFFFF) & ~(1 << bit)
+    for word, value in words.items():
+        bitmask[row, word] = value - (1 << 32) if value >= 1 << 31 else value
+
+
+def _only_bits(bitmask: torch.Tensor, row: int, tokens: tuple[int, ...]) -> None:
+    """Set a row to allow exactly these tokens."""
+    bitmask[row] = 0
+    words: dict[int, int] = {}
+    for token in tokens:
+        word, bit = divmod(token, 32)
+        words[word] = words.get(word, 0) | (1 << bit)
     for word, value in words.items():
         bitmask[row, word] = value - (1 << 32) if value >= 1 << 31 else value
 
@@ -109,11 +123,14 @@ class RegionMatcher:
 
     fills_own_mask = True
 
-    def __init__(self, with_size: bool, max_objects: int, vocab_size: int, eos_id: int) -> None:
+    def __init__(
+        self, with_size: bool, max_objects: int, vocab_size: int, eos_id: int, gate_ids: tuple[int, ...] = ()
+    ) -> None:
         self.with_size = with_size
         self.max_objects = max_objects
         self.vocab_size = vocab_size
         self.eos_id = eos_id
+        self.gate_ids = gate_ids  # the tokens a later gate may choose (Moondream 3); () for all
         self.history: list[int] = []
         self._replay()
 
@@ -151,6 +168,9 @@ class RegionMatcher:
         self.done = self.objects >= self.max_objects
 
     def fill_mask(self, bitmask: torch.Tensor, row: int) -> None:
+        if self.gate_ids and self.kind == GATE and self.objects:
+            _only_bits(bitmask, row, self.gate_ids)
+            return
         bitmask[row] = -1  # the stop-or-continue token is the plain argmax (nothing masked)
 
     def is_terminated(self) -> bool:

@@ -1,18 +1,28 @@
-"""`MoondreamConfig`: the dimensions, special ids and prompt templates of a Moondream 2 checkpoint.
+"""`MoondreamConfig`: the dimensions, special ids and prompt templates of a Moondream 2 or 3 checkpoint.
 
 PROBLEM
-    The real `vikhyatk/moondream2` folder's `config.json` is a remote-code config whose nested
-    `config` entry is empty: the reference resets it to `{}` on load, so the real model always runs
-    with the dimensions built into the reference's config dataclasses. A test fixture (or another
-    revision) fills that entry to override some of them.
+    The real `vikhyatk/moondream2` and `moondream/moondream3-preview` folders' `config.json` are
+    remote-code configs whose nested `config` entry is empty: the reference resets it to `{}` on
+    load, so the real model always runs with the dimensions built into the reference's config
+    dataclasses, which differ between the two generations (Moondream 3: a mixture of experts from
+    layer 4, a 4096-token context, one-Linear region decoders). A test fixture (or another revision)
+    fills that entry to override some of them. Both generations' folders say `moondream1`; only
+    their tensors tell them apart (load.py reads the generation from the file's keys).
 SOLUTION
-    Frozen dataclasses with the real defaults (2025 "starmie" revision: text 2048 x 24 layers,
-    vision 1152 x 27 layers, region heads of 8192), built from the `config` entry of `config.json`:
-    a missing or empty entry means the real model, a filled one overrides field by field. Unknown
-    keys are refused by name, so a revision with other fields fails at load, not mid-forward.
+    Frozen dataclasses with the real defaults of the generation (Moondream 2, 2025 "starmie"
+    revision: text 2048 x 24 layers, vision 1152 x 27 layers, region heads of 8192; Moondream 3
+    preview: the same vision, text 2048 x 24 layers with 64 experts top-8 from layer 4, region
+    decoders without a hidden layer), built from the `config` entry of `config.json`: a missing or
+    empty entry means the real model, a filled one overrides field by field. Unknown keys are
+    refused by name, so a revision with other fields fails at load, not mid-forward.
+    Moondream 3's tau attention computes its token features with the exact GELU (the preview code);
+    `text.tau_gelu: "tanh"` selects the tanh approximation, which Moondream's own engine (kestrel)
+    has used since its "Fix Moondream tau GELU semantics" change.
 INVARIANTS
     - `head_dim` is 64 and the rotary part covers its first 32 dims (the reference asserts both).
     - The vision grid is crop_size / patch_size = 27 patches a side (729 image tokens).
+    - A Moondream 2 config has no `moe`; a Moondream 3 config always has one (its dense layers
+      are those below `moe.start_layer`) and n_kv_heads == n_heads (tau scales v per query head).
 """
 
 from __future__ import annotations
@@ -26,9 +36,22 @@ from foveal.engine.models.arch import ModelLoadError
 HEAD_DIM = 64
 ROTARY_DIM = 32
 ROPE_THETA = 10000.0
+ROPE_THETA_3 = 1_500_000.0  # Moondream 3's rotary base
+TAU_GELUS = ("exact", "tanh")
 CROP_SIZE = 378  # fixed in the reference's crop code, whatever the config says
 PATCH_SIZE = 14
 LN_EPS = 1e-5
+
+
+@dataclass(frozen=True, slots=True)
+class MoeConfig:
+    """Moondream 3's mixture of experts: layers from `start_layer` on route each token to
+    `experts_per_token` of `num_experts` GeGLU experts of inner dim `expert_inner_dim`."""
+
+    num_experts: int = 64
+    start_layer: int = 4
+    experts_per_token: int = 8
+    expert_inner_dim: int = 1024
 
 
 @dataclass(frozen=True, slots=True)
@@ -42,6 +65,8 @@ class TextConfig:
     n_kv_heads: int = 32
     prefix_attn: int = 730
     group_size: int | None = None
+    moe: MoeConfig | None = None  # Moondream 3 only
+    tau_gelu: str = "exact"  # Moondream 3's tau token features: "exact" (the preview code) or "tanh"
 
 
 @dataclass(frozen=True, slots=True)
@@ -66,8 +91,9 @@ class RegionConfig:
     coord_out_dim: int = 1024
     size_feat_dim: int = 512
     size_out_dim: int = 2048
-    inner_dim: int = 8192
+    inner_dim: int | None = 8192  # the decoders' hidden layer (Moondream 2); None: one Linear (Moondream 3)
     group_size: int | None = None
+    ln: bool = False  # a LayerNorm before the decoders (later Moondream 3 checkpoints' model.region.ln)
 
 
 def _real_templates() -> dict[str, dict[str, list[int]]]:
@@ -102,6 +128,11 @@ class MoondreamConfig:
     vision: VisionConfig = field(default_factory=VisionConfig)
     region: RegionConfig = field(default_factory=RegionConfig)
     tokenizer: TokenizerConfig = field(default_factory=TokenizerConfig)
+    generation: int = 2  # 2: Moondream 2; 3: Moondream 3 (preview)
+
+    @property
+    def rope_theta(self) -> float:
+        return ROPE_THETA_3 if self.generation == 3 else ROPE_THETA
 
     @property
     def image_tokens(self) -> int:
@@ -114,8 +145,11 @@ class MoondreamConfig:
         return 1 + self.image_tokens
 
     @classmethod
-    def from_dict(cls, entry: dict[str, Any] | None) -> MoondreamConfig:
-        """From the `config` entry of config.json; None or {} is the real model."""
+    def from_dict(
+        cls, entry: dict[str, Any] | None, generation: int = 2, region_ln: bool = False
+    ) -> MoondreamConfig:
+        """From the `config` entry of config.json; None or {} is the real model of `generation`.
+        `region_ln`: the checkpoint has the region LayerNorm (a tensor, never a config key)."""
         entry = dict(entry or {})
         parts = {
             "text": TextConfig,
@@ -128,8 +162,12 @@ class MoondreamConfig:
             raise ModelLoadError(
                 f"config.json's 'config' entry has unknown sections {unknown}; known: {sorted(parts)}"
             )
-        built = {name: _build(kind, entry.get(name) or {}, name) for name, kind in parts.items()}
-        config = cls(**built)
+        values = {name: dict(entry.get(name) or {}) for name in parts}
+        if generation == 3:
+            values = _moondream3_defaults(values)
+        values["region"]["ln"] = region_ln
+        built = {name: _build(kind, values[name], name) for name, kind in parts.items()}
+        config = cls(**built, generation=generation)
         config.check()
         return config
 
@@ -150,10 +188,41 @@ class MoondreamConfig:
                 f"vision crop {v.crop_size} / patch {v.enc_patch_size}: the reference's crops are fixed at "
                 f"{CROP_SIZE} / {PATCH_SIZE}; a checkpoint with others is not Moondream 2"
             )
+        self._check_generation()
         if self.text.group_size is not None or self.region.group_size is not None:
             raise ModelLoadError(
                 "int4 quantized Moondream checkpoints (group_size set) are not supported; use the bf16 one"
             )
+
+
+    def _check_generation(self) -> None:
+        t = self.text
+        if self.generation == 2:
+            if t.moe is not None or t.tau_gelu != "exact":
+                raise ModelLoadError(
+                    "config.json's text entry has Moondream 3 keys (moe / tau_gelu) but the weights are "
+                    "Moondream 2's (no tau, no router tensors)"
+                )
+            return
+        if t.moe is None or t.n_kv_heads != t.n_heads:
+            raise ModelLoadError(
+                f"Moondream 3 needs text.moe and n_kv_heads == n_heads (got moe={t.moe}, "
+                f"n_kv_heads {t.n_kv_heads}, n_heads {t.n_heads})"
+            )
+        if t.tau_gelu not in TAU_GELUS:
+            raise ModelLoadError(f"config.text.tau_gelu is {t.tau_gelu!r}; use one of {', '.join(TAU_GELUS)}")
+        if not 0 <= t.moe.start_layer <= t.n_layers or t.moe.experts_per_token > t.moe.num_experts:
+            raise ModelLoadError(f"config.text.moe {t.moe} does not fit {t.n_layers} text layers")
+        if self.region.inner_dim is not None:
+            raise ModelLoadError("Moondream 3's region decoders are one Linear each: config.region.inner_dim must be unset")
+
+
+def _moondream3_defaults(values: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """The preview's built-in defaults where Moondream 3 differs from Moondream 2, under the entry's own."""
+    text = {"max_context": 4096, **values["text"]}
+    text["moe"] = MoeConfig(**text["moe"]) if isinstance(text.get("moe"), dict) else text.get("moe") or MoeConfig()
+    region = {"inner_dim": None, **values["region"]}
+    return {**values, "text": text, "region": region}
 
 
 def _build(kind: type, values: dict[str, Any], section: str) -> Any:

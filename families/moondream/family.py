@@ -56,11 +56,12 @@ class RegionAnswer:
     max_objects: int
     vocab_size: int
     eos_id: int
+    gate_ids: tuple[int, ...] = ()  # Moondream 3: later gates choose among these tokens only
     is_automaton = True
     min_tokens = 1
 
     def matcher(self) -> RegionMatcher:
-        return RegionMatcher(self.with_size, self.max_objects, self.vocab_size, self.eos_id)
+        return RegionMatcher(self.with_size, self.max_objects, self.vocab_size, self.eos_id, self.gate_ids)
 
 
 def parse_regions(text: str, with_size: bool, clip: bool = True) -> list[dict[str, float]]:
@@ -187,6 +188,10 @@ class MoondreamFamily(Family):
         loaded, config = load_folder(
             folder, options.device, options.dtype, str(folder), options.image_cache_bytes, options.revision
         )
+        if config.generation == 3:
+            from foveal.families.moondream.family3 import Moondream3Family  # it builds on this module
+
+            return Moondream3Family(loaded, config, folder)
         return cls(loaded, config, folder)
 
     def compile(self, spec: Any) -> AnswerAutomaton | None:
@@ -283,13 +288,17 @@ class MoondreamFamily(Family):
     def point(self, phrase: str, max_objects: int) -> Task:
         return self._region_task("point", phrase, max_objects, with_size=False)
 
+    def _gate_ids(self) -> tuple[int, ...]:
+        """The tokens a region answer's later gates choose among; () for the whole vocabulary (Moondream 2)."""
+        return ()
+
     def _region_task(self, skill: str, phrase: str, max_objects: int, with_size: bool) -> Task:
         template = self._template(skill)
         prompt = MoondreamPrompt(
             tuple(template["prefix"]), " " + self.plain("object", phrase), tuple(template["suffix"])
         )
         vocab, eos = self.config.text.vocab_size, self.ids.eos_id
-        spec = RegionAnswer(with_size, max_objects, vocab, eos)
+        spec = RegionAnswer(with_size, max_objects, vocab, eos, self._gate_ids())
         return Task(
             skill, prompt, spec, lambda text: parse_regions(text, with_size), keep_special=True,
             score=lambda decoded: region_scores(decoded, with_size, vocab, eos),  # the heads' distributions

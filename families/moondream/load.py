@@ -1,9 +1,13 @@
-"""Loading a Moondream 2 folder (`config.json` with model_type `moondream1` / architecture `HfMoondream`).
+"""Loading a Moondream 2 or 3 folder (`config.json` with model_type `moondream1` / architecture `HfMoondream`).
 
 Nothing from the folder is executed: the architecture is foveal's own (this package), dims come
-from config.json's `config` entry (empty in the real repository: the real defaults), weights from
-`model.safetensors` by the real tensor names, the tokenizer per tokenizer.py. Checks run before
-the weights are read.
+from config.json's `config` entry (empty in the real repository: the real defaults of the
+generation), weights from `model.safetensors` (or its shards) by the real tensor names, the
+tokenizer per tokenizer.py. The generation is read from the tensor names (weights.generation:
+Moondream 3's tau and router tensors), since both generations' config.json say `moondream1`; the
+region LayerNorm of later Moondream 3 checkpoints likewise (`model.region.ln`). Checks run before
+the weights are read. Moondream 2 folders also pass revisions.py's check; Moondream 3 (preview)
+has one implemented revision, so a folder's own refs are not read for it.
 """
 
 from __future__ import annotations
@@ -12,6 +16,7 @@ import json
 from pathlib import Path
 
 import torch
+from safetensors import SafetensorError
 
 from foveal.engine.models.arch import Architecture, ModelLoadError
 from foveal.engine.models.loader import LoadedModel
@@ -21,7 +26,7 @@ from .config import MoondreamConfig
 from .processor import MoondreamProcessor
 from .runner import MoondreamRunner
 from .tokenizer import load_tokenizer
-from .weights import load_weights
+from .weights import REGION_LN, generation, load_weights, stored_names
 
 # The runner's description: a vision model whose processor is MoondreamProcessor (processor.py).
 MOONDREAM = Architecture("moondream", ("HfMoondream",), processor_class="MoondreamProcessor")
@@ -29,6 +34,15 @@ MOONDREAM = Architecture("moondream", ("HfMoondream",), processor_class="Moondre
 
 def is_moondream(raw: dict) -> bool:
     return raw.get("model_type") == "moondream1" or "HfMoondream" in (raw.get("architectures") or [])
+
+
+def _readable_names(path: Path) -> list[str]:
+    """The checkpoint's tensor names, or [] when its files cannot be read: the generation is then
+    Moondream 2's, whose revision check runs first and whose weight loading names the problem."""
+    try:
+        return stored_names(path)
+    except (ModelLoadError, OSError, SafetensorError):
+        return []
 
 
 def load_folder(
@@ -40,15 +54,14 @@ def load_folder(
     revision: str | None = None,
 ) -> tuple[LoadedModel, MoondreamConfig]:
     raw = json.loads((path / "config.json").read_text())
-    # before anything else: never the wrong revision's rules, nor another revision than the pinned one
-    revisions.check(path, raw.get("config"), pinned=revision)
-    config = MoondreamConfig.from_dict(raw.get("config"))
-    weights_file = path / "model.safetensors"
-    if not weights_file.is_file():
-        shards = sorted(p.name for p in path.glob("*.safetensors"))
-        raise ModelLoadError(f"{path} has no model.safetensors (found {shards}); Moondream 2 ships one file")
+    names = _readable_names(path)
+    kind = generation(names)
+    if kind == 2:
+        # before anything else: never the wrong revision's rules, nor another revision than the pinned one
+        revisions.check(path, raw.get("config"), pinned=revision)
+    config = MoondreamConfig.from_dict(raw.get("config"), kind, region_ln=REGION_LN in names)
     tokenizer = load_tokenizer(path, config.text.vocab_size, config.tokenizer.eos_id)
-    weights = load_weights(weights_file, config, device, dtype)
+    weights = load_weights(path, config, device, dtype)
     runner = MoondreamRunner(weights, MOONDREAM, image_cache_bytes)
     processor = MoondreamProcessor(config, tokenizer, device, dtype)
     return LoadedModel(runner, tokenizer, processor, (config.tokenizer.eos_id,), source), config

@@ -2,7 +2,9 @@
 
 A detect / point answer is not text. After the prompt, the decoder's hidden state (before the final
 LayerNorm) is read by `coord_decoder` (1024 bins, value = bin / 1024) and `size_decoder` (2 x 1024
-log-scale bins, size = 2^(bin / 1023 * 10 - 10)); the value chosen is fed back to the decoder as
+log-scale bins, size = 2^(bin / 1023 * 10 - 10)); Moondream 2's decoders are MLPs, Moondream 3's one
+Linear each, and later Moondream 3 checkpoints put a LayerNorm `ln` before both (`coord_logits`,
+`size_logits` apply whichever the checkpoint has); the value chosen is fed back to the decoder as
 `coord_encoder(fourier(x))` or `size_encoder(fourier([w, h]))` in place of a token embedding.
 fourier(v) = [cos(2 pi v F), sin(2 pi v F)] with F the learned `coord_features` [1, n] or
 `size_features` [2, n].
@@ -20,7 +22,7 @@ import math
 import torch
 from torch import nn
 
-from .config import RegionConfig
+from .config import LN_EPS, RegionConfig
 from .layers import MLP
 
 COORD_BINS = 1024
@@ -67,10 +69,22 @@ class RegionHeads(nn.Module):
         super().__init__()
         self.coord_features = nn.Parameter(torch.empty(1, cfg.coord_feat_dim // 2, **factory))
         self.coord_encoder = nn.Linear(cfg.coord_feat_dim, cfg.dim, **factory)
-        self.coord_decoder = MLP(cfg.dim, cfg.inner_dim, cfg.coord_out_dim, **factory)
+        self.coord_decoder = _decoder(cfg, cfg.coord_out_dim, **factory)
         self.size_features = nn.Parameter(torch.empty(2, cfg.size_feat_dim // 2, **factory))
         self.size_encoder = nn.Linear(cfg.size_feat_dim, cfg.dim, **factory)
-        self.size_decoder = MLP(cfg.dim, cfg.inner_dim, cfg.size_out_dim, **factory)
+        self.size_decoder = _decoder(cfg, cfg.size_out_dim, **factory)
+        self.ln = nn.LayerNorm(cfg.dim, eps=LN_EPS, **factory) if cfg.ln else None
+
+    def _decoder_input(self, hidden: torch.Tensor) -> torch.Tensor:
+        return hidden if self.ln is None else self.ln(hidden)
+
+    def coord_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """[N, dim] hidden states (before post_ln) -> [N, 1024] coordinate bin logits."""
+        return self.coord_decoder(self._decoder_input(hidden))
+
+    def size_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """[N, dim] -> [N, 2, 1024] log-size bin logits (row 0 width, row 1 height)."""
+        return self.size_decoder(self._decoder_input(hidden)).view(hidden.shape[0], 2, -1)
 
     def encode_coord(self, coord: torch.Tensor) -> torch.Tensor:
         """[N] coordinates (in the model dtype, as the reference casts them) -> [N, dim]."""
@@ -94,3 +108,10 @@ class RegionHeads(nn.Module):
         size = size_from_bins(wh).to(dtype)
         coords, sizes = self.encode_coord(coord), self.encode_size(size)
         return torch.where(is_coord[:, None], coords, sizes), is_value
+
+
+def _decoder(cfg: RegionConfig, out: int, **factory) -> nn.Module:
+    """Moondream 2's MLP decoder, or Moondream 3's single Linear (inner_dim None)."""
+    if cfg.inner_dim is None:
+        return nn.Linear(cfg.dim, out, **factory)
+    return MLP(cfg.dim, cfg.inner_dim, out, **factory)

@@ -69,7 +69,7 @@ class MoondreamRunner:
         self.dtype = self.text.wte.dtype
         self.num_layers, self.kv_heads = text.n_layers, text.n_kv_heads
         self.eos_id = self.config.tokenizer.eos_id
-        self.cos, self.sin = (t.to(self.device) for t in rotary_table(text.max_context))
+        self.cos, self.sin = (t.to(self.device) for t in rotary_table(text.max_context, self.config.rope_theta))
         self.coord_token = self.config.tokenizer.coord_id
         self._head_logits: tuple | None = None  # sample_regions' (rows, coord, size logits), for region_logprobs
         self.image_cache = ImageFeatureCache(image_cache_bytes)
@@ -132,8 +132,8 @@ class MoondreamRunner:
         h = hidden.index_select(0, rows).to(self.dtype)
         kind = kinds.index_select(0, rows)
         token = sampled.index_select(0, rows)
-        coord_logits = self.region.coord_decoder(h)
-        size_logits = self.region.size_decoder(h).view(h.shape[0], 2, -1)
+        coord_logits = self.region.coord_logits(h)
+        size_logits = self.region.size_logits(h)
         # region_logprobs, called next in the same sample job for these rows, reads the same logits
         self._head_logits = (rows, coord_logits, size_logits)
         coord = region.coord_id(self.vocab_size, coord_logits.argmax(dim=-1))

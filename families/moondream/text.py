@@ -33,10 +33,10 @@ from .layers import MLP, QKV
 from .lora import Stacks, delta
 
 
-def rotary_table(max_positions: int) -> tuple[torch.Tensor, torch.Tensor]:
+def rotary_table(max_positions: int, theta: float = ROPE_THETA) -> tuple[torch.Tensor, torch.Tensor]:
     """cos, sin [max_positions, 16] in float32, built as the reference does (complex exp of t * freq)."""
     freqs = 1.0 / (
-        ROPE_THETA ** (torch.arange(0, ROTARY_DIM, 2, dtype=torch.float32)[: ROTARY_DIM // 2] / ROTARY_DIM)
+        theta ** (torch.arange(0, ROTARY_DIM, 2, dtype=torch.float32)[: ROTARY_DIM // 2] / ROTARY_DIM)
     )
     angles = torch.arange(max_positions, dtype=torch.float32)[:, None] * freqs[None, :]
     rotation = torch.exp(1j * angles)

@@ -31,3 +31,12 @@ def md_tensors(md_dir: Path) -> dict:
 def tolerance(ref) -> float:
     """The fixture README's float tolerance: 1e-4 * max(1, max |ref|)."""
     return 1e-4 * max(1.0, float(ref.abs().max()))
+
+
+@pytest.fixture(scope="session")
+def md3_dir(shared_dir: Path) -> Path:
+    """The Moondream 3 (preview) tiny reference fixture (test_md3_*.py)."""
+    folder = shared_dir / "fixtures" / "moondream3-tiny"
+    if not folder.is_dir():
+        pytest.skip(f"the Moondream 3 fixture is absent: {folder}")
+    return folder

@@ -1,0 +1,112 @@
+"""Moondream 3's mixture of experts: routing, and the experts computed per batch without a loop per expert.
+
+PROBLEM
+    From `moe.start_layer` on, each token's MLP is a weighted sum of `experts_per_token` (k) of
+    `num_experts` (E) GeGLU experts: router logits = h W_r^T + b_r, the k experts of highest logit,
+    weights = softmax of those k logits (float32); expert e computes u = h W1_e^T, a = u[:inner],
+    g = u[inner:], y_e = (gelu_exact(a) * (g + 1)) W2_e^T (no biases). A Python loop over experts
+    launches E small matmuls per layer and, on CPU, retakes the GIL between them; a traced decode
+    graph cannot hold a loop whose trip count depends on the routing.
+SOLUTION
+    Three ways to compute the same sum, chosen by the launch's shape (never by the routing, so a
+    traced decode graph replays whatever the routing):
+    `gathered`  few rows (T * k <= E, a small decode batch): each (token, expert) pair gathers its
+                expert's weights (index_select) and one bmm computes all pairs; reads only the
+                experts used.
+    `dense`     a decode batch with more pairs than experts: every expert over every row in two
+                batched matmuls, combined by the [T, E] routing weights (zero where not routed);
+                static shapes, each expert's weights read once.
+    `grouped`   prefill (eager, many rows): the pairs sorted by expert and packed into an
+                [E, capacity, dim] block (capacity = the busiest expert's count, one host read),
+                two bmm, then each pair's output added back to its token (index_add).
+    `looped` is the per-expert loop, kept as the oracle of tests and benchmarks.
+INVARIANTS
+    - All strategies give the same output up to float summation order (tests/models/moondream/test_md3_moe.py).
+    - The expert stacks are the checkpoint's: fc1 [E, 2 * inner, dim], fc2 [E, dim, inner].
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .config import MoeConfig
+
+
+class ExpertStack(nn.Module):
+    """One weight tensor [experts, out, in] under the checkpoint's name `<module>.weight`."""
+
+    def __init__(self, experts: int, out: int, inp: int, **factory) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(experts, out, inp, **factory))
+
+
+class MoE(nn.Module):
+    def __init__(self, dim: int, cfg: MoeConfig, **factory) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.router = nn.Linear(dim, cfg.num_experts, **factory)
+        self.fc1 = ExpertStack(cfg.num_experts, 2 * cfg.expert_inner_dim, dim, **factory)
+        self.fc2 = ExpertStack(cfg.num_experts, dim, cfg.expert_inner_dim, **factory)
+
+    def route(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """([T, k] expert ids, [T, k] weights in h's dtype): top-k by logit, softmax over the k in float32."""
+        top, experts = self.router(h).topk(self.cfg.experts_per_token, dim=-1)
+        return experts, top.float().softmax(dim=-1).to(h.dtype)
+
+    def forward(self, h: torch.Tensor, decode: bool) -> torch.Tensor:
+        """h [T, dim] -> [T, dim]. `decode`: a decode launch (possibly traced: static strategies only)."""
+        experts, weights = self.route(h)
+        if not decode:
+            return self.grouped(h, experts, weights)
+        if h.shape[0] * self.cfg.experts_per_token <= self.cfg.num_experts:
+            return self.gathered(h, experts, weights)
+        return self.dense(h, experts, weights)
+
+    def _geglu(self, u: torch.Tensor) -> torch.Tensor:
+        a, g = u.split(self.cfg.expert_inner_dim, dim=-1)
+        return F.gelu(a) * (g + 1)
+
+    def gathered(self, h: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        k = self.cfg.experts_per_token
+        flat = experts.reshape(-1)
+        rows = h.repeat_interleave(k, dim=0)[:, :, None]  # [T * k, dim, 1]
+        u = torch.bmm(self.fc1.weight.index_select(0, flat), rows)[..., 0]
+        y = torch.bmm(self.fc2.weight.index_select(0, flat), self._geglu(u)[:, :, None])[..., 0]
+        return (y.view(h.shape[0], k, -1) * weights[..., None]).sum(dim=1)
+
+    def dense(self, h: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        u = torch.matmul(h[None], self.fc1.weight.transpose(1, 2))  # [E, T, 2 * inner]
+        y = torch.matmul(self._geglu(u), self.fc2.weight.transpose(1, 2))  # [E, T, dim]
+        routing = torch.zeros(h.shape[0], self.cfg.num_experts, dtype=h.dtype, device=h.device)
+        routing = routing.scatter(1, experts, weights)  # [T, E], zero where not routed
+        return torch.einsum("te,etd->td", routing, y)
+
+    def grouped(self, h: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        k, num = self.cfg.experts_per_token, self.cfg.num_experts
+        flat = experts.reshape(-1)
+        order = flat.argsort(stable=True)
+        expert = flat.index_select(0, order)
+        token = order // k
+        counts = torch.bincount(flat, minlength=num)
+        capacity = int(counts.max())  # the one host read: the block's width
+        slot = torch.arange(flat.shape[0], device=h.device) - (counts.cumsum(0) - counts).index_select(0, expert)
+        block = h.new_zeros(num, capacity, h.shape[1])
+        block[expert, slot] = h.index_select(0, token)
+        u = torch.bmm(block, self.fc1.weight.transpose(1, 2))
+        y = torch.bmm(self._geglu(u), self.fc2.weight.transpose(1, 2))[expert, slot]  # [T * k, dim]
+        y = y * weights.reshape(-1).index_select(0, order)[:, None]
+        return torch.zeros_like(h).index_add_(0, token, y)
+
+    def looped(self, h: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """The per-expert loop (the oracle; not used by the runner)."""
+        out = torch.zeros_like(h)
+        for e in range(self.cfg.num_experts):
+            token, slot = (experts == e).nonzero(as_tuple=True)
+            if token.numel() == 0:
+                continue
+            u = h.index_select(0, token) @ self.fc1.weight[e].T
+            y = self._geglu(u) @ self.fc2.weight[e].T
+            out.index_add_(0, token, y * weights[token, slot][:, None])
+        return out
