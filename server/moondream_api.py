@@ -5,18 +5,28 @@
                                                                         -> {"answer": str} ({"reasoning", "answer"})
     POST /v1/detect  {image_url, object, settings?, model?}             -> {"objects": [{x_min, y_min, x_max, y_max}]}
     POST /v1/point   {image_url, object, settings?, spatial_refs?}      -> {"points": [{x, y}]}
+    POST /v1/segment {image_url, object, spatial_refs?, stream?, settings?}
+                                                                        -> {"path": SVG path, "bbox": {x_min, ...}}
     POST /v1/gaze    {image_url, eye: [x, y]}                           -> {"gaze": {x, y} | null}
-    POST /v1/segment (any body)                                          -> 400: segment is not supported
+
+Every answer also carries, as Moondream's API does, `"finish_reason"` ("stop", or "length" where
+max_tokens ended it) and `"metrics": {"input_tokens", "output_tokens", "prefill_time_ms",
+"decode_time_ms", "ttft_ms"}` (usage.py; the engine's counts and clock). The client 2.6.1 reads
+neither (it returns only the skill's keys); other clients read them from the body.
 
 `image_url` is a base64 data URL (images.py). With `stream: true`, caption and query answer
-Server-Sent Events: `data: {"chunk": "..."}` per text chunk, then `data: {"completed": true}` (the
-client stops reading there). Results are the SDK's result dicts, unchanged. `model` is accepted and
-ignored (one model is served). `reasoning`, `spatial_refs` and gaze go to the SDK's query /
-point / detect_gaze, which answer them on models that have them (Moondream 2) and refuse them, a
-400 naming the model's family and what it supports, on the others; a streamed grounded query
-streams its answer (the reasoning is made first). The official client (2.6.1) has no gaze call;
-`/v1/gaze` takes the SDK's `detect_gaze(image, eye=(x, y))`. `/v1/segment`, which the client calls,
-answers a 400 that says so rather than a 404.
+Server-Sent Events: `data: {"chunk": "..."}` per text chunk, then `data: {"completed": true, <key>:
+the whole text, "finish_reason", "metrics"}` (the client stops reading there; a grounded query's
+also carries its "reasoning"). A streamed segment sends `{"type": "bbox", "bbox"}` once the box is
+known, `{"type": "path_delta", "chunk", "completed": false}` per piece of the path, then
+`{"type": "final", "path", "bbox", "completed": true, "finish_reason", "metrics"}`: the client
+2.6.1 yields `{"bbox"}`, `{"chunk"}` and `{"path", "bbox", "completed"}` from them. Results are the
+SDK's result dicts, unchanged, plus those two keys. `model` is accepted and ignored (one model is
+served). `reasoning`, `spatial_refs`, segment and gaze go to the SDK's query / point / segment /
+detect_gaze, which answer them on models that have them and refuse them, a 400 naming the model's
+family and what it supports, on the others; a streamed grounded query streams its answer (the
+reasoning is made first). The official client (2.6.1) has no gaze call; `/v1/gaze` takes the SDK's
+`detect_gaze(image, eye=(x, y))`.
 
 Errors: a 4xx or 5xx status with errors.py's body, `{"error": {"message", "type", "param", "code"}}`,
 on these routes as on every other (the `moondream` client reads only the status and raises
@@ -35,12 +45,14 @@ from typing import Annotated, Any
 from fastapi import APIRouter, Request
 from pydantic import BaseModel, ConfigDict, Field, WithJsonSchema
 
+from foveal.results import Usage
 from foveal.server.bodies import JsonRoute
-from foveal.server.errors import ApiError, error_event
+from foveal.server.errors import error_event
 from foveal.server.images import decode_image
 from foveal.server.measure import check_fits
 from foveal.server.state import call, state_of, stream_call
 from foveal.server.streaming import events
+from foveal.server.usage import finish_reason, moondream_metrics
 from foveal.settings import MAX_OBJECTS_CEILING, MAX_TOKENS_CEILING, OBJECT_SKILLS, SEED_LIMIT
 from foveal.skills import CAPTION_LENGTHS
 
@@ -91,6 +103,7 @@ CaptionSettings = _settings("caption")
 QuerySettings = _settings("query")
 DetectSettings = _settings("detect")
 PointSettings = _settings("point")
+SegmentSettings = _settings("segment")
 GenerateSettings = _settings("generate")
 
 
@@ -152,6 +165,15 @@ class PointBody(_Body):
     spatial_refs: SpatialRefs = None
 
 
+class SegmentBody(_Body):
+    model_config = _examples({"image_url": EXAMPLE_IMAGE_URL, "object": "red square"})
+    image_url: ImageUrl
+    object: str
+    spatial_refs: SpatialRefs = None
+    stream: bool = False
+    settings: SegmentSettings = None
+
+
 class GazeBody(_Body):
     model_config = _examples({"image_url": EXAMPLE_IMAGE_URL, "eye": [0.3, 0.4]})
     image_url: ImageUrl
@@ -186,37 +208,87 @@ async def query(body: QueryBody, request: Request) -> Any:
 @router.post("/detect")
 async def detect(body: DetectBody, request: Request) -> Any:
     image = await decode_image(body.image_url)
-    return await call(request, lambda m: m.adetect(image, body.object, body.settings))
+    return _answered(await call(request, lambda m: m.adetect(image, body.object, body.settings)))
 
 
 @router.post("/point")
 async def point(body: PointBody, request: Request) -> Any:
     image = await decode_image(body.image_url)
-    return await call(request, lambda m: m.apoint(image, body.object, body.settings, spatial_refs=body.spatial_refs))
+    return _answered(
+        await call(request, lambda m: m.apoint(image, body.object, body.settings, spatial_refs=body.spatial_refs))
+    )
+
+
+@router.post("/segment")
+async def segment(body: SegmentBody, request: Request) -> Any:
+    image = await decode_image(body.image_url)
+
+    def start(model: Any, stream: bool) -> Any:
+        return model.asegment(image, body.object, body.spatial_refs, stream, body.settings)
+
+    if not body.stream:
+        return _answered(await call(request, lambda m: start(m, False)))
+    # submitted before the 200: a model without segment, or a request that cannot fit, is a 400
+    return await stream_call(
+        request, lambda m: start(m, True), lambda updates: events(updates, _segment_event(updates), [], error_event)
+    )
 
 
 @router.post("/gaze")
 async def gaze(body: GazeBody, request: Request) -> Any:
     image = await decode_image(body.image_url)
-    return await call(request, lambda m: m.adetect_gaze(image, eye=tuple(body.eye)))
+    return _answered(await call(request, lambda m: m.adetect_gaze(image, eye=tuple(body.eye))))
 
 
-@router.post("/segment")
-async def segment(request: Request) -> Any:
-    raise ApiError(400, "segment is not supported by this model; use detect or point for its location")
+def _answered(result: Any) -> dict[str, Any]:
+    """A result dict with Moondream's `finish_reason` and `metrics` after its own keys."""
+    return {**result, **_ending(result.usage)}
+
+
+def _ending(usage: Usage | None) -> dict[str, Any]:
+    """What Moondream's API says at the end of an answer: why it ended and its metrics."""
+    if usage is None:  # every answer the SDK completes has its usage; nothing to say without one
+        return {}
+    return {"finish_reason": finish_reason(usage), "metrics": moondream_metrics(usage)}
+
+
+def _segment_event(updates: Any) -> Any:
+    """A segment stream's update as the event the client 2.6.1 reads (its `type`); the final one with
+    the ending (the stream's usage is set before its last update)."""
+
+    def event(update: dict[str, Any]) -> dict[str, Any]:
+        if update.get("completed"):
+            return {"type": "final", **update, **_ending(updates.usage)}
+        if "bbox" in update:
+            return {"type": "bbox", "bbox": update["bbox"]}
+        return {"type": "path_delta", "chunk": update["chunk"], "completed": False}
+
+    return event
 
 
 async def _text(request: Request, key: str, stream: bool, start: Any) -> Any:
     """A caption or an answer (`start(model, stream)`): the result dict, or with `stream` its text
-    chunks as events; a streamed call holds its admission slot until the stream ends."""
+    chunks as events, the last one with the whole text and the ending; a streamed call holds its
+    admission slot until the stream ends."""
     if not stream:
-        return await call(request, lambda m: start(m, False))
+        return _answered(await call(request, lambda m: start(m, False)))
 
     async def begin(model: Any) -> Any:
-        return (await start(model, True))[key]  # submitted: refused at submit is a 400, no event
+        return await start(model, True)  # submitted: refused at submit is a 400, no event
 
-    return await stream_call(
-        request,
-        begin,
-        lambda chunks: events(chunks, lambda chunk: {"chunk": chunk}, [{"completed": True}], error_event),
-    )
+    def lines(result: Any) -> Any:
+        told: list[str] = []
+
+        def frame(chunk: str) -> dict[str, str]:
+            told.append(chunk)
+            return {"chunk": chunk}
+
+        def done() -> list[dict[str, Any]]:
+            final: dict[str, Any] = {"completed": True}
+            if "reasoning" in result:
+                final["reasoning"] = result["reasoning"]
+            return [{**final, key: "".join(told), **_ending(result[key].usage)}]
+
+        return events(result[key], frame, done, error_event)
+
+    return await stream_call(request, begin, lines)

@@ -125,18 +125,20 @@ class _Sent:
 
 
 async def events(
-    chunks: AsyncIterator[str],
-    frame: Callable[[str], Any],
-    done: list[Any],
+    chunks: AsyncIterator[Any],
+    frame: Callable[[Any], Any],
+    done: Sequence[Any] | Callable[[], Sequence[Any]],
     on_error: Callable[[BaseException], Any],
 ) -> AsyncIterator[str]:
-    """SSE lines: `frame(chunk)` per text chunk, then each of `done`; an error mid-stream becomes
-    one `on_error(exc)` event (the status line is already sent). Closing this closes `chunks`."""
+    """SSE lines: `frame(chunk)` per chunk (text, or a stream's update dicts), then each of `done`
+    (or of `done()`, made once the chunks ended: what only the end knows, such as the usage); an
+    error mid-stream becomes one `on_error(exc)` event (the status line is already sent). Closing
+    this closes `chunks`."""
     try:
         async for chunk in chunks:
             if chunk:
                 yield sse(frame(chunk))
-        for item in done:
+        for item in done() if callable(done) else done:
             yield sse(item)
     except Exception as error:  # after the 200 went out, an error can only be an event
         yield sse(on_error(error))

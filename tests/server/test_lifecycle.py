@@ -279,7 +279,8 @@ def test_calls_in_flight_finish_within_the_grace_and_new_ones_get_503(tiny_model
     assert not background.thread.is_alive()
     status, body = calls.results["generate"]
     assert status == 200 and len(body["text"]) == 8
-    assert json.loads(calls.results["caption"][-1]) == {"completed": True}
+    final = json.loads(calls.results["caption"][-1])  # the stream ended as usual, with its metrics
+    assert final["completed"] is True and final["finish_reason"] == "length" and final["metrics"]["output_tokens"] == 8
     assert all_pages_free(tiny_model)
 
 

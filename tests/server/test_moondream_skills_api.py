@@ -1,6 +1,6 @@
 """Moondream 2's remaining skills over the REST API, through the official `moondream` client unchanged:
 grounded reasoning and spatial refs on /v1/query, /v1/gaze, and the clear refusals (spatial refs on
-point, /v1/segment, reasoning on a model without it). Served over the reference fixture's folder."""
+point, /v1/segment on a model without segment, reasoning on a model without it). Served over the reference fixture's folder."""
 
 from __future__ import annotations
 
@@ -80,6 +80,7 @@ def test_spatial_refs_through_the_client(client, md_model, image):
 def test_gaze_route(md_server, md_model, image):
     got = _post(f"{md_server}/v1/gaze", {"image_url": data_url(Image.open(io.BytesIO(_jpeg(image)))), "eye": [0.3, 0.4]})
     want = md_model.detect_gaze(Image.open(io.BytesIO(_jpeg(image))), eye=(0.3, 0.4))
+    assert got.pop("finish_reason") == "stop" and set(got.pop("metrics")) >= {"input_tokens", "ttft_ms"}
     assert got == json.loads(json.dumps(want))
 
 
@@ -92,7 +93,7 @@ def _refused(call):
 
 def test_refusals_are_400s_that_say_why(client, md_server, server, image):
     assert "spatial_refs on point" in _refused(lambda: client.point(image, "tok1011", spatial_refs=[[0.5, 0.5]]))
-    assert "segment is not supported by this model" in _refused(lambda: client.segment(image, "tok1011"))
+    assert "moondream model does not support segment" in _refused(lambda: client.segment(image, "tok1011"))
     message = _refused(lambda: client.query(image, QUESTION, reasoning=True, spatial_refs=[[0.5, 0.5]]))
     assert "spatial_refs together with reasoning" in message
     shapes = moondream.vl(endpoint=f"{server}/v1")
