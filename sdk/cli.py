@@ -7,6 +7,7 @@
     foveal demo [IMAGE] [--object PHRASE] [--seed N] [--out foveal-demo.png]
     foveal batch INPUT --skill SKILL [--object X ...] --out RESULTS.jsonl [--resume] [--ray]   (foveal.batch)
     foveal serve [--model PATH] [--host 127.0.0.1] [--port 2020] [--api-key KEY] [--quiet]   (foveal.server)
+    foveal serve --replicas N [--ray-address ADDR] [--replica-cpus C] [--replica-gpus G]   (Ray Serve replicas)
 
 Every command takes `--model PATH` (default: the embedded model) and `--device`. Without `--json`
 the answer is printed for people (captions and answers stream as they are generated); with it, the
@@ -117,6 +118,49 @@ def _serve_command(commands: Any) -> None:
     )
     sub.add_argument(
         "--quiet", action="store_true", help="no request log, no progress bar or transformers warning on load"
+    )
+    _replica_arguments(sub.add_argument_group("replicas on Ray Serve (docs/serving.md#replicas)"))
+
+
+def _replica_arguments(group: Any) -> None:
+    """`foveal serve --replicas N` or --min-replicas/--max-replicas: the app as Ray Serve replicas
+    (foveal.server.replica_cli); without them, `foveal serve` is one process."""
+    group.add_argument(
+        "--replicas", type=int, default=None, metavar="N", help="N replicas behind one endpoint"
+    )
+    group.add_argument(
+        "--min-replicas", type=int, default=None, metavar="N", help="autoscaling: fewest replicas"
+    )
+    group.add_argument(
+        "--max-replicas", type=int, default=None, metavar="N", help="autoscaling: most replicas"
+    )
+    group.add_argument(
+        "--target-ongoing",
+        type=float,
+        default=16.0,
+        metavar="N",
+        help="autoscaling: requests in flight per replica to scale at (default: %(default)s)",
+    )
+    group.add_argument(
+        "--ray-address",
+        default=None,
+        metavar="ADDR",
+        help="an existing Ray cluster (default: $RAY_ADDRESS, else local)",
+    )
+    group.add_argument(
+        "--replica-cpus", type=float, default=1.0, help="CPUs per replica (default: %(default)s)"
+    )
+    group.add_argument(
+        "--replica-gpus",
+        type=float,
+        default=None,
+        help="GPUs per replica (default: 1 on a cluster with GPUs, else 0)",
+    )
+    group.add_argument(
+        "--routing",
+        choices=("affinity", "default"),
+        default="affinity",
+        help="affinity: the same image to the same replica; default: Ray Serve's (default: %(default)s)",
     )
 
 
@@ -308,6 +352,11 @@ def run_serve(args: argparse.Namespace) -> int:
         check_serve_args(args)
     except ValueError as error:  # ModelLoadError is a ValueError
         return fail(error, 2)
+
+    if any(getattr(args, f) is not None for f in ("replicas", "min_replicas", "max_replicas")):
+        from foveal.server.replica_cli import run_replicas
+
+        return run_replicas(args)
 
     def loader() -> foveal.Model:
         return foveal.load(args.model, device=args.device, max_batch_size=args.max_batch_size)

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import sys
 import threading
 import time
@@ -34,6 +35,8 @@ from foveal.server.run import bind
 APP = "foveal"
 POLL_S = 0.1
 CUT_S = 10.0
+REACH_S = 5.0
+READY_S = 60.0
 INSTALL = "pip install -c constraints.txt -e '.[ray]' in foveal's clone (or pip install 'ray[serve]')"
 
 
@@ -61,12 +64,10 @@ def serve_replicas(args: Any, host: str, port: int, ray_address: str | None, qui
         return 2
     port = listener.getsockname()[1]
     listener.close()
-    stop = _Signals()
-    with stop.installed():
-        return _run(args, host, port, ray_address, quiet, stop)
+    return _run(args, host, port, ray_address, quiet)
 
 
-def _run(args: Any, host: str, port: int, ray_address: str | None, quiet: bool, stop: _Signals) -> int:
+def _run(args: Any, host: str, port: int, ray_address: str | None, quiet: bool) -> int:
     import ray
     from ray import serve
 
@@ -74,36 +75,51 @@ def _run(args: Any, host: str, port: int, ray_address: str | None, quiet: bool, 
     started_ray = address is None and not ray.is_initialized()
     try:
         _connect(ray, address, quiet)
-    except ConnectionError as error:
-        print(f"foveal: error: {error}", file=sys.stderr)
-        return 2
-    started_serve = False
-    try:
         args = _with_resources(ray, args)
         if started_ray:
             _check_fits(ray, args)
-        started_serve = not _serve_running(ray)
+    except (ConnectionError, ValueError, _Stop) as error:
+        if started_ray and ray.is_initialized():
+            ray.shutdown()
+        if isinstance(error, _Stop):
+            return 0
+        print(f"foveal: error: {error}", file=sys.stderr)
+        return 2
+    stop = _Signals()
+    with stop.installed():  # after ray.init, which puts its own SIGTERM handler in place
+        return _serve(ray, serve, args, host, port, address, stop, started_ray)
+
+
+def _serve(
+    ray: Any,
+    serve: Any,
+    args: Any,
+    host: str,
+    port: int,
+    address: str | None,
+    stop: _Signals,
+    started_ray: bool,
+) -> int:
+    """Steps 3 to 6."""
+    started_serve = not _serve_running(ray)
+    try:
         serve.start(http_options={"host": host, "port": port})
-        url = _url(serve, host, port)
+        url = _url(host, port)
+        where = address or "a local instance"
         print(
-            f"foveal: loading {_fleet(args)} on Ray ({address or 'a local instance'}); "
-            f"{url}/health answers once one is ready",
+            f"foveal: loading {_fleet(args)} on Ray ({where}); {url}/health answers once one is ready",
             flush=True,
         )
-        if not _deploy(serve, args):
+        if not _deploy(serve, args) or not wait_ready(serve, APP, READY_S):
             return 1
         print(
-            f"foveal: serving on {url} ({_fleet(args)}, playground {url}/, Moondream and OpenAI APIs "
-            f"at {url}/v1)",
+            f"foveal: serving on {url} ({_fleet(args)}, playground {url}/, Moondream and OpenAI APIs at {url}/v1)",
             flush=True,
         )
         stop.serving = True
         stop.wait()
         _drain(serve, args.shutdown_grace, stop)
         return 0
-    except ValueError as error:
-        print(f"foveal: error: {error}", file=sys.stderr)
-        return 2
     except _Stop:
         return 0
     finally:
@@ -114,6 +130,8 @@ def _run(args: Any, host: str, port: int, ray_address: str | None, quiet: bool, 
 def _connect(ray: Any, address: str | None, quiet: bool) -> None:
     if ray.is_initialized():
         return
+    if address is not None:
+        _check_reachable(address)
     try:
         ray.init(
             address=address, log_to_driver=not quiet, include_dashboard=False, configure_logging=not quiet
@@ -124,6 +142,22 @@ def _connect(ray: Any, address: str | None, quiet: bool) -> None:
             f"cannot reach {where}: {' '.join(str(error).split())[:300]}; check --ray-address "
             "(host:port of the head node's GCS, e.g. 10.0.0.1:6379, or ray://host:10001), or leave it "
             "out to start a local instance"
+        ) from None
+
+
+def _check_reachable(address: str) -> None:
+    """A host:port that refuses connections fails at once (ray.init would retry it for minutes)."""
+    where = address.removeprefix("ray://")
+    host, sep, port = where.rpartition(":")
+    if address == "auto" or not sep or not port.isdigit():
+        return  # "auto", or a form ray.init itself explains
+    try:
+        socket.create_connection((host.strip("[]"), int(port)), timeout=REACH_S).close()
+    except OSError as error:
+        raise ConnectionError(
+            f"cannot reach the Ray cluster at {address}: {error.strerror or error}; check --ray-address "
+            "(the head node's host:port, e.g. 10.0.0.1:6379, or ray://host:10001), or leave it out to "
+            "start a local instance"
         ) from None
 
 
@@ -160,7 +194,7 @@ def _serve_running(ray: Any) -> bool:
     return True
 
 
-def _url(serve: Any, host: str, port: int) -> str:
+def _url(host: str, port: int) -> str:
     """The proxy's URL (Serve already running on a cluster keeps the host and port it has)."""
     from ray.serve.context import _get_global_client
 
@@ -190,6 +224,19 @@ def _deploy(serve: Any, args: Any) -> bool:
         )
         return False
     return True
+
+
+def wait_ready(serve: Any, app: str, seconds: float) -> bool:
+    """Whether a replica answered "ok" through the ingress within `seconds` (the deployment is up,
+    but the ingress's router may not have learnt of the replicas yet)."""
+    ingress = serve.get_app_handle(app)
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        if ingress.ready.remote().result() > 0:
+            return True
+        time.sleep(POLL_S)
+    print(f"foveal: error: no replica answered /health within {seconds:g} s", file=sys.stderr, flush=True)
+    return False
 
 
 def _first_line(error: BaseException) -> str:

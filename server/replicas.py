@@ -238,6 +238,11 @@ class FovealIngress:
     def in_flight(self) -> int:
         return self.calls
 
+    async def ready(self) -> int:
+        """Replicas whose /health says "ok" through this ingress's router (replica_run.py waits for
+        one before it says it serves: the router learns the replicas from the controller first)."""
+        return sum(r.get("health") == "ok" for r in await self._fleet())
+
     # ---- forwarding ---------------------------------------------------------------------------
     async def forward(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
