@@ -184,7 +184,7 @@ class MoondreamFamily(Family):
     def load(cls, folder: Path, raw: dict, options: LoadOptions) -> MoondreamFamily:
         for name, value in (("quantize", options.quantize), ("image_options", options.image_options)):
             if value:
-                raise ModelLoadError(f"{name} is not supported for Moondream 2 (its own implementation); leave it unset")
+                raise ModelLoadError(f"{name} is not supported for Moondream 2 or 3 (its own implementation); leave it unset")
         loaded, config = load_folder(
             folder, options.device, options.dtype, str(folder), options.image_cache_bytes, options.revision
         )

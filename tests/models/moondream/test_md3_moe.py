@@ -47,6 +47,7 @@ def test_forward_picks_by_shape(moe):
 
 
 @pytest.mark.filterwarnings("ignore::torch.jit.TracerWarning")  # the rows are fixed by the trace: intended
+@pytest.mark.filterwarnings("ignore:.*torch.jit.trace. is deprecated:DeprecationWarning")
 @pytest.mark.parametrize("rows", [2, 8])
 def test_decode_strategies_trace(moe, rows):
     """A traced decode step replays any routing (no shape depends on it)."""
