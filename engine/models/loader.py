@@ -434,7 +434,7 @@ def assemble(
     hf_processor: Any,
     source: str,
     options: LoadOptions,
-    runner_class: type[HFRunner] = HFRunner,
+    runner_class: Callable[..., HFRunner] = HFRunner,
     processor: Callable[[HFRunner], Any] | None = None,
 ) -> LoadedModel:
     """The runner (`runner_class`), the input processor (`processor(runner)`, default InputProcessor)
