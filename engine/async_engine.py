@@ -48,7 +48,11 @@ class AsyncEngine:
         """Text deltas of a submitted request until it finishes (then `handle.result()` is ready)."""
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue[str | None] = asyncio.Queue()
-        for delta in handle._subscribe(lambda d: loop.call_soon_threadsafe(queue.put_nowait, d)):
-            queue.put_nowait(delta)
+
+        def listen(d: str | None) -> None:
+            loop.call_soon_threadsafe(queue.put_nowait, d)
+
+        for text in handle._subscribe(listen):
+            queue.put_nowait(text)
         while (delta := await queue.get()) is not None:
             yield delta

@@ -71,6 +71,7 @@ class Detokenizer:
         """Append one token; sets `stopped` if the text now contains a stop string."""
         self._ids.append(token_id)
         if self._stream is not None:
+            assert self._native is not None  # the stream is made with it
             new = self._stream.step(self._native, token_id)
         elif self._tokenizer is not None:
             new = self._window_step()

@@ -21,11 +21,12 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import cast
 
 import torch
 
 from . import sampler
-from .regions import RegionHeads
+from .regions import RegionHeads, RegionLogprobs
 from .runner import ForwardBatch, ModelRunner
 from .sampler import SamplingBatch
 from .slot import DecodeSlot
@@ -132,13 +133,15 @@ def sample(
         mask_rows=dev.mask_rows[:masked] if masked else None,
         top_logprobs=shape.top_logprobs,
     )
+    assert slot.logits is not None  # the forward job left them
     sampler.sample(slot.logits, batch, slot.sampled, slot.logprobs)
     if shape.num_region:  # region rows: their ids become value ids, on the device (regions.py)
+        assert heads is not None and slot.hidden is not None  # only a region runner has region rows
         slot.upload(REGION_INPUTS, (rows, shape.num_region))
         region_rows = dev.region_rows[: shape.num_region]
         heads.sample_regions(slot.hidden, dev.kinds[:rows], region_rows, slot.sampled)
         if region_logprobs and shape.top_logprobs >= 0:
-            heads.region_logprobs(
+            cast(RegionLogprobs, heads).region_logprobs(  # region_logprobs: the runner conforms
                 slot.hidden, dev.kinds[:rows], region_rows, slot.sampled, slot.logprobs, shape.top_logprobs
             )
     slot.logits = slot.hidden = None

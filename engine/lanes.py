@@ -21,6 +21,8 @@ INVARIANTS
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import numpy as np
 
 from .request import SamplingParams
@@ -48,7 +50,12 @@ class Lanes:
         return len(self._free)
 
     def take(
-        self, prompt_len: int, pages: list[int], sampling: SamplingParams, seed: int, sliding: list[int] = ()
+        self,
+        prompt_len: int,
+        pages: list[int],
+        sampling: SamplingParams,
+        seed: int,
+        sliding: Sequence[int] = (),
     ) -> int:
         """A lane for a sequence being admitted, with its fixed state written into it (and its
         sliding pages so far: those the prefix cache held)."""

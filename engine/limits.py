@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -31,7 +31,7 @@ from .config import EngineConfig
 from .kv_cache import DEFAULT_PAGE_SIZE, pages_needed
 from .pipeline import DECODE_SPAN
 from .request import Request
-from .runner import ModelRunner, sliding_window
+from .runner import ModelRunner, SlidingWindow, sliding_window
 from .sliding import hold_pages
 
 DEFAULT_MAX_MODEL_LEN = 4096  # tokens per sequence unless the model allows fewer or the caller asks
@@ -133,7 +133,8 @@ def _pages_from_budget(
     pages = min(most, pages_for_budget(runner, budget, page_size))
     sliding = None
     if holds is not None:
-        sliding_page = runner.sliding_kv_bytes_per_token() * page_size
+        # holds: the runner has a sliding window
+        sliding_page = cast(SlidingWindow, runner).sliding_kv_bytes_per_token() * page_size
         full_page = runner.kv_bytes_per_token() * page_size - sliding_page
         sliding = config.sliding_pages
         if sliding is None:
@@ -176,6 +177,9 @@ def check_request(
     the runner's sliding window, runner.SlidingWindow)."""
     prompt_len, max_tokens = len(request.prompt_ids), request.sampling.max_tokens
     context = config.max_model_len
+    # the engine's config, resolved (`resolve`): every size is set
+    assert context is not None and config.max_step_tokens is not None and config.num_pages is not None
+    assert config.prefill_chunk is not None
     if prompt_len == 0:
         raise ValueError("prompt_ids is empty; give at least one token (e.g. the BOS id)")
     if prompt_len >= context:

@@ -223,6 +223,7 @@ class Pipeline:
         self.sliding = None
         if window is not None:
             chunk = prefill_chunk or max_step_tokens
+            assert sliding_pages is not None and self.lanes.sliding_table is not None  # with the window
             self.sliding = SlidingPages(sliding_pages, page_size, window, chunk, DECODE_SPAN, self.lanes.sliding_table)
         self.scheduler = Scheduler(self.pool, self.lanes, max_batch, max_step_tokens, prefill_chunk, self.sliding)
         self.sequences = Sequences(self.scheduler, self.stats)
@@ -237,7 +238,8 @@ class Pipeline:
         self.heads: regions.RegionHeads | None = runner if conforms(runner, regions.RegionHeads) else None
         self.region_logprobs = self.heads is not None and conforms(runner, regions.RegionLogprobs)
         if self.sliding is not None:
-            runner.allocate_kv(num_pages, page_size, sliding_pages=sliding_pages)
+            # a SlidingWindow runner's allocate_kv takes sliding_pages (runner.SlidingWindow)
+            runner.allocate_kv(num_pages, page_size, sliding_pages=sliding_pages)  # type: ignore[call-arg]
         else:
             runner.allocate_kv(num_pages, page_size)
 
@@ -268,6 +270,7 @@ class Pipeline:
         if self.speculative:
             self._plan_drafts(step)
         prefill_rows = stage(step, self.lanes, self.page_size, self._row_numbers, self.sliding)
+        assert step.extra is not None  # by stage()
         for row, (seq, extra) in enumerate(zip(rows, step.extra.tolist(), strict=True)):
             # a partial chunk samples nothing; a verify row counts every draft until its commit says
             seq.num_scheduled += 0 if row in step.partial else 1 + extra
@@ -339,6 +342,7 @@ class Pipeline:
             if seq.matcher is not None:
                 # no logit row where the grammar forces a run: decoding would jump over it (JUMPS)
                 stop = partial(_would_jump, seq) if self.jump_forward and seq.forced_tokens is not None else None
+                assert seq.rollback is not None  # can_draft: its matcher rolls back
                 kept = max(drafts.probe(seq.matcher.commit, seq.rollback, proposal, stop, guessed), guessed)
                 stats.cut += len(proposal) - kept
                 proposal = proposal[:kept]
@@ -372,7 +376,8 @@ class Pipeline:
         logprobs = self._read_logprobs(step, samples)
         slot.state, slot.step, slot.event = SlotState.FREE, None, None
         committed = []
-        starts = step.logit_start.tolist() if step.drafts else None
+        assert step.logit_start is not None  # by stage()
+        starts: list[int] | None = step.logit_start.tolist() if step.drafts else None
         for row, seq in enumerate(step.rows):
             seq.inflight_refs -= 1
             last = starts[row + 1] - 1 if starts is not None else row  # the row's last logit row
@@ -380,10 +385,12 @@ class Pipeline:
             if row in step.partial and not seq.finalized:  # a prompt chunk that is not its last: no token
                 continue
             if not seq.finalized and row in step.drafts and row not in step.pinned:
+                assert starts is not None  # a step with drafts
                 first = starts[row]
                 self._commit_verified(seq, step.drafts[row], samples[first : last + 1], logprobs, first)
             elif not seq.finalized:
                 if row in step.drafts:  # a verify row finalize pinned (_pin_forced): its drafts are void
+                    assert starts is not None  # a step with drafts
                     last = starts[row]
                     token = samples[last]
                     seq.verifying = False
@@ -424,6 +431,7 @@ class Pipeline:
             accepted += 1
         seq.verifying = False
         if guesses:  # none left: finalize cut them all (JUMPS), which is no verdict on the lookup
+            assert seq.drafter is not None  # it drafted them
             seq.drafter.verdict(accepted)
             self.draft_stats.rejected += not accepted
         self.draft_stats.accepted += accepted
@@ -442,6 +450,7 @@ class Pipeline:
             return None
         chosen, top_ids, top_values = step.slot.read_logprobs(step.num_logits, step.top_logprobs)
         kinds = step.slot.np.kinds if self.heads is not None else None
+        assert step.row_of_logit is not None  # by stage()
         out: list[TokenLogprob | None] = []
         for row, row_of in enumerate(step.row_of_logit.tolist()):  # rows: logit rows
             seq = step.rows[row_of]
@@ -479,6 +488,7 @@ class Pipeline:
         if self.jump_forward and num_first:
             self._pin_forced(step, num_first)
         lane = step.lane_of_row  # sampling parameters were written into the lanes at admission
+        assert lane is not None and step.row_of_logit is not None  # by stage()
         if step.drafts:
             lane = lane[step.row_of_logit]
         host.temperature[:num_rows], host.top_p[:num_rows] = self.lanes.temperature[lane], self.lanes.top_p[lane]
@@ -519,11 +529,13 @@ class Pipeline:
         rows, seqs = zip(*(batched + own), strict=True)
         host, bitmask = step.slot.np, step.slot.host.bitmask
         host.bitmask[: len(rows)] = 0
+        assert step.logit_start is not None  # by stage()
         # a mask belongs to its row's first logit row (the row itself in a step without drafts)
         host.mask_rows[: len(rows)] = step.logit_start[list(rows)] if step.drafts else rows
         try:
             if batched:
-                self.fill_masks([seq.matcher for _, seq in batched], bitmask[: len(batched)])
+                matchers = [seq.matcher for _, seq in batched if seq.matcher is not None]  # all: the filter above
+                self.fill_masks(matchers, bitmask[: len(batched)])
             for index in range(len(batched), len(seqs)):
                 seqs[index].matcher.fill_mask(bitmask, index)
         except Exception:
@@ -550,6 +562,8 @@ class Pipeline:
         """
         host, bitmask, matcher = step.slot.np, step.slot.host.bitmask, seq.matcher
         guesses = step.drafts[row]
+        assert matcher is not None and seq.rollback is not None  # a constrained row that drafts (can_draft)
+        assert step.logit_start is not None  # by stage()
         first, end = int(step.logit_start[row]), index + len(guesses)
         host.mask_rows[index:end] = np.arange(first + 1, first + 1 + len(guesses))
         host.bitmask[index:end] = -1
@@ -574,6 +588,7 @@ class Pipeline:
         return end
 
     def _fill_one(self, seq: Sequence, bitmask: torch.Tensor, index: int) -> None:
+        assert seq.matcher is not None  # a constrained row's
         if seq.own_mask:
             seq.matcher.fill_mask(bitmask, index)
         else:
@@ -584,12 +599,14 @@ class Pipeline:
         to the first, and pin the forced tokens for the next launch; a forced run that completes the
         output (FINAL RUNS) is pinned too, whatever its length, and the row gets no launch after it."""
         host = step.slot.np
+        assert step.row_of_logit is not None and step.logit_start is not None  # by stage()
         budget = self.scheduler.max_step_tokens - step.num_rows  # the next step's running rows need one token each
         for index in range(num_masked):
             row = int(step.row_of_logit[host.mask_rows[index]])
             seq = step.rows[row]
             if seq.finalized or seq.forced_tokens is None:
                 continue
+            assert seq.ends_after is not None  # set with forced_tokens
             # F starts at this row's first output index, num_scheduled - 1 (less a verify row's
             # drafts, which it counts), and must end below max_tokens
             scheduled = seq.num_scheduled
@@ -667,6 +684,7 @@ def check_speculative(speculative: str | None, runner: ModelRunner, region_heads
 def _would_jump(seq: Sequence) -> bool:
     """Whether finalize may pin a forced run at the matcher's current state (`Pipeline._pin_forced`:
     two forced tokens or more, or any that complete the output): a superset of the states it pins at."""
+    assert seq.forced_tokens is not None and seq.ends_after is not None  # callers check forced_tokens
     forced = seq.forced_tokens()
     return len(forced) > 1 or (len(forced) == 1 and seq.ends_after(forced))
 

@@ -143,6 +143,7 @@ def sample(
     `logprobs` when `batch.top_logprobs >= 0`."""
     logits = logits.float()
     if batch.bitmask is not None:
+        assert batch.mask_rows is not None  # set with the bitmask
         apply_bitmask(logits, batch.bitmask, batch.mask_rows)
     ids = logits.argmax(dim=-1)
     scaled = None

@@ -88,7 +88,9 @@ def stage(
     jump_rows = [row for row, seq in enumerate(step.rows) if seq.jump]
     extra = step.extra = np.zeros(step.num_rows, dtype=np.int64)
     for row in jump_rows:
-        extra[row] = len(step.rows[row].jump) - 1
+        jump = step.rows[row].jump
+        assert jump is not None  # a jump row's
+        extra[row] = len(jump) - 1
     for row, drafts in step.drafts.items():
         extra[row] += len(drafts)
     context = lanes.prompt_len[step.lane_of_row] + output_index + extra
@@ -108,6 +110,7 @@ def stage(
     _stage_logit_rows(step, lanes, output_index + extra, context, query_starts, row_numbers)
     _stage_input_sources(step, lanes, query_starts, chunk_start, jump_rows, row_numbers)
     if step.drafts and step.prefill_inputs:  # per launch row, and the launch's rows are the logit rows
+        assert step.row_of_logit is not None  # by _stage_logit_rows
         step.prefill_inputs = [step.prefill_inputs[r] for r in step.row_of_logit.tolist()]
     return prefill_rows
 
@@ -128,6 +131,7 @@ def _stage_positions(
     (a prefill chunk, a jump's k tokens, else 1).
     """
     host, lane, num_rows = step.slot.np, step.lane_of_row, step.num_rows
+    assert lane is not None  # by stage()
     if (query_len > 1).any():
         query_starts = np.zeros(num_rows + 1, dtype=np.int64)
         np.cumsum(query_len, out=query_starts[1:])
@@ -170,9 +174,10 @@ def _stage_logit_rows(
         step.num_logits = num_rows
         host.counters[:num_rows] = output_index
         return
+    assert step.lane_of_row is not None  # by stage()
     per_row = np.ones(num_rows, dtype=np.int64)
-    for row, drafts in step.drafts.items():
-        per_row[row] += len(drafts)
+    for r, drafts in step.drafts.items():
+        per_row[r] += len(drafts)
     start = step.logit_start = np.zeros(num_rows + 1, dtype=np.int64)
     np.cumsum(per_row, out=start[1:])
     num_logits = step.num_logits = int(start[num_rows])
@@ -204,8 +209,10 @@ def _stage_input_sources(
     host, lane, num_rows = step.slot.np, step.lane_of_row, step.num_rows
     prefill_rows = list(chunk_start)
     running = np.setdiff1d(row_numbers[:num_rows], prefill_rows) if prefill_rows else row_numbers[:num_rows]
+    assert lane is not None  # by stage()
     for row in jump_rows:
         seq = step.rows[row]
+        assert seq.jump is not None  # a jump row's
         start = query_starts[row]
         host.input_ids[start : start + len(seq.jump)] = seq.jump
         seq.jump = None
@@ -219,6 +226,7 @@ def _stage_input_sources(
     host.gather_dst[:num_decode] = query_starts[decode_rows]
     host.gather_src[:num_decode] = lanes.last_row[decode_lanes]
     # where each row's next input is sampled: its last logit row
+    assert step.logit_start is not None  # by _stage_logit_rows
     lanes.last_step[lane], lanes.last_row[lane] = step.number, step.logit_start[1:] - 1
     step.num_decode = num_decode
     for row in prefill_rows:
@@ -236,4 +244,5 @@ def _past_the_cache(prefill: PrefillInputs, prompt_ids: list[int], num_cached: i
     runner then fills only the image tokens past them (kv_cache.prefix_seed keys such pages by image)."""
     if not num_cached or not prefill.num_image_tokens:
         return prefill
+    assert prefill.image_token_id is not None  # set with num_image_tokens
     return replace(prefill, cached_image_tokens=prompt_ids[:num_cached].count(prefill.image_token_id))

@@ -40,7 +40,7 @@ from typing import Any
 import llguidance
 
 from .errors import budget_refusal, native_failure, pattern_refusal, schema_refusal
-from .limits import WHAT, CompileBudget, check_budget, compile_budget
+from .limits import WHAT, CompileBudget, DecodeLimits, check_budget, compile_budget
 from .matcher import Matcher
 from .specs import GrammarSource
 from .tokenizer import TokenizerHandle
@@ -93,7 +93,7 @@ def parser_limits(budget: CompileBudget | None = None) -> llguidance.LLParserLim
 
 
 MAX_ITEMS_IN_ROW = 20_000
-DECODE_LIMITS = {"max_items_in_row": MAX_ITEMS_IN_ROW}
+DECODE_LIMITS: DecodeLimits = {"max_items_in_row": MAX_ITEMS_IN_ROW}
 INLINE_BYTES = 4 * 1024  # compiled on the caller's stack up to this size (module docstring)
 STACK_PER_BYTE = 1024  # stack bytes per byte of grammar text: a few times the deepest need seen
 MIN_STACK = 16 * 1024 * 1024

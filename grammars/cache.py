@@ -55,7 +55,7 @@ class LRUCache(Generic[V]):
                 return value
             pending = self._building.get(key)
             owner = pending is None
-            if owner:
+            if pending is None:
                 pending = self._building[key] = Future()
         if not owner:
             return pending.result()  # the builder's value, or its exception raised here

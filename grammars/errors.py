@@ -257,7 +257,7 @@ def shorten_lines(text: str) -> str:
 
 def pattern_refusal(kind: str, text: str, message: str) -> SchemaError:
     """A bad regex or Lark grammar: report llguidance's message with the position it found."""
-    position = None
+    position: int | str | None = None
     lark_pos = _LARK_POSITION.search(message)
     if kind == "regex":
         position = _regex_caret_position(message)

@@ -45,7 +45,7 @@ import json
 from collections.abc import Iterator
 from dataclasses import dataclass
 from decimal import ROUND_CEILING, ROUND_FLOOR, Decimal
-from typing import Any
+from typing import Any, Literal, TypeGuard
 
 import llguidance
 
@@ -90,7 +90,7 @@ def check_exact_numbers(schema: Any) -> None:
             raise _refusal(number, text)
 
 
-def _known_verdict(number: _Number) -> bool | str | None:
+def _known_verdict(number: _Number) -> Literal[True] | str | None:
     """True: exact; a text: what llguidance makes of it (inexact: the text it writes for a value, the
     double it enforces for a bound); None: ask llguidance (module docstring)."""
     value = number.value
@@ -170,7 +170,7 @@ def _values(value: Any, keyword: str, path: str) -> Iterator[_Number]:
         yield _Number(value, keyword, path, bound=False, integer_only=False)
 
 
-def _is_number(value: Any) -> bool:
+def _is_number(value: Any) -> TypeGuard[int | float]:
     return isinstance(value, int | float) and not isinstance(value, bool)
 
 

@@ -446,7 +446,7 @@ def _add_patterns(node: dict, patterns: list[str]) -> dict:
     if "pattern" not in node:
         node["pattern"], patterns = patterns[0], patterns[1:]
     if patterns:
-        all_of = node.get("allOf") if isinstance(node.get("allOf"), list) else []
+        all_of = node["allOf"] if isinstance(node.get("allOf"), list) else []
         node["allOf"] = [*all_of, *({"pattern": p} for p in patterns)]
     return node
 

@@ -60,6 +60,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
+from typing import TypedDict, TypeGuard, Unpack
 
 import llguidance
 
@@ -177,7 +178,7 @@ def check_schema_node(node: dict, path: str) -> dict:
     return node
 
 
-def _is_number(value: object) -> bool:
+def _is_number(value: object) -> TypeGuard[int | float]:
     return isinstance(value, int | float) and not isinstance(value, bool)
 
 
@@ -223,6 +224,15 @@ def _cause(error: str) -> str:
     return f"{first[:200]}; simplify it"
 
 
+class DecodeLimits(TypedDict, total=False):
+    """llguidance's decode-time limits: the LLParserLimits keywords that `CompileBudget.parser_limits` passes on."""
+
+    max_items_in_row: int
+    step_lexer_fuel: int
+    step_max_items: int
+    max_lexer_states: int
+
+
 @dataclass(frozen=True, slots=True)
 class CompileBudget:
     """What compiling one spec may cost (module docstring); every field is a count, not a time."""
@@ -238,7 +248,7 @@ class CompileBudget:
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"CompileBudget.{name} must be a positive int, got {value!r}")
 
-    def parser_limits(self, **decode_limits: int) -> llguidance.LLParserLimits:
+    def parser_limits(self, **decode_limits: Unpack[DecodeLimits]) -> llguidance.LLParserLimits:
         """llguidance's limits for a compile under this budget, with the given decode-time limits."""
         return llguidance.LLParserLimits(
             max_grammar_size=self.max_symbols, initial_lexer_fuel=self.max_lexer_fuel, **decode_limits

@@ -119,7 +119,8 @@ class LocationFormat:
         """The boxes or points of a constrained answer; LocationParseError if the grammar could not make `text`."""
         count = COORDINATES[kind]
         tail = _tail(label)
-        items, position = [], 0
+        items: list[dict[str, float]] = []
+        position = 0
         while position < len(text):
             if items:
                 position = self._expect(text, position, self.separator, "the separator")

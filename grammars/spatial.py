@@ -135,6 +135,8 @@ class SpatialSpec:
 
     def build(self, handle: TokenizerHandle, key: str) -> Automaton:
         check_spellable(self, handle)
+        matcher_class: type[Matcher] | None
+        extra: JsonBoxTables | LocBoxTables | None
         if self.encoding == "json":
             lark = json_lark(self.kind, self.max_objects)
             matcher_class, extra = (
@@ -393,7 +395,7 @@ def parse(spec: SpatialSpec, text: str) -> dict:
     """
     key = "points" if spec.kind == "points" else "objects"
     if spec.encoding not in ("json", "loc"):  # a family's own format (families/qwen_vl/grounding.py)
-        return spec.parse_answer(text)
+        return spec.parse_answer(text)  # type: ignore[attr-defined]  # the family's SpatialSpec subclass has it
     if spec.encoding == "json":
         return json.loads(text)
     return {key: spec.locations.parse(spec.kind, text, spec.label)}

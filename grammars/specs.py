@@ -57,7 +57,7 @@ import json
 import typing
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import llguidance
 
@@ -66,7 +66,10 @@ from .formats import bounded_numbers, exact_string_constraints
 from .scalars import SCALARS
 from .special_tokens import refuse_special_tokens
 
-JSON_OPTIONS: dict[str, Any] = {
+if TYPE_CHECKING:
+    from llguidance._lib import JsonCompileOptions  # a TypedDict of the stub only
+
+JSON_OPTIONS: JsonCompileOptions = {
     "whitespace_flexible": False,
     "item_separator": ", ",
     "key_separator": ": ",

@@ -153,7 +153,8 @@ def _stops(value: Any) -> tuple[str, ...]:
 
 
 def _int(key: str, value: Any, low: int, high: int, high_text: str = "") -> int:
-    if not isinstance(value, Integral) or isinstance(value, bool) or not low <= value <= high:
+    # typeshed gives numbers.Integral no __ge__, which `low <= value` falls back to (numpy's ints have it)
+    if not isinstance(value, Integral) or isinstance(value, bool) or not low <= value <= high:  # type: ignore[operator]
         bound = high_text or str(high)
         raise ValueError(
             f"setting {key!r} = {value!r} is not accepted; it must be an int with {low} <= {key} <= {bound}"

@@ -197,7 +197,7 @@ def _calls(plan: ChatPlan) -> str:
 # ---- messages with tool calls -----------------------------------------------------------------------------------
 
 
-def split_tool_fields(messages: Any) -> tuple[list, list[tuple[tuple[ToolCall, ...], str | None]]]:
+def split_tool_fields(messages: Any) -> tuple[Any, list[tuple[tuple[ToolCall, ...], str | None]]]:
     """The messages without their tool fields (what `skills.conversation` reads), and each message's
     (tool calls, tool_call_id); ValueError for a tool message that answers no earlier call."""
     if isinstance(messages, str | bytes) or not isinstance(messages, Sequence):
@@ -242,6 +242,7 @@ def _calls_of(calls: Any, where: str, role: Any) -> tuple[ToolCall, ...]:
             raise ValueError(
                 f'{where}.tool_calls[{j}] must be {{"id": .., "type": "function", "function": {{"name": .., "arguments": ..}}}}'
             )
+        assert isinstance(function, Mapping)  # the name was read from it
         arguments = function.get("arguments", "{}")
         if not isinstance(arguments, str):
             arguments = json.dumps(arguments, ensure_ascii=False)

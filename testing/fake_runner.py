@@ -112,6 +112,7 @@ class FakeRunner:
         tables, lens, id_cache = batch.block_tables, batch.context_lens.long(), self.ids
         if batch.sliding_block_tables is not None:
             assert self.sliding_ids is not None, "allocate_kv(sliding_pages=...) first"
+            assert batch.sliding_kv_index is not None  # set with sliding_block_tables
             self.sliding_ids.index_copy_(0, batch.sliding_kv_index, batch.input_ids)
             tables, id_cache = batch.sliding_block_tables, self.sliding_ids
         offsets = torch.arange(tables.shape[1] * ps, device=self.device)

@@ -145,7 +145,7 @@ def sample_chat(
 
 def conversation_example(rng: np.random.Generator, new_scene) -> ChatExample:
     images = [new_scene(rng)]
-    asks = [(0, *_ask(rng, images[0]))]  # (the image shown with this turn or None, question, answer)
+    asks: list[tuple[int | None, str, str]] = [(0, *_ask(rng, images[0]))]  # (the image shown with this turn or None, question, answer)
     for _ in range(int(rng.integers(0, 3))):  # later turns; the earlier ones answered correctly
         if rng.random() < 0.3 and len(images) < 3:
             images.append(new_scene(rng))
@@ -384,6 +384,7 @@ def answer_tool_example(rng: np.random.Generator, new_scene) -> ChatExample:
     output = _function(name, description, properties, list(keys))
     turns: list[Message] = [*_system(rng, 0.4), Message("user", (0, question))]
     if relay:
+        assert spec is not None  # set with relay above
         call_id = f"call_{int(rng.integers(10**6))}"
         n = int(rng.integers(0, 13))
         turns += [

@@ -141,13 +141,13 @@ def evaluate(model, n: int, seed_offset: int = 0) -> dict:
         outs = [c["arguments"] for c in reply.get("tool_calls") or [] if c["name"] == "final_result"]
         hits["output_tool_relay"].append(bool(outs) and outs[0].get("count") == result)
 
-        other = task["question"] if not task["question"].startswith("how many") else "what do you see?"
-        reply = model.chat([user(image, other)], tools=[OTHER_TOOL, COUNT_TOOL], tool_choice="auto")
+        other_question = task["question"] if not task["question"].startswith("how many") else "what do you see?"
+        reply = model.chat([user(image, other_question)], tools=[OTHER_TOOL, COUNT_TOOL], tool_choice="auto")
         hits["no_tool_needed_text"].append(not reply.get("tool_calls") and bool(reply["text"].strip()))
 
         hits["json_object_finished"].append(_finished(model, image, {"type": "object"}, json_tokens))
         hits["json_schema_valid"].append(_finished(model, image, SHAPE_COUNT, None))
-    out = {k: round(float(np.mean(v)), 3) for k, v in hits.items()}
+    out: dict[str, float | None] = {k: round(float(np.mean(v)), 3) for k, v in hits.items()}
     out["json_object_tokens_mean"] = round(float(np.mean(json_tokens)), 1) if json_tokens else None
     out["json_object_tokens_max"] = max(json_tokens) if json_tokens else None
     out["n"] = n

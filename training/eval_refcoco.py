@@ -52,6 +52,7 @@ def read_rows(path: str | Path) -> list[dict]:
 
 def evaluate(model, rows: list[dict]) -> dict:
     """Accuracy at IoU 0.5 of the top-scored box per expression, and what each prediction was."""
+    predictions: list[dict | None]
     hits, missing, predictions = 0, 0, []
     for row in rows:
         with Image.open(row["image"]) as picture:

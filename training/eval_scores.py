@@ -184,19 +184,21 @@ def coco_ap(case_list: list[Case], detections: list[list[dict]], ranking: str) -
     from pycocotools.coco import COCO
     from pycocotools.cocoeval import COCOeval
 
-    images, annotations, results = [], [], []
+    images: list[dict] = []
+    annotations: list[dict] = []
+    results: list[dict] = []
     for image_id, (case, boxes) in enumerate(zip(case_list, detections, strict=True), start=1):
         w, h = case.scene.width, case.scene.height
         images.append({"id": image_id, "width": w, "height": h})
         for o in case.truth:
             side = (o.x1 - o.x0) * (o.y1 - o.y0)
-            box = [o.x0, o.y0, o.x1 - o.x0, o.y1 - o.y0]
+            bbox = [o.x0, o.y0, o.x1 - o.x0, o.y1 - o.y0]
             annotations.append(
                 {
                     "id": len(annotations) + 1,
                     "image_id": image_id,
                     "category_id": 1,
-                    "bbox": box,
+                    "bbox": bbox,
                     "area": side,
                     "iscrowd": 0,
                 }

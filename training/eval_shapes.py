@@ -223,8 +223,8 @@ def score(scene_list: list, tasks: list[dict], said: dict[str, list]) -> dict:
         ),
     }
     for length in ("short", "normal", "long"):
-        truth = [scenes.caption(s, length) for s in scene_list]
-        exact = [a.strip() == b for a, b in zip(said[f"caption_{length}"], truth, strict=True)]
+        captions = [scenes.caption(s, length) for s in scene_list]
+        exact = [a.strip() == b for a, b in zip(said[f"caption_{length}"], captions, strict=True)]
         metrics[f"caption_{length}_exact"] = float(np.mean(exact))
     return metrics
 

@@ -37,6 +37,7 @@ import os
 import time
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
+from typing import cast
 
 import numpy as np
 import torch
@@ -170,7 +171,7 @@ def build_model(cfg: TrainConfig, vocab_size: int, image_token_id: int, pad_toke
         bos_token_id=2,
         eos_token_id=1,
     )
-    config = PaliGemmaConfig(
+    config = PaliGemmaConfig(  # type: ignore[call-arg]  # *_token_id: extra keywords, taken at runtime, not in its dataclass signature
         vision_config=vision,
         text_config=text,
         image_token_index=image_token_id,
@@ -250,7 +251,7 @@ class ChatRenderer:
 
         self.kinds = kinds
         image_processor = SiglipImageProcessor()
-        image_processor.image_seq_length = n_image_tokens
+        image_processor.image_seq_length = n_image_tokens  # type: ignore[attr-defined]  # read by PaliGemmaProcessor; no class declares it
         self.processor = PaliGemmaProcessor(image_processor=image_processor, tokenizer=tok, chat_template=CHAT_TEMPLATE)
 
     def render(self, conversation) -> tuple[str, int]:
@@ -586,7 +587,7 @@ class Trainer:
             image_mean=[0.5, 0.5, 0.5],
             image_std=[0.5, 0.5, 0.5],
         )
-        image_processor.image_seq_length = self.n_image_tokens
+        image_processor.image_seq_length = self.n_image_tokens  # type: ignore[attr-defined]  # read by PaliGemmaProcessor; no class declares it
         image_processor.save_pretrained(folder)  # preprocessor_config.json, for loaders that read it alone
         processor = PaliGemmaProcessor(image_processor=image_processor, tokenizer=self.tok, chat_template=CHAT_TEMPLATE)
         processor.save_pretrained(folder)  # chat_template.jinja beside processor_config.json
@@ -660,7 +661,7 @@ def _config_for(run: Path, args: argparse.Namespace) -> TrainConfig:
     path = run / "config.json"
     if path.is_file():
         cfg = TrainConfig(**json.loads(path.read_text()))
-        cfg.render_sizes = tuple(cfg.render_sizes)
+        cfg.render_sizes = cast(tuple[int, int], tuple(cfg.render_sizes))  # saved from the pair
     else:
         overrides = json.loads(args.config) if args.config else {}
         cfg = TrainConfig(seed=args.seed, **overrides)

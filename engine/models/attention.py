@@ -94,6 +94,7 @@ class PagedContext:
             return self.mask
         mask = self.window_masks.get(window)
         if mask is None:
+            assert self.query_pos is not None  # set for runners with windows
             key_pos = torch.arange(self.num_keys, device=self.mask.device)
             far = key_pos[None, None, :] <= self.query_pos[:, :, None] - window  # [B, Q, L]
             mask = self.mask.masked_fill(far[:, None], float("-inf"))
@@ -221,13 +222,17 @@ def paged_attention(
     k_cache, v_cache = ctx.kv.k[index], ctx.kv.v[index]
     kv_index, gather_index = ctx.kv_index, ctx.gather_index
     if index in ctx.kv.sliding:  # its own pool, which keeps only the window's pages
+        assert ctx.kv.window is not None  # a sliding pool has its window
         if window is None or window > ctx.kv.window:
             raise ValueError(
                 f"KV tensor {index} keeps a window of {ctx.kv.window} positions; a layer with window {window} "
                 "cannot read it (the runner's KV layout pairs layers and windows wrongly)"
             )
+        # set with a sliding pool
+        assert ctx.sliding_kv_index is not None and ctx.sliding_gather_index is not None
         kv_index, gather_index = ctx.sliding_kv_index, ctx.sliding_gather_index
     if key is not None:
+        assert value is not None  # given with the key
         k_cache.index_copy_(0, kv_index, _as(key, k_cache.dtype))
         v_cache.index_copy_(0, kv_index, _as(value, v_cache.dtype))
     mask = ctx.mask_for(window)

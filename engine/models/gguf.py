@@ -51,9 +51,10 @@ INVARIANTS
 from __future__ import annotations
 
 import struct
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import torch
@@ -124,7 +125,9 @@ def llama_config(path: Path, header: Any) -> LlamaTextConfig:
     heads = meta[f"{arch}.attention.head_count"]
     hidden = meta[f"{arch}.embedding_length"]
     head_dim = meta.get(f"{arch}.rope.dimension_count", hidden // heads)
-    config = LlamaTextConfig(
+    # the config's fields: extra keywords, taken at runtime (transformers' config dataclasses accept them),
+    # not in the dataclass signature mypy reads
+    config = LlamaTextConfig(  # type: ignore[call-arg]
         vocab_size=meta.get(f"{arch}.vocab_size") or meta["tokenizer.ggml.tokens"],
         hidden_size=hidden,
         intermediate_size=meta[f"{arch}.feed_forward_length"],
@@ -290,24 +293,28 @@ def load_quantized(
         # longest single job (a fifth of SmolLM2's weights, packed at 2-3x the time a weight of the
         # others takes), which run last would leave the other threads idle while it finishes.
         vocab = pool.submit(parts, "token_embd.weight", "fp16" if fp16 else "int8", None, True)
+        head: Future[nn.Module]
         if fp16 and tied:
             head = pool.submit(lambda: HalfLinear(vocab.result()[FP16_WEIGHT].float()))
         elif fp16:
             head = pool.submit(linear, "output.weight", "fp16", None)
         elif not tied:
             head = pool.submit(linear, "output.weight", "int8", None, True)
+        rotary_rows: dict[str | None, int] = {"q": heads, "k": kv_heads}
         jobs = {
             (index, path): pool.submit(
-                linear, f"blk.{index}.{name}.weight", layer_mode, {"q": heads, "k": kv_heads}.get(rotary)
+                linear, f"blk.{index}.{name}.weight", layer_mode, rotary_rows.get(rotary)
             )
             for index in range(config.num_hidden_layers)
             for name, (path, rotary) in LAYER_LINEARS.items()
         }
+        embed: nn.Module
         if fp16:
             embed = HalfEmbedding(vocab.result()[FP16_WEIGHT], config.pad_token_id)
         else:
             # One int8 matrix serves the lookup and, tied, the head.
             matrix = layer_from(vocab.result())
+            assert isinstance(matrix, QuantLinear)  # int8 parts
             embed = QuantEmbedding(matrix, config.pad_token_id)
             if tied:
                 head = pool.submit(lambda: matrix)
@@ -377,6 +384,7 @@ def layer_from(parts: dict[str, torch.Tensor]) -> QuantLinear | HalfLinear | Spl
         packed, scales = parts[INT8_PACKED], parts[INT8_SCALES]
         return QuantLinear("int8", packed, scales, packed.shape[1], packed.shape[0])
     if INT4_PACKED not in parts:
+        assert half is not None  # parts hold int8, int4 or fp16 weights
         return half
     packed, scales = parts[INT4_PACKED], parts[INT4_SCALES]  # [N, K / 2], [K / group, N, 2]
     n, k = packed.shape[0], 2 * packed.shape[1]
@@ -414,6 +422,8 @@ class LlamaRotaryEmbedding(nn.Module):
     """Default rotary (no scaling): cos and sin of position x inverse frequency, as transformers' llama
     computes them, to the bit (tests/models/test_gguf_tiny.py compares the two)."""
 
+    inv_freq: torch.Tensor  # a buffer (register_buffer in __init__), typed for the checker
+
     def __init__(self, config: LlamaTextConfig) -> None:
         super().__init__()
         base, dim = config.rope_parameters["rope_theta"], config.head_dim
@@ -445,7 +455,7 @@ class LlamaForCausalLM(nn.Module):
     """A llama text model's modules in transformers' tree (`model.layers`, `model.norm`, `lm_head`):
     what `HFRunner` drives, always through lean.py's forward (a GGUF model has no image inputs)."""
 
-    def __init__(self, config, embed: nn.Module, layers: list[nn.Module], norm: torch.Tensor, head: nn.Module) -> None:
+    def __init__(self, config, embed: nn.Module, layers: Sequence[nn.Module], norm: torch.Tensor, head: nn.Module) -> None:
         super().__init__()
         self.config = config
         self.model = nn.Module()
@@ -459,7 +469,7 @@ class LlamaForCausalLM(nn.Module):
         return self.model
 
     def get_input_embeddings(self) -> nn.Module:
-        return self.model.embed_tokens
+        return cast(nn.Module, self.model.embed_tokens)  # set in __init__
 
     def get_output_embeddings(self) -> nn.Module:
         return self.lm_head

@@ -25,7 +25,7 @@ def looks_like_hub_id(name: str) -> bool:
 
 
 def resolve_hub_id(
-    repo_id: str, cache_dir: str | os.PathLike | None = None, revision: str | None = None
+    repo_id: str, cache_dir: str | Path | None = None, revision: str | None = None
 ) -> Path:
     """The snapshot folder of `repo_id` (at `revision`: a branch, tag or commit; None: the default
     branch) in the hub cache, downloading it when online and not cached."""

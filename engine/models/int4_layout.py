@@ -184,8 +184,11 @@ def _merged(blocks: list[Segment]) -> tuple[Segment, ...]:
     merged: list[Segment] = []
     for seg in blocks:
         last = merged[-1] if merged else None
-        same = last is not None and (last.size, last.low, last.high) == (seg.size, seg.low, seg.high)
-        if same and last.row + last.blocks * last.size == seg.row:
+        if (
+            last is not None
+            and (last.size, last.low, last.high) == (seg.size, seg.low, seg.high)
+            and last.row + last.blocks * last.size == seg.row
+        ):
             merged[-1] = Segment(last.row, last.blocks + seg.blocks, last.size, last.low, last.high)
         else:
             merged.append(seg)

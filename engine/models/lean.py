@@ -42,13 +42,14 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from typing import Any, cast
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from foveal.engine.models.attention import PagedContext, paged_attention
-from foveal.engine.models.quant import SplitLinear, fuse_int4
+from foveal.engine.models.quant import FusedInt4, SplitLinear, fuse_int4
 
 SUPPORTED_LAYERS = ("LlamaDecoderLayer", "GemmaDecoderLayer")
 
@@ -74,10 +75,16 @@ class _Layer:
         "down_add",
     )
 
+    qkv: FusedInt4 | None
+    gate_up: FusedInt4 | None
+
     def __init__(self, layer: nn.Module, gemma: bool, eps: float) -> None:
+        attn: Any  # transformers' modules (nn.Module types their attributes Tensor | Module)
+        mlp: Any
         attn, mlp = layer.self_attn, layer.mlp
-        self.input_norm = _Norm(_norm_weight(layer.input_layernorm, gemma), eps)
-        self.post_norm = _Norm(_norm_weight(layer.post_attention_layernorm, gemma), eps)
+        # (the norms too: Tensor | Module to mypy)
+        self.input_norm = _Norm(_norm_weight(layer.input_layernorm, gemma), eps)  # type: ignore[arg-type]
+        self.post_norm = _Norm(_norm_weight(layer.post_attention_layernorm, gemma), eps)  # type: ignore[arg-type]
         self.q, self.k, self.v, self.o = attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj
         self.gate, self.up, self.down, self.act = mlp.gate_proj, mlp.up_proj, mlp.down_proj, mlp.act_fn
         self.scaling: float = attn.scaling
@@ -96,7 +103,8 @@ def _adder(linear: nn.Module) -> Callable[[torch.Tensor, torch.Tensor], torch.Te
 
 def _norm_weight(norm: nn.Module, gemma: bool) -> torch.Tensor:
     # Gemma scales by (1 + w) in float32, Llama by w; both normalise in float32 first.
-    return (1.0 + norm.weight.float()).to(norm.weight.dtype) if gemma else norm.weight
+    weight = cast(torch.Tensor, norm.weight)  # a parameter (nn.Module types its attributes Tensor | Module)
+    return (1.0 + weight.float()).to(weight.dtype) if gemma else weight
 
 
 class _Norm:
@@ -142,8 +150,9 @@ class LeanDecoder:
     """The decoder stack of a Llama- or Gemma-style text model, called with the runner's flat batch."""
 
     def __init__(self, model: nn.Module, fuse: bool = True) -> None:
-        decoder = model.get_decoder()
-        text = model.config.get_text_config()
+        # a transformers model: its decoder, config and heads (nn.Module types its attributes Tensor | Module)
+        decoder = model.get_decoder()  # type: ignore[operator]
+        text = model.config.get_text_config()  # type: ignore[union-attr, operator]
         gemma = type(decoder.layers[0]).__name__.startswith("Gemma")
         self.eps: float = text.rms_norm_eps
         self.embed = decoder.embed_tokens
@@ -159,7 +168,7 @@ class LeanDecoder:
             for layer in self.layers:
                 layer.qkv, layer.gate_up = next(fused), next(fused)
         self.final_norm = _Norm(_norm_weight(decoder.norm, gemma), self.eps)
-        self.head = model.get_output_embeddings()
+        self.head = model.get_output_embeddings()  # type: ignore[operator]
         self.heads: int = text.num_attention_heads
         self.kv_heads: int = text.num_key_value_heads
         self.head_dim: int = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
@@ -168,11 +177,11 @@ class LeanDecoder:
     def supports(model: nn.Module) -> bool:
         """Whether every decoder layer is one this forward reproduces (and nothing it skips is set)."""
         try:
-            decoder = model.get_decoder()
+            decoder = model.get_decoder()  # type: ignore[operator]  # (as in __init__)
             layers = list(decoder.layers)
         except AttributeError:
             return False
-        text = model.config.get_text_config()
+        text = model.config.get_text_config()  # type: ignore[union-attr, operator]
         if getattr(text, "final_logit_softcapping", None) or getattr(text, "attn_logit_softcapping", None):
             return False
         return (

@@ -307,6 +307,7 @@ def load_gguf(
     device, dtype, quantize = options.device, options.dtype, options.quantize
     if device.type == "cpu" and direct.is_direct(header):
         config = direct.llama_config(path, header)
+        assert config.architectures is not None  # llama_config sets it
         arch, _ = arch_for(config.architectures)
         model, tokenizer = _load_direct(path, header, config, options)
         loaded = assemble(model, arch, tokenizer, None, str(path), options)
@@ -350,6 +351,7 @@ def _load_direct(path: Path, header: Any, config: Any, options: LoadOptions) -> 
     keep: dict | None = {} if key is not None else None
     model, tokenizer, source = _build_direct(header, config, options, None, keep)
     if key is not None:
+        assert keep is not None  # made with the key
         weight_cache.write(key, keep, *source)
     return model, tokenizer
 
@@ -413,6 +415,7 @@ def check_gguf(path: Path) -> Any:
 def _load_processor(arch: Architecture, path: Path) -> tuple[Any, Any]:
     if not arch.has_vision:
         return None, transformers.AutoTokenizer.from_pretrained(path)
+    assert arch.processor_class is not None  # has_vision
     processor = getattr(transformers, arch.processor_class).from_pretrained(path)
     return processor, processor.tokenizer
 
@@ -431,7 +434,7 @@ def assemble(
     hf_processor: Any,
     source: str,
     options: LoadOptions,
-    runner_class: type[HFRunner] = HFRunner,
+    runner_class: Callable[..., HFRunner] = HFRunner,
     processor: Callable[[HFRunner], Any] | None = None,
 ) -> LoadedModel:
     """The runner (`runner_class`), the input processor (`processor(runner)`, default InputProcessor)

@@ -51,6 +51,7 @@ INVARIANTS
 from __future__ import annotations
 
 from concurrent.futures import ThreadPoolExecutor
+from typing import cast
 
 import numpy as np
 import torch
@@ -69,6 +70,9 @@ GROUP_SIZE = 32  # GGUF's block size; the int4 kernel takes 32, 64, 128 or 256
 
 class QuantLinear(nn.Module):
     """y = x @ W.T + b with W held as int8 (per output row scale) or int4 (per group scale and zero)."""
+
+    packed: torch.Tensor  # buffers (register_buffer in __init__), typed for the checker
+    scales: torch.Tensor
 
     def __init__(
         self,
@@ -379,9 +383,10 @@ def fuse_int4(groups: list[list[nn.Module]]) -> list[FusedInt4 | None]:
             codes = torch.cat([_layout_of(q).unpack(q.packed) for q in int4s])
             packed.copy_(pack_int4(codes))
         scales = _concatenate([q.scales for q in int4s], dim=1)  # [K / group, N, 2]
-        bias = None if first.bias is None else torch.cat([q.bias.detach() for q in int4s])
+        # every part has a bias if the first has (_int4_parts)
+        bias = None if first.bias is None else torch.cat([cast(nn.Parameter, q.bias).detach() for q in int4s])
         int4 = QuantLinear("int4", packed, scales, first.in_features, rows, bias, first.group_size)
-        fused.append(FusedInt4(parts, int4))
+        fused.append(FusedInt4(cast("list[QuantLinear | SplitLinear]", parts), int4))  # as _int4_parts found
     return fused
 
 
@@ -408,9 +413,9 @@ def _int4_parts(parts: list[nn.Module]) -> list[QuantLinear] | None:
     if len(parts) < 2:
         return None
     if all(isinstance(p, SplitLinear) for p in parts):
-        int4s = [p.int4 for p in parts]
+        int4s = [cast(SplitLinear, p).int4 for p in parts]
     elif all(isinstance(p, QuantLinear) and p.mode == "int4" for p in parts):
-        int4s = list(parts)
+        int4s = cast("list[QuantLinear]", list(parts))
     else:
         return None
     first = int4s[0]
@@ -426,6 +431,8 @@ def _int4_parts(parts: list[nn.Module]) -> list[QuantLinear] | None:
 
 class HalfEmbedding(nn.Module):
     """Token embeddings stored as fp16, looked up as float32 (a GGUF's vocabulary matrix under "fp16")."""
+
+    weight: torch.Tensor  # a buffer (register_buffer in __init__), typed for the checker
 
     def __init__(self, weight: torch.Tensor, padding_idx: int | None = None) -> None:
         super().__init__()
@@ -518,7 +525,8 @@ def quantize_model(model: nn.Module, mode: str) -> nn.Module:
         raise ValueError(f"quantize='fp16' multiplies float32 activations; the model is {dtype} (load it in float32)")
     if mode == "fp16" and not fp16_kernel_available():
         raise ValueError(FP16_UNAVAILABLE)
-    decoder = model.get_decoder()
+    # a transformers model: its decoder and heads (nn.Module types its attributes Tensor | Module)
+    decoder = model.get_decoder()  # type: ignore[operator]
     linears = [
         (parent, name, child)
         for parent in decoder.layers.modules()
@@ -532,15 +540,15 @@ def quantize_model(model: nn.Module, mode: str) -> nn.Module:
         built = list(pool.map(lambda item: quantize_linear(item[2], mode, dtype), linears))
     for (parent, name, _), layer in zip(linears, built, strict=True):
         setattr(parent, name, layer)
-    head = model.get_output_embeddings()
-    embed = model.get_input_embeddings()
+    head = model.get_output_embeddings()  # type: ignore[operator]
+    embed = model.get_input_embeddings()  # type: ignore[operator]
     if isinstance(head, nn.Linear):
         if mode == "fp16":
-            model.set_output_embeddings(HalfLinear(head.weight, head.bias))
+            model.set_output_embeddings(HalfLinear(head.weight, head.bias))  # type: ignore[operator]
             return model
         tied = embed is not None and head.weight.data_ptr() == embed.weight.data_ptr()
         quantized = QuantLinear.int8_from_float(head.weight, head.bias, dtype)
-        model.set_output_embeddings(quantized)
+        model.set_output_embeddings(quantized)  # type: ignore[operator]
         if tied and type(embed) is nn.Embedding:  # a scaled embedding (Gemma) keeps its own float rows
-            model.set_input_embeddings(QuantEmbedding(quantized, embed.padding_idx))
+            model.set_input_embeddings(QuantEmbedding(quantized, embed.padding_idx))  # type: ignore[operator]
     return model

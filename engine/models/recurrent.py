@@ -127,6 +127,7 @@ def paged_linear_attention(
     weight = module.conv1d.weight  # [conv_dim, 1, kernel]
     if launch.decode:
         source, target = launch.sources, launch.targets
+        assert source is not None and target is not None  # a decode launch has them
         window = torch.cat([conv.index_select(0, source), mixed[:, :, None].to(conv.dtype)], dim=-1)
         out = F.silu(F.conv1d(window.to(weight.dtype), weight, module.conv1d.bias, groups=module.conv_dim))
         q, k, v = _split(module, out.transpose(1, 2))  # [B, 1, heads, dim]
@@ -150,7 +151,7 @@ def paged_linear_attention(
                 rule = kernels.torch_recurrent_gated_delta_rule
             core, last = rule(
                 q, k, v, g=g[None, start:end], beta=beta[None, start:end],
-                initial_state=None if fresh else state[piece.source : piece.source + 1],
+                initial_state=None if piece.source is None else state[piece.source : piece.source + 1],
                 output_final_state=True, use_qk_l2norm_in_kernel=True,
             )
             conv[piece.target] = window[0, :, window.shape[-1] - conv.shape[-1] :]

@@ -96,13 +96,15 @@ class HFRunner:
         # (No module is a PreTrainedModel unless transformers' modeling code was imported: a GGUF
         # model's modules are foveal's, gguf.py, and importing that code costs seconds.)
         modeling = sys.modules.get("transformers.modeling_utils")
-        for module in model.modules() if modeling is not None else ():
-            if isinstance(module, modeling.PreTrainedModel):
-                module.loss_function = None
+        if modeling is not None:
+            for module in model.modules():
+                if isinstance(module, modeling.PreTrainedModel):
+                    module.loss_function = None
         self.arch = arch
         # Touched only from the thread that calls forward (the engine's device thread): no lock.
         self.image_cache = ImageFeatureCache(image_cache_bytes)
-        text = model.config.get_text_config()
+        # (torch types a module's attributes Tensor | Module: mypy cannot see a transformers model's config or methods)
+        text = model.config.get_text_config()  # type: ignore[union-attr, operator]
         self.vocab_size: int = text.vocab_size
         self.max_positions: int | None = getattr(text, "max_position_embeddings", None)
         self.device: torch.device = next(model.parameters()).device
@@ -117,7 +119,7 @@ class HFRunner:
         # runner.SlidingWindow: the engine keeps these tensors' pages for each sequence's window only
         self.sliding_window: int | None = self.kv_layout.sliding_window()
         for layer, index, shared in zip(
-            model.get_decoder().layers, self.kv_layout.index, self.kv_layout.shared, strict=True
+            model.get_decoder().layers, self.kv_layout.index, self.kv_layout.shared, strict=True  # type: ignore[operator]
         ):
             if index < 0:  # a layer without K/V (a hybrid model's linear attention: the family runs it)
                 continue
@@ -128,7 +130,7 @@ class HFRunner:
 
     def layout_kv(self, model: torch.nn.Module) -> KVLayout:
         """One KV tensor per decoder layer, all of the text config's shape (families override it)."""
-        text = model.config.get_text_config()
+        text = model.config.get_text_config()  # type: ignore[union-attr, operator]  # (as in __init__)
         head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
         shape = (text.num_key_value_heads, head_dim)
         return KVLayout(tuple(range(self.num_layers)), (False,) * self.num_layers, (shape,) * self.num_layers)
@@ -148,6 +150,7 @@ class HFRunner:
 
         def make(index: int) -> torch.Tensor:
             pages = sliding_pages if index in sliding else num_pages
+            assert pages is not None  # `sliding` is empty without sliding_pages
             heads, dim = self.kv_layout.shapes[index]
             return kv_zeros(((pages + 1) * page_size, heads, dim), self.dtype, self.device)
 
@@ -159,7 +162,7 @@ class HFRunner:
             scratch_page=num_pages,
             sliding=sliding,
             window=self.sliding_window if sliding else None,
-            sliding_scratch_page=sliding_pages if sliding else -1,
+            sliding_scratch_page=sliding_pages if sliding and sliding_pages is not None else -1,
         )
         if self.decode_graphs is not None:
             self.decode_graphs.clear()  # traces hold the old KV tensors' shapes
@@ -179,6 +182,7 @@ class HFRunner:
         return self._eager(batch, kv.k, kv.v)
 
     def _eager(self, batch: ForwardBatch, ks: list[torch.Tensor], vs: list[torch.Tensor]) -> torch.Tensor:
+        assert self.kv is not None  # allocate_kv ran (forward checks it)
         kv = replace(self.kv, k=ks, v=vs)  # the traced graphs pass the KV tensors as inputs
         prefix = prefix_lens(batch, self.device) if self.arch.prefix_attention else None
         context = build_context(batch, kv, prefix, self.dtype, self.attention_blocks(batch))
@@ -227,11 +231,13 @@ class HFRunner:
         pooled = [joined] if self.arch.features_as_list else joined
         from transformers.modeling_outputs import BaseModelOutputWithPooling
 
-        return {"mm_encoder_outputs": {"image": BaseModelOutputWithPooling(pooler_output=pooled)}}
+        # typed Tensor | None, but the models of features_as_list families read a list there
+        return {"mm_encoder_outputs": {"image": BaseModelOutputWithPooling(pooler_output=pooled)}}  # type: ignore[arg-type]
 
     def encode_images(self, images: list[PrefillInputs]) -> list[torch.Tensor]:
         """The family's image features of each request's image, [image tokens, hidden], in one encoder call."""
-        pooled = self.model.get_image_features(**self.arch.image_kwargs(images)).pooler_output
+        # get_image_features: as in __init__, mypy cannot see a transformers model's methods
+        pooled = self.model.get_image_features(**self.arch.image_kwargs(images)).pooler_output  # type: ignore[operator]
         if isinstance(pooled, (list, tuple)):
             flat = torch.cat([p.reshape(-1, p.shape[-1]) for p in pooled])
         else:

@@ -43,6 +43,7 @@ import warnings
 from collections.abc import Callable, Iterator
 from concurrent import futures
 from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
 
 import torch
 import torch.jit._state
@@ -58,7 +59,7 @@ from foveal.engine.runner import ForwardBatch
 # (silencing every thread's warnings while a trace runs, dropping filters other code set
 # meanwhile). They are added at each trace, not once at import, since an import inside a
 # catch_warnings block (pytest's collection is one) would lose them.
-TRACE_WARNINGS = (
+TRACE_WARNINGS: tuple[dict[str, Any], ...] = (
     {"category": torch.jit.TracerWarning, "module": r"(foveal|transformers)\."},
     {"category": DeprecationWarning, "module": r"torch\.jit\._trace", "message": r"`torch\.jit\.trace"},
 )
@@ -148,7 +149,7 @@ class _Step(torch.nn.Module):
 class _SlidingStep(_Step):
     """The traced unit of a runner with a sliding-window page pool: its tables and KV indices are inputs too."""
 
-    def forward(
+    def forward(  # type: ignore[override]  # its graph's inputs: two more than a _Step's; never called as one
         self, input_ids, positions, query_start, context_lens, block_tables, kv_index, ks, vs, sliding_tables,
         sliding_kv_index,
     ):
@@ -208,6 +209,7 @@ class DecodeGraphs:
         key = (bucket(n), bucket(width))
         args = (*self._pad(batch, *key, page_size, scratch_page), tuple(ks), tuple(vs))
         if batch.sliding_block_tables is not None:
+            assert batch.sliding_kv_index is not None  # set with the sliding tables
             tables = self._pad_tables(batch.sliding_block_tables, *key, sliding_scratch)
             args = (*args, tables, self._grow(batch.sliding_kv_index, key[0] - n, sliding_scratch * page_size))
         graph = self.graphs.get(key) or self._by_rows.get(key[0])
@@ -258,6 +260,7 @@ class DecodeGraphs:
                 self._by_rows[rows] = graph
                 self.graphs[key] = graph
 
+        assert self._tracer is not None  # made for background traces and `prepare`, the callers of this
         self._pending[rows] = self._tracer.submit(trace)
 
     def _trace(self, args: tuple, page_size: int) -> torch.jit.ScriptModule:
@@ -306,7 +309,8 @@ class DecodeGraphs:
             ks,
             vs,
         )
-        return (*idle, *scratch(*args[8:], sliding_scratch)) if len(args) > 8 else idle
+        # the sliding pool's (tables, kv_index)
+        return (*idle, *scratch(args[8], args[9], sliding_scratch)) if len(args) > 8 else idle
 
     @classmethod
     def _pad(cls, batch: ForwardBatch, rows: int, cols: int, page_size: int, scratch_page: int) -> tuple:

@@ -216,4 +216,5 @@ def _prune(where: Path) -> None:
 
 
 def _bytes(t: torch.Tensor) -> memoryview:
-    return memoryview(t.contiguous().view(-1).view(torch.uint8).numpy())
+    # numpy declares ndarray.__buffer__ for Python >= 3.12 only; the buffer protocol is there on 3.11 too
+    return memoryview(t.contiguous().view(-1).view(torch.uint8).numpy())  # type: ignore[arg-type]

@@ -144,6 +144,8 @@ def kv_layout(text: Any) -> KVLayout:
     producer's (the last non-sharing layer of the same attention type, transformers' pairing)."""
     modes, types = text.kv_sharing_modes, text.layer_types
     first_shared = text.num_hidden_layers - text.num_kv_shared_layers
+    index: list[int]
+    shapes: list[tuple[int, int]]
     index, shared, shapes, windows = [], [], [], []
     for layer in range(text.num_hidden_layers):
         if modes[layer] == "reuse":
@@ -164,4 +166,4 @@ class Gemma4Runner(HFRunner):
     (Its layers are not ones LeanDecoder reproduces, so HFRunner keeps transformers' forward.)"""
 
     def layout_kv(self, model: torch.nn.Module) -> KVLayout:
-        return kv_layout(model.config.get_text_config())
+        return kv_layout(model.config.get_text_config())  # type: ignore[union-attr, operator]  # nn.Module: Tensor | Module

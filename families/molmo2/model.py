@@ -135,7 +135,8 @@ class Molmo2ImagesProcessor(Molmo2ImageProcessor):
             image, size=(size.height, size.width), mode="bilinear", align_corners=False, antialias=antialias
         )
 
-    def normalize(self, image: torch.Tensor, mean: Any, std: Any, inplace: bool = False, **kwargs: Any):
+    # (on torch tensors where the base class's works on numpy arrays: the processor's own calls pass tensors)
+    def normalize(self, image: torch.Tensor, mean: Any, std: Any, inplace: bool = False, **kwargs: Any):  # type: ignore[override]
         mean = torch.as_tensor(mean, dtype=image.dtype, device=image.device).view(-1, 1, 1)
         std = torch.as_tensor(std, dtype=image.dtype, device=image.device).view(-1, 1, 1)
         return (image - mean) / std
@@ -205,7 +206,7 @@ class Molmo2Runner(HFRunner):
         self.block_ids = torch.tensor(sorted(block_ids), dtype=torch.int64, device=self.device)
         # Logits cover the whole embedding table (the image tokens past the LM head get -inf), so that
         # every tokenizer id has a column and the grammar's masks fit the logits.
-        text = model.config.get_text_config()
+        text = model.config.get_text_config()  # type: ignore[union-attr, operator]  # nn.Module: Tensor | Module
         self.head_size: int = text.vocab_size
         self.vocab_size = text.vocab_size + text.additional_vocab_size
 
@@ -228,6 +229,7 @@ class Molmo2Runner(HFRunner):
             pooling.append(torch.where(indices >= 0, indices + offset, indices))
             offset += values.shape[0] * values.shape[1]
         grids = torch.cat([image.image_tensors["image_grids"] for image in images])
-        pooled = self.model.get_image_features(torch.cat(pixels), torch.cat(pooling), grids).pooler_output
+        # (as in __init__, nn.Module: Tensor | Module)
+        pooled = self.model.get_image_features(torch.cat(pixels), torch.cat(pooling), grids).pooler_output  # type: ignore[operator]
         flat = torch.cat(list(pooled))
         return list(flat.split([image.num_image_tokens for image in images]))

@@ -59,7 +59,7 @@ class Qwen35Runner(QwenVLRunner):
         super().__init__(model, arch, image_cache_bytes=image_cache_bytes, trace_decode=False)
         self.linear = {
             index: layer.linear_attn
-            for index, layer in enumerate(model.get_decoder().layers)
+            for index, layer in enumerate(model.get_decoder().layers)  # type: ignore[operator]  # nn.Module: Tensor | Module
             if getattr(layer, "linear_attn", None) is not None
         }
         self.states: RecurrentStates | None = None
@@ -68,7 +68,8 @@ class Qwen35Runner(QwenVLRunner):
             module.forward = self._linear_forward(module)
 
     def layout_kv(self, model: torch.nn.Module) -> KVLayout:
-        text = model.config.get_text_config()
+        text = model.config.get_text_config()  # type: ignore[union-attr, operator]  # (as above)
+        shapes: list[tuple[int, int]]
         index, shapes = [], []
         for kind in text.layer_types:
             index.append(len(shapes) if kind == FULL else -1)
@@ -82,11 +83,13 @@ class Qwen35Runner(QwenVLRunner):
         state = RecurrentStates.bytes_per_row(self.linear, self.dtype)
         return super().kv_bytes_per_token() + -(-state // DEFAULT_PAGE_SIZE)
 
-    def allocate_kv(self, num_pages: int, page_size: int) -> None:
+    # no sliding_pages: the engine passes it only to a runner with a sliding window, which this is not
+    def allocate_kv(self, num_pages: int, page_size: int) -> None:  # type: ignore[override]
         super().allocate_kv(num_pages, page_size)
         self.states = RecurrentStates(self.linear, num_pages + 1, page_size, self.dtype, self.device)
 
     def _eager(self, batch: ForwardBatch, ks: list[torch.Tensor], vs: list[torch.Tensor]) -> torch.Tensor:
+        assert self.states is not None  # allocate_kv ran (forward checks it)
         self._launch_states.launch = self.states.launch(batch)
         try:
             return super()._eager(batch, ks, vs)
@@ -98,6 +101,7 @@ class Qwen35Runner(QwenVLRunner):
             launch = getattr(self._launch_states, "launch", None)
             if launch is None:
                 raise RuntimeError("a linear-attention layer ran outside a runner launch")
+            assert self.states is not None  # a launch made from them
             return paged_linear_attention(module, hidden_states, launch, self.states, modeling_qwen3_5)
 
         return forward

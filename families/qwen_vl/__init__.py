@@ -102,7 +102,7 @@ class QwenVLFamily(ChatFamily):
     def _grounding(self, skill: str, kind: str, phrase: str, max_objects: int) -> Task:
         label = self.plain("object", phrase)
         if self.absolute and kind == "points":  # Qwen2.5-VL was trained to point in XML (module docstring)
-            spec = XmlPointsSpec("points", max_objects=max_objects, label=label)
+            spec: GroundingSpec = XmlPointsSpec("points", max_objects=max_objects, label=label)
             return spatial_task(skill, self.XML_POINTS_ASK.format(label), spec)
         scale = None if self.absolute else RELATIVE_SCALE
         spec = GroundingSpec(kind, max_objects=max_objects, label=label, width=scale, height=scale)

@@ -125,6 +125,7 @@ class GroundingSpec(SpatialSpec):
     def _fields(self) -> list[tuple[str, int, int]]:
         """(terminal, lowest, highest) of each coordinate, in order: a box's min leaves room for its max."""
         w, h = self.width, self.height
+        assert w is not None and h is not None  # its callers require the scale
         if self.kind == "boxes":
             return [("XLO", 0, w - 1), ("YLO", 0, h - 1), ("XHI", 1, w), ("YHI", 1, h)]
         return [("X", 0, w), ("Y", 0, h)]
@@ -151,6 +152,7 @@ class GroundingSpec(SpatialSpec):
 
     def build(self, handle: TokenizerHandle, key: str) -> Automaton:
         self._require_scale("compile")
+        assert self.width is not None and self.height is not None  # just checked
         check_spellable(self, handle)
         kind = f"grounding-{self.kind}"
         if self.kind == "points":
@@ -168,6 +170,7 @@ class GroundingSpec(SpatialSpec):
             raise ValueError(f"not a fenced JSON answer: {text[:80]!r}")
         items = json.loads(body[len("```json") : -len("```")])
         w, h = self.width, self.height
+        assert w is not None and h is not None  # bound
         if self.kind == "points":
             return {"points": [_point(item["point_2d"], w, h) for item in items]}
         return {"objects": [_box(item["bbox_2d"], w, h) for item in items]}
@@ -245,6 +248,7 @@ class XmlPointsSpec(GroundingSpec):
         return AnswerLayout(XML_OPEN + self._close(), XML_OPEN, item, "", self._close())
 
     def lark(self) -> str:
+        assert self.width is not None and self.height is not None  # its callers require the scale
         rules = [f"start: {json.dumps(XML_OPEN)} pts1? {json.dumps(self._close())}"]
         for i in range(1, self.max_objects + 1):
             x_name, y_name = self._attributes(i)
@@ -266,6 +270,7 @@ class XmlPointsSpec(GroundingSpec):
         body = text.strip()
         if not (body.startswith("```xml") and body.endswith("```")):
             raise ValueError(f"not a fenced XML answer: {text[:80]!r}")
+        assert self.width is not None and self.height is not None  # bound
         element = ElementTree.fromstring(body[len("```xml") : -len("```")].strip())
         count = (len(element.attrib) - 1) // 2
         points = [(element.attrib[f"x{i}"], element.attrib[f"y{i}"]) for i in range(1, count + 1)]

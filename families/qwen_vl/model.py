@@ -133,7 +133,8 @@ def images_only(processor_class: type) -> type:
     """
 
     def __init__(self, image_processor=None, tokenizer=None, chat_template=None, **kwargs):
-        processor_class.__init__(
+        # the given class's own __init__, by design (a subclass's is this one)
+        processor_class.__init__(  # type: ignore[misc]
             self, image_processor, tokenizer, None, chat_template=chat_template, **kwargs
         )
 
@@ -166,6 +167,7 @@ def load_processor(arch: Architecture, path: Path, image_options: Mapping[str, A
             f"{path}: the tokenizer has no {IMAGE_PAD} token; save the checkpoint's own tokenizer"
         )
     # The processor renders conversations with the checkpoint's template, as the real class would.
+    assert arch.processor_class is not None  # a vision architecture's
     processor_class = images_only(getattr(transformers, arch.processor_class))
     processor = processor_class(image_processor, tokenizer, chat_template=tokenizer.chat_template)
     return processor, tokenizer
@@ -244,8 +246,9 @@ class QwenVLRunner(HFRunner):
         trace_decode: bool | None = None,
     ):
         super().__init__(model, arch, trace_decode=trace_decode, image_cache_bytes=image_cache_bytes)
-        self.hidden: int = model.config.get_text_config().hidden_size
-        self.deepstack: int = len(getattr(model.config.vision_config, "deepstack_visual_indexes", None) or ())
+        # (torch types a module's attributes Tensor | Module: mypy cannot see the model's config or methods)
+        self.hidden: int = model.config.get_text_config().hidden_size  # type: ignore[union-attr, operator]
+        self.deepstack: int = len(getattr(model.config.vision_config, "deepstack_visual_indexes", None) or ())  # type: ignore[union-attr]
         self.row_delta: torch.Tensor | None = None
         # The row deltas this launch reads and writes. Per thread: a decode bucket's trace runs on
         # the tracer's thread beside the device thread's forwards (traced.py).
@@ -257,6 +260,7 @@ class QwenVLRunner(HFRunner):
         kv = self.kv
         if kv is None:
             raise RuntimeError("allocate_kv(num_pages, page_size) must be called before forward()")
+        assert self.row_delta is not None  # made with the KV (allocate_kv)
         ks = [*kv.k, self.row_delta]
         if batch.is_decode and self.decode_graphs is not None and not batch.prefill:
             return self.decode_graphs(batch, ks, kv.v, kv.page_size, kv.scratch_page)
@@ -269,12 +273,14 @@ class QwenVLRunner(HFRunner):
         finally:
             self._launch.delta = None
 
-    def allocate_kv(self, num_pages: int, page_size: int) -> None:
+    # no sliding_pages: the engine passes it only to a runner with a sliding window, which this is not
+    def allocate_kv(self, num_pages: int, page_size: int) -> None:  # type: ignore[override]
         super().allocate_kv(num_pages, page_size)
         self.row_delta = torch.zeros((num_pages + 1) * page_size, dtype=torch.int64, device=self.device)
 
     def position_ids(self, batch: ForwardBatch) -> torch.Tensor:
         """[3, 1, T] M-RoPE positions of the launch's tokens; writes each token's row delta (device ops only)."""
+        assert self.kv is not None  # allocate_kv ran (forward checks it)
         device, page_size, row_delta = self.device, self.kv.page_size, self._launch.delta
         num_tokens = batch.input_ids.shape[0]
         starts = batch.query_start.to(torch.int64)
@@ -307,7 +313,7 @@ class QwenVLRunner(HFRunner):
     def encode_images(self, images: list[PrefillInputs]) -> list[torch.Tensor]:
         if not self.deepstack:
             return super().encode_images(images)
-        out = self.model.get_image_features(**self.arch.image_kwargs(images))
+        out = self.model.get_image_features(**self.arch.image_kwargs(images))  # type: ignore[operator]  # (as in __init__)
         parts = [torch.cat(out.pooler_output)] + [torch.cat(maps) for maps in out.deepstack_features]
         joined = torch.cat(parts, dim=-1)  # [tokens, hidden * (1 + deepstack)]
         return list(joined.split([image.num_image_tokens for image in images]))
@@ -318,8 +324,9 @@ class QwenVLRunner(HFRunner):
             return inputs
         (joined,) = inputs["mm_encoder_outputs"]["image"].pooler_output
         main, *maps = joined.split(self.hidden, dim=-1)
-        # Qwen3VLModel.forward concatenates each list (one entry per image batch; here the launch's)
+        # Qwen3VLModel.forward concatenates each list (one entry per image batch; here the launch's);
+        # the fields are typed Tensor | None and list[Tensor]
         outputs = BaseModelOutputWithDeepstackFeatures(
-            pooler_output=[main], deepstack_features=[[m] for m in maps]
+            pooler_output=[main], deepstack_features=[[m] for m in maps]  # type: ignore[arg-type, misc]
         )
         return {"mm_encoder_outputs": {"image": outputs}}

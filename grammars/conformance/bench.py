@@ -34,7 +34,7 @@ def load_baseline() -> dict:
 
 
 def run_subset(subset: str, tok: Any, baseline: dict, limit: int | None = None) -> dict:
-    stats = {
+    stats: dict[str, Any] = {
         "files": 0,
         "compiled": 0,
         "refused": 0,

@@ -45,6 +45,7 @@ def lark_cases(tok: Any) -> dict:
             continue
         if automaton is None:
             stats["refused"] += 1
+            assert error is not None  # the compile raised
             failures.append({"grammar": case["grammar"][:200], "why": f"refused: {error[:200]}"})
             continue
         if kind == "compile_ok":

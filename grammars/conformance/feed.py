@@ -56,6 +56,7 @@ def feed(automaton: Automaton, token_ids: list[int], mask_times: list[float] | N
     bitmask = allocate_bitmask(1, automaton.vocab_size) if mask_times is not None else None
     for t in token_ids:
         if bitmask is not None:
+            assert mask_times is not None  # the bitmask exists only with mask_times
             start = time.perf_counter()
             m.fill_mask(bitmask, 0)
             mask_times.append(time.perf_counter() - start)
@@ -94,7 +95,7 @@ def reorder(data: Any, schema: Any, root: Any, depth: int) -> Any:
         return {k: reorder(data[k], props.get(k), root, depth + 1) for k in keys}
     if isinstance(data, list):
         items = next((s["items"] for s in schemas if isinstance(s.get("items"), dict)), None)
-        prefix = next((s["prefixItems"] for s in schemas if isinstance(s.get("prefixItems"), list)), [])
+        prefix: list = next((s["prefixItems"] for s in schemas if isinstance(s.get("prefixItems"), list)), [])
         return [
             reorder(v, prefix[i] if i < len(prefix) else items, root, depth + 1) for i, v in enumerate(data)
         ]

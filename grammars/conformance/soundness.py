@@ -84,7 +84,7 @@ def validate(schema: Any, text: str) -> str | None:
 def run(tok: Any, n: int = 1400, max_tokens: int = 1500, seed: int = 0) -> dict:
     require_format_checkers()
     rng = np.random.default_rng(seed)
-    stats = {
+    stats: dict[str, Any] = {
         "sampled": 0,
         "compiled": 0,
         "terminated": 0,
