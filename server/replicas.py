@@ -59,7 +59,7 @@ REPLICA = "FovealReplica"
 INGRESS = "FovealIngress"
 ROUTER = "foveal.server.router:AffinityRouter"
 PROBE_ROOM = 16  # requests a replica takes beyond --max-queue: /health and /metrics probes
-PROBE_S = 3.0  # a replica's /health or /metrics that takes longer is "unreachable"
+PROBE_S = 5.0  # a replica's /health or /metrics that takes longer is "unreachable"
 LARGE_BODY = 64 * 1024  # bodies parsed for their key off the event loop
 CUT_S = 10.0
 
