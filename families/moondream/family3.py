@@ -12,13 +12,25 @@ What the preview's code does differently, and this class states:
 Not implemented for Moondream 3: LoRA variants (the preview applies them to attention and dense
 MLPs only; a variant is refused by name) and quantized weights (refused at load, as for Moondream 2).
 
-For segmentation (built elsewhere on this family), `region_values(text)` reads a committed answer's
-region steps back into the floats the region head gave: coordinates bin / 1024 and sizes
-2^(bin / 1023 * 10 - 10), in answer order, so a segment reader gets the centre and size of the object.
+    segment    segment.prefix + each ref's coord (and size) values + object (no leading space) +
+               segment.suffix; the answer is coord, coord, size (region steps), then path tokens until
+               eos (segment.py's `SegmentMatcher`); value {"path": normalized SVG path, "bbox"}.
+               The template is the checkpoint's `segment` one; a config without one (the preview's
+               HF config, the moondream3-tiny fixture) gets Moondream's documented ids [1, 17374, 2]
+               / [3], mapped as the checkpoint maps its other templates (`segment_template`).
+               Token boundaries: the path is read from its tokens one at a time (two integer tokens
+               "12" "34" are two numbers), which the decoded text loses for a byte-level
+               tokenizer; so `prepare` binds the call's parse and stream progress to its matcher's
+               committed items, and its read to the output's token ids, never to the text.
+               No refiner head is loaded (none is in the preview checkpoint): the path is the coarse one.
+`region_values(text)` reads a committed answer's region steps back into the floats the region head
+gave: coordinates bin / 1024 and sizes 2^(bin / 1023 * 10 - 10), in answer order.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import threading
 from typing import Any
 
 import torch
@@ -34,7 +46,39 @@ from foveal.families.moondream.family import (
 )
 from foveal.families.moondream.processor import MoondreamPrompt
 from foveal.families.moondream.region import coord_from_bin, size_from_bins
+from foveal.families.moondream.segment import PathTokens, SegmentMatcher, value_of_ids
+from foveal.families.prepared import CallLimits, ImagesOf, Prepared
 from foveal.families.task import Task
+
+# The HF preview code's templates, and the segment template Moondream's engine uses (the fixture
+# README); a tiny checkpoint may take ids >= 10 modulo its vocabulary (the fixture's rule).
+REAL_TEMPLATES: dict[str, Any] = {
+    "caption": {"short": [1, 32708, 2, 12492, 3], "normal": [1, 32708, 2, 6382, 3], "long": [1, 32708, 2, 4059, 3]},
+    "query": {"prefix": [1, 15381, 2], "suffix": [3]},
+    "detect": {"prefix": [1, 7235, 476, 2], "suffix": [3]},
+    "point": {"prefix": [1, 2581, 2], "suffix": [3]},
+}
+SEGMENT_TEMPLATE = {"prefix": [1, 17374, 2], "suffix": [3]}
+
+
+def _mapped(template: Any, vocab_size: int) -> Any:
+    if isinstance(template, dict):
+        return {k: _mapped(v, vocab_size) for k, v in template.items()}
+    return [i if i < 10 else i % vocab_size for i in template]
+
+
+def segment_template(templates: dict, vocab_size: int) -> dict | None:
+    """The checkpoint's segment template; else the documented one, where every template the checkpoint
+    has is the preview's with the same mapping of ids (identity for the real vocabulary, ids >= 10
+    modulo the vocabulary for the tiny fixture); else None (an unknown template set)."""
+    if templates.get("segment"):
+        return templates["segment"]
+    known = [k for k in templates if k in REAL_TEMPLATES]
+    if known and all(
+        _mapped(REAL_TEMPLATES[k], vocab_size) == _mapped(templates[k], 1 << 62) for k in known
+    ):
+        return _mapped(SEGMENT_TEMPLATE, vocab_size)
+    return None
 
 
 def region_values(text: str) -> list[tuple[str, tuple[float, ...]]]:
@@ -50,17 +94,25 @@ def region_values(text: str) -> list[tuple[str, tuple[float, ...]]]:
     return out
 
 
+def _unbound(text: str) -> dict[str, Any]:
+    raise RuntimeError("a Moondream 3 segment task is read through Moondream3Family.prepare (its token pieces)")
+
+
 class Moondream3Family(MoondreamFamily):
     """A Moondream 3 checkpoint; constructed by MoondreamFamily.load, never matched on its own."""
 
     def __init__(self, loaded: Any, config: Any, folder: Any = None) -> None:
         super().__init__(loaded, config, folder)
+        self._segment = segment_template(self.templates, config.text.vocab_size)
+        segments = frozenset({"segment"}) if self._segment is not None else frozenset()
+        self._path_tokens: PathTokens | None = None  # built on the first segment call
+        self._path_lock = threading.Lock()
         self.capabilities = Capabilities(
-            SKILLS,
+            SKILLS | segments,
             vision=True,
             reasoning=True,
             gaze=True,
-            spatial_refs=frozenset({"query"}),
+            spatial_refs=frozenset({"query"}) | segments,
             variants=False,
             token_budget=REFERENCE_MAX_TOKENS,
         )
@@ -88,6 +140,49 @@ class Moondream3Family(MoondreamFamily):
         prompt = MoondreamPrompt(tuple(template["prefix"]), self.plain("question", question), (self.ids.thinking_id,))
         masked = (self.ids.eos_id, self.ids.size_id)
         return Task("query", prompt, rules=lambda: ReasoningMatcher(self.ids.answer_id, masked))
+
+    def segment(self, phrase: str, refs: tuple[tuple[float, ...], ...] | None) -> Task:
+        """segment.prefix + the refs' values + object (no leading space, as Moondream's engine) +
+        segment.suffix; the answer under `SegmentMatcher`, read by `prepare`'s bindings."""
+        if self._segment is None:
+            raise self.unsupported("segment")
+        tokens = self.path_tokens()
+        if not tokens:
+            raise self.unsupported_option(
+                "segment with this tokenizer", "its vocabulary has no tokens that spell an SVG path (M, integers)"
+            )
+        prompt = MoondreamPrompt(
+            (*self._segment["prefix"], *ref_parts(refs or ())),
+            self.plain("object", phrase),
+            tuple(self._segment["suffix"]),
+        )
+        return Task("segment", prompt, parse=_unbound, keep_special=True, rules=lambda: SegmentMatcher(tokens),
+                    progress=_unbound)
+
+    def path_tokens(self) -> PathTokens:
+        """The vocabulary's path tokens (segment.py), decoded once, on the first segment call."""
+        with self._path_lock:
+            if self._path_tokens is None:
+                self._path_tokens = PathTokens(self.tokenizer, self.config.text.vocab_size, self.ids.eos_id)
+            return self._path_tokens
+
+    def prepare(self, task: Task, images: ImagesOf, limits: CallLimits) -> Prepared:
+        """A segment call's value is read from token pieces, not from the decoded text, which can lose
+        token boundaries ("12" + "34" reads "1234" in a byte-level tokenizer's text): its parse and
+        stream progress read its own matcher's committed items (the engine commits into that matcher
+        before it releases the text of the same tokens), its read the output's token ids."""
+        prepared = super().prepare(task, images, limits)
+        if task.skill != "segment":
+            return prepared
+        matcher = prepared.request.matcher
+        assert isinstance(matcher, SegmentMatcher)  # the task's rules
+        bound = dataclasses.replace(
+            prepared.task,
+            parse=lambda text: matcher.value(final=True),
+            progress=lambda text: matcher.value(final=False),
+        )
+        tokens = matcher.tokens
+        return dataclasses.replace(prepared, task=bound, read=lambda output: value_of_ids(tokens, output.token_ids))
 
     def _gate_ids(self) -> tuple[int, ...]:
         return (self.ids.coord_id, self.ids.eos_id)

@@ -52,6 +52,11 @@ def path_piece(text: str) -> bool:
     )
 
 
+def path_items(text: str) -> list[str]:
+    """A path piece's items in order: command letters, "-" and integers ("M12" is ["M", "12"])."""
+    return _PIECE.findall(text.strip())
+
+
 class PathWriter:
     """The normalized path spelled by a segment answer's text tokens, one token at a time."""
 
