@@ -105,8 +105,9 @@ async def relay(app: ASGIApp, request: Forwarded, replica: str) -> AsyncIterator
                 yield chunk
             if not more:
                 break
-        if not task.cancelled() and task.done() and task.exception() is not None:
-            raise task.exception()
+        failure = task.exception() if task.done() and not task.cancelled() else None
+        if failure is not None:
+            raise failure
     finally:
         gone.set()
         await _settle(task)

@@ -198,7 +198,9 @@ def _url(host: str, port: int) -> str:
     """The proxy's URL (Serve already running on a cluster keeps the host and port it has)."""
     from ray.serve.context import _get_global_client
 
-    config = _get_global_client().http_config
+    client = _get_global_client()
+    assert client is not None  # Serve was started (or found) before the URL is asked
+    config = client.http_config
     host, port = config.host or host, config.port or port
     shown = f"[{host}]" if ":" in host else host
     return f"http://{shown}:{port}"

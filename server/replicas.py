@@ -30,7 +30,7 @@ import contextlib
 import logging
 import time
 from collections import defaultdict
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
@@ -87,7 +87,7 @@ class ReplicaArgs(BaseModel):
     replica_cpus: float = Field(1.0, ge=0)
     replica_gpus: float | None = Field(None, ge=0)  # None: 0 here; the CLI picks 1 on a GPU cluster
     routing: Literal["affinity", "default"] = "affinity"
-    imbalance: int = Field(DEFAULT_IMBALANCE, ge=1)
+    imbalance: int = Field(default=DEFAULT_IMBALANCE, ge=1)
 
     @model_validator(mode="after")
     def _one_scale(self) -> "ReplicaArgs":
@@ -128,7 +128,7 @@ class FovealReplica:
     """One model and the app of app.py over it; the model loads in the constructor, so Serve counts
     the replica RUNNING (and routes to it) only once it can answer."""
 
-    async def __init__(self, args: ReplicaArgs) -> None:
+    async def __init__(self, args: ReplicaArgs) -> None:  # type: ignore[misc]  # Ray Serve awaits an async constructor
         import foveal
         from foveal.server.app import create_app
 
@@ -273,7 +273,10 @@ class FovealIngress:
 
     async def _relay(self, request: Forwarded, key: str | None, receive: Receive, send: Send) -> None:
         pieces = self._handle(key).remote(request)
-        stops = [asyncio.ensure_future(self.grace_over.wait()), asyncio.ensure_future(_gone(receive))]
+        stops: list[asyncio.Future[Any]] = [
+            asyncio.ensure_future(self.grace_over.wait()),
+            asyncio.ensure_future(_gone(receive)),
+        ]
         streaming = False
         try:
             try:
@@ -378,7 +381,7 @@ class FovealIngress:
 
     def _counted(self, app: Callable[[Scope, Receive, Send], Awaitable[None]]) -> Any:
         async def counted(scope: Scope, receive: Receive, send: Send) -> None:
-            async def watched(message: dict) -> None:
+            async def watched(message: MutableMapping[str, Any]) -> None:
                 if message["type"] == "http.response.start":
                     self.statuses[message["status"]] += 1
                 await send(message)
@@ -454,7 +457,9 @@ async def _serve_replicas() -> list[dict[str, Any]]:
 
     app = serve.get_replica_context().app_name
     try:
-        details = await asyncio.wait_for(asyncio.to_thread(_get_global_client().get_serve_details), PROBE_S)
+        client = _get_global_client()
+        assert client is not None  # this runs in a replica of a running Serve application
+        details = await asyncio.wait_for(asyncio.to_thread(client.get_serve_details), PROBE_S)
     except Exception as error:
         log.warning("the Serve controller did not list the replicas: %s", error)
         return []
