@@ -128,8 +128,8 @@ def segment(
     stream: bool = False,
     settings: Mapping | None = None,
 ) -> Call:
-    """The object's outline as an SVG path and its box (Moondream's segment), the client 2.6.1's
-    arguments in its order; spatial_refs (points and boxes) say which object is meant."""
+    """The object's outline as an SVG path and its box, the reference client API's arguments in
+    its order; spatial_refs (points and boxes) say which object is meant."""
     phrase = check_object(object)
     check_flag("stream", stream, "segment's fourth argument (the reference's order)")
     refs = check_spatial_refs(spatial_refs)

@@ -359,7 +359,7 @@ class Model:
         The reference client API's arguments and order. `spatial_refs`: points and boxes that say which
         object is meant, where the model takes them for segment. stream=True: a SegmentStream of
         updates, `{"bbox"}` first, then `{"chunk"}` pieces of the path, then
-        `{"path", "bbox", "completed": True}`, as Moondream's client yields them.
+        `{"path", "bbox", "completed": True}`, as the reference client API yields them.
         """
         return self._call(calls.segment(self.family, image, object, spatial_refs, stream, settings))
 

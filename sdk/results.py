@@ -290,8 +290,8 @@ class PointResult(Result):
 
 class SegmentResult(Result):
     """`{"path": SVG path data, "bbox": {"x_min", "y_min", "x_max", "y_max"}}`: the object's outline in
-    normalized coordinates (origin top-left; every point in [0, 1]) and its box, Moondream's
-    segment answer; "bbox" is None where the model gave none. Streamed: a `SegmentStream`."""
+    normalized coordinates (origin top-left; every point in [0, 1]) and its box, as the reference
+    client API answers segment; "bbox" is None where the model gave none. Streamed: a `SegmentStream`."""
 
     __slots__ = ()
     SKILL = "segment"
@@ -328,7 +328,7 @@ class SegmentResult(Result):
 
 
 class _SegmentUpdates:
-    """A segment stream's updates from its text chunks, as Moondream's client 2.6.1 yields them:
+    """A segment stream's updates from its text chunks, as the reference client API yields them:
     `{"bbox"}` once the box is known, `{"chunk"}` for each piece of the path settled since, then
     `{"path", "bbox", "completed": True}` (the box before it if it never came earlier)."""
 
