@@ -273,8 +273,11 @@ class MoondreamFamily(Family):
         return Task("gaze", prompt, spec, parse_gaze, keep_special=True)
 
     def with_settings(self, task: Task, settings: CallSettings) -> Task:
-        """The task with the call's LoRA variant (settings['variant']) resolved and loaded."""
-        name = getattr(settings, "variant", None)
+        """The task with the call's LoRA variant (settings['variant']) resolved and loaded; refused, as
+        by every family, where the checkpoint declares no variants."""
+        if not self.capabilities.variants:
+            return super().with_settings(task, settings)
+        name = settings.variant
         if name is None:
             return task
         path = lora.resolve(name, self.folder)

@@ -35,11 +35,8 @@ from typing import Any
 
 import torch
 
-from foveal.families.base import CallSettings, Capabilities
 from foveal.families.moondream.answers import ReasoningMatcher
 from foveal.families.moondream.family import (
-    REFERENCE_MAX_TOKENS,
-    SKILLS,
     VALUE,
     MoondreamFamily,
     ref_parts,
@@ -107,14 +104,9 @@ class Moondream3Family(MoondreamFamily):
         segments = frozenset({"segment"}) if self._segment is not None else frozenset()
         self._path_tokens: PathTokens | None = None  # built on the first segment call
         self._path_lock = threading.Lock()
-        self.capabilities = Capabilities(
-            SKILLS | segments,
-            vision=True,
-            reasoning=True,
-            gaze=True,
-            spatial_refs=frozenset({"query"}) | segments,
-            variants=False,
-            token_budget=REFERENCE_MAX_TOKENS,
+        caps = self.capabilities  # Moondream 2's, but segment where the template allows it, and no variants
+        self.capabilities = dataclasses.replace(
+            caps, skills=caps.skills | segments, spatial_refs=caps.spatial_refs | segments, variants=False
         )
 
     def _query_prompt(self, text: str) -> MoondreamPrompt:
@@ -186,8 +178,3 @@ class Moondream3Family(MoondreamFamily):
 
     def _gate_ids(self) -> tuple[int, ...]:
         return (self.ids.coord_id, self.ids.eos_id)
-
-    def with_settings(self, task: Task, settings: CallSettings) -> Task:
-        if getattr(settings, "variant", None) is not None:
-            raise self.unsupported_option("settings['variant']", "LoRA variants are not implemented for Moondream 3")
-        return task

@@ -47,12 +47,12 @@ class Tau(nn.Module):
         self.alpha = nn.Parameter(torch.empty(n_heads, **factory))
 
     def factors(
-        self, qkv: torch.Tensor, positions: torch.Tensor, approximate: str
+        self, qkv: torch.Tensor, log_pos: torch.Tensor, approximate: str
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """([T, heads, 1] scale of q, [T, heads, 1] scale of v)."""
+        """([T, heads, 1] scale of q, [T, heads, 1] scale of v); `log_pos` [T, 1] is log(position + 1),
+        the same in every layer of a launch."""
         t = F.gelu(qkv, approximate=approximate)
         tok_q, tok_v = torch.tanh(t @ self.wq.T), torch.tanh(t @ self.wv.T)
-        log_pos = torch.log(positions.to(qkv.dtype) + 1)[:, None]
         tau_pos = 1 + (torch.sigmoid(self.alpha[None] * log_pos) - 0.5)
         return (tok_q + tau_pos)[..., None], (tok_v + tau_pos)[..., None]
 
@@ -97,9 +97,9 @@ class TextDecoder3(nn.Module):
         lora: object = None,
     ) -> torch.Tensor:
         """x [T, dim] input embeddings -> [T, dim] hidden states (before post_ln), as text.TextDecoder's."""
-        if lora is not None:
-            raise ValueError("LoRA variants are not implemented for Moondream 3")
+        # `lora` is always None: the family declares no variants, so with_settings refuses them
         cos, sin = cos_table[positions], sin_table[positions]
+        log_pos = torch.log(positions.to(x.dtype) + 1)[:, None]  # the tau position term's, once per launch
         heads = self.cfg.n_heads
         num_tokens = x.shape[0]
         decode = ctx.query_seq is None  # build_context leaves it None for decode-only launches
@@ -108,7 +108,7 @@ class TextDecoder3(nn.Module):
             h = block.ln(x)
             qkv = block.attn.qkv(h)
             q, k, v = (part.view(num_tokens, heads, HEAD_DIM) for part in qkv.chunk(3, dim=-1))
-            scale_q, scale_v = block.attn.tau.factors(qkv, positions, self.approximate)
+            scale_q, scale_v = block.attn.tau.factors(qkv, log_pos, self.approximate)
             q, k = apply_rotary(q * scale_q, cos, sin), apply_rotary(k, cos, sin)
             a = paged_attention(ctx, index, q, k, v * scale_v, None)
             attn = block.attn.proj(a.reshape(num_tokens, heads * HEAD_DIM))
