@@ -1,5 +1,5 @@
-"""Moondream 3's decode step on CPU: the mixture of experts computed as the runner does (grouped by the
-batch's routing, no loop per expert) against a per-expert Python loop.
+"""Moondream 3's decode step on CPU: the mixture of experts computed as the runner does (gathered or
+dense for decode, no loop per expert) against a per-expert Python loop.
 
     python -m benchmarks.moe_decode [--rows 1 4 16] [--context 760] [--steps 30] [--out out/benchmarks/moe_decode.json]
 
@@ -10,7 +10,7 @@ prompt), and the table gives the median milliseconds of one decode step for:
     runner   the runner's own strategy (gathered while rows * k <= experts, else dense), eager;
     loop     the same step with every MoE layer as a loop over the experts (moe.MoE.looped), eager;
     traced   the runner's strategy replayed as the traced decode graph (what the CPU engine runs).
-The CPU model (lscpu's "Model name"), thread count and versions are recorded with the figures.
+The CPU model (benchmarks.run.cpu_model), thread count and versions are recorded with the figures.
 """
 
 from __future__ import annotations
@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import platform
 import statistics
-import subprocess
 import time
 from contextlib import contextmanager
 from typing import Any
@@ -26,6 +25,7 @@ from typing import Any
 import torch
 
 from benchmarks import write_json
+from benchmarks.run import cpu_model
 from foveal.engine.runner import ForwardBatch
 from foveal.families.moondream.config import MoondreamConfig
 from foveal.families.moondream.load import MOONDREAM
@@ -46,17 +46,6 @@ CONFIGS: dict[str, dict[str, Any]] = {
 }
 MODES = ("runner", "loop", "traced")
 VISION = {"enc_dim": 32, "enc_n_layers": 27, "enc_ff_dim": 64, "enc_n_heads": 2, "proj_inner_dim": 128}
-
-
-def lscpu_model() -> str:
-    try:
-        out = subprocess.run(["lscpu"], capture_output=True, text=True, check=True).stdout
-    except (OSError, subprocess.CalledProcessError):
-        return platform.processor() or "unknown"
-    for line in out.splitlines():
-        if line.startswith("Model name"):
-            return line.split(":", 1)[1].strip()
-    return "unknown"
 
 
 def build_runner(name: str, trace: bool) -> MoondreamRunner:
@@ -140,7 +129,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--out", default="out/benchmarks/moe_decode.json")
     args = parser.parse_args(argv)
     report: dict[str, Any] = {
-        "cpu": lscpu_model(), "torch_threads": torch.get_num_threads(), "torch": torch.__version__,
+        "cpu": cpu_model(), "torch_threads": torch.get_num_threads(), "torch": torch.__version__,
         "python": platform.python_version(), "context": args.context, "steps": args.steps, "results": [],
     }
     print(f"CPU {report['cpu']}, {report['torch_threads']} torch threads; median ms per decode step")

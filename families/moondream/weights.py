@@ -97,8 +97,7 @@ def tensor_files(folder: Path) -> dict[str, Path]:
         raise ModelLoadError(
             f"{folder} has no model.safetensors nor model.safetensors.index.json (found {shards})"
         )
-    with safe_open(str(single), framework="pt") as file:
-        return dict.fromkeys(file.keys(), single)  # noqa: SIM118
+    return _single(single)
 
 
 def stored_names(folder: Path) -> list[str]:
