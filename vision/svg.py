@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import math
 import re
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 # Numbers each command takes (its lower-case twin is the relative form).
@@ -163,3 +163,11 @@ def write_path(segments: Iterable[Segment], decimals: int = 3) -> str:
         parts.append(seg.command)
         parts.extend(format_number(v, decimals) for v in seg.args)
     return " ".join(parts)
+
+
+def bounds(points: Sequence[tuple[float, float]]) -> tuple[float, float, float, float]:
+    """(x_min, y_min, x_max, y_max) of some points (a path's, from `path_points`)."""
+    if not points:
+        raise SvgPathError("a path without points has no bounds")
+    xs, ys = [p[0] for p in points], [p[1] for p in points]
+    return min(xs), min(ys), max(xs), max(ys)
