@@ -223,33 +223,38 @@ class MoondreamFamily(Family):
             )
         return Task("caption", MoondreamPrompt(tuple(template[length])), rules=self._rules)
 
+    # the reason a query with spatial_refs and reasoning=True is refused
+    REFS_WITH_REASONING = "the reference fails on it at this revision; ask with one or the other"
+
+    def _query_suffix(self) -> tuple[int, ...]:
+        """What a query's prompt ends with: Moondream 2's template feeds query.suffix twice."""
+        return tuple(self._template("query")["suffix"]) * 2
+
+    def _thinking_suffix(self) -> tuple[int, ...]:
+        """What a reasoning phase's prompt ends with: query.suffix, then the thinking id."""
+        return (*self._template("query")["suffix"], self.ids.thinking_id)
+
     def _query_prompt(self, text: str) -> MoondreamPrompt:
-        template = self._template("query")
-        return MoondreamPrompt(tuple(template["prefix"]), text, tuple(template["suffix"]) * 2)
+        return MoondreamPrompt(tuple(self._template("query")["prefix"]), text, self._query_suffix())
 
     def query(self, question: str) -> Task:
         return Task("query", self._query_prompt(self.plain("question", question)), rules=self._rules)
 
     def spatial_query(self, question: str, refs: tuple[tuple[float, ...], ...]) -> Task:
-        """query.prefix + each ref's coord (and size) values + question + query.suffix twice."""
+        """query.prefix + each ref's coord (and size) values + question + the query's suffix."""
         template = self._template("query")
         prompt = MoondreamPrompt(
-            (*template["prefix"], *ref_parts(refs)), self.plain("question", question), tuple(template["suffix"]) * 2
+            (*template["prefix"], *ref_parts(refs)), self.plain("question", question), self._query_suffix()
         )
         return Task("query", prompt, rules=self._rules)
 
     def reasoning(self, question: str, refs: tuple[tuple[float, ...], ...] | None) -> Task:
-        """The reasoning phase of query(reasoning=True): query.prefix + question + query.suffix + the
-        thinking id; its answer's ids are read by `reasoned_answer`."""
+        """The reasoning phase of query(reasoning=True): query.prefix + question + the thinking suffix;
+        its answer's ids are read by `reasoned_answer`."""
         if refs:
-            raise self.unsupported_option(
-                "spatial_refs together with reasoning=True",
-                "the reference fails on it at this revision; ask with one or the other",
-            )
+            raise self.unsupported_option("spatial_refs together with reasoning=True", self.REFS_WITH_REASONING)
         template = self._template("query")
-        prompt = MoondreamPrompt(
-            tuple(template["prefix"]), self.plain("question", question), (*template["suffix"], self.ids.thinking_id)
-        )
+        prompt = MoondreamPrompt(tuple(template["prefix"]), self.plain("question", question), self._thinking_suffix())
         masked = (self.ids.eos_id, self.ids.size_id)
         return Task("query", prompt, rules=lambda: ReasoningMatcher(self.ids.answer_id, masked))
 

@@ -35,7 +35,6 @@ from typing import Any
 
 import torch
 
-from foveal.families.moondream.answers import ReasoningMatcher
 from foveal.families.moondream.family import (
     VALUE,
     MoondreamFamily,
@@ -109,29 +108,15 @@ class Moondream3Family(MoondreamFamily):
             caps, skills=caps.skills | segments, spatial_refs=caps.spatial_refs | segments, variants=False
         )
 
-    def _query_prompt(self, text: str) -> MoondreamPrompt:
-        template = self._template("query")
-        return MoondreamPrompt(tuple(template["prefix"]), text, tuple(template["suffix"]))
+    REFS_WITH_REASONING = "the preview's reference fails on it; ask with one or the other"
 
-    def spatial_query(self, question: str, refs: tuple[tuple[float, ...], ...]) -> Task:
-        """query.prefix + each ref's coord (and size) values + question + query.suffix (once)."""
-        template = self._template("query")
-        prompt = MoondreamPrompt(
-            (*template["prefix"], *ref_parts(refs)), self.plain("question", question), tuple(template["suffix"])
-        )
-        return Task("query", prompt, rules=self._rules)
+    def _query_suffix(self) -> tuple[int, ...]:
+        """Moondream 3's query prompt ends with query.suffix once."""
+        return tuple(self._template("query")["suffix"])
 
-    def reasoning(self, question: str, refs: tuple[tuple[float, ...], ...] | None) -> Task:
-        """query.prefix + question + the thinking id; eos and size masked after the first step."""
-        if refs:
-            raise self.unsupported_option(
-                "spatial_refs together with reasoning=True",
-                "the preview's reference fails on it; ask with one or the other",
-            )
-        template = self._template("query")
-        prompt = MoondreamPrompt(tuple(template["prefix"]), self.plain("question", question), (self.ids.thinking_id,))
-        masked = (self.ids.eos_id, self.ids.size_id)
-        return Task("query", prompt, rules=lambda: ReasoningMatcher(self.ids.answer_id, masked))
+    def _thinking_suffix(self) -> tuple[int, ...]:
+        """Moondream 3's reasoning phase: the thinking id straight after the question."""
+        return (self.ids.thinking_id,)
 
     def segment(self, phrase: str, refs: tuple[tuple[float, ...], ...] | None) -> Task:
         """segment.prefix + the refs' values + object (no leading space, as Moondream's engine) +
