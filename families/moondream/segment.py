@@ -135,6 +135,10 @@ class SegmentMatcher:
     def __init__(self, tokens: PathTokens) -> None:
         self.tokens = tokens
         self.history: list[int] = []
+        # the reader's (`value`): the path written so far over items[:written], and the box once known;
+        # a stream reads after every chunk, so each read writes only the items settled since the last
+        self._written, self._writer = 0, PathWriter()
+        self._bbox: dict[str, float] | None = None
         self._replay()
 
     def _replay(self) -> None:
@@ -192,15 +196,14 @@ class SegmentMatcher:
         """{"bbox": the box (None before the size step), "path": the complete groups' path, normalized};
         `final`: the path must be one (not empty, parses, inside the image), SvgPathError otherwise."""
         settled, regions = self.settled, list(self.regions)  # read once: the engine thread commits
-        writer = PathWriter()
-        for item in self.items[:settled]:
-            writer.add(item)
-        bbox = None
-        if len(regions) == 3:
+        writer = self._writer_upto(settled)
+        if self._bbox is None and len(regions) == 3:
             (_, (x,)), (_, (y,)), (_, (w, h)) = regions
             width, height = size_from_bins(torch.tensor([w, h])).tolist()
-            bbox = bbox_from_region(coord_from_bin(torch.tensor(x)).item(), coord_from_bin(torch.tensor(y)).item(),
-                                    width, height)
+            self._bbox = bbox_from_region(
+                coord_from_bin(torch.tensor(x)).item(), coord_from_bin(torch.tensor(y)).item(), width, height
+            )
+        bbox = self._bbox
         if final:
             if not settled:
                 raise SvgPathError(
@@ -209,6 +212,15 @@ class SegmentMatcher:
                 )
             return {"path": writer.finish(), "bbox": bbox}
         return {"path": writer.path, "bbox": bbox}
+
+    def _writer_upto(self, settled: int) -> PathWriter:
+        """The path writer over items[:settled], extended from the last read's."""
+        if settled < self._written:  # rolled back below what was read: write it again
+            self._written, self._writer = 0, PathWriter()
+        for item in self.items[self._written : settled]:
+            self._writer.add(item)
+        self._written = settled
+        return self._writer
 
 
 def value_of_ids(tokens: PathTokens, token_ids: list[int]) -> dict[str, Any]:
