@@ -30,11 +30,10 @@ import time
 from types import FrameType
 from typing import Any
 
-from foveal.server.run import bind
+from foveal.server.run import CUT_S, bind
 
 APP = "foveal"
 POLL_S = 0.1
-CUT_S = 10.0
 REACH_S = 5.0
 READY_S = 60.0
 INSTALL = "pip install -c constraints.txt -e '.[ray]' in foveal's clone (or pip install 'ray[serve]')"

@@ -51,6 +51,7 @@ from foveal.server.fleet_metrics import cache_lines, ingress_lines, merge
 from foveal.server.gate import Gate, refuse
 from foveal.server.ops import PROMETHEUS_TEXT
 from foveal.server.router import DEFAULT_IMBALANCE
+from foveal.server.run import CUT_S
 from foveal.server.state import CUT, NOT_ADMITTED, SHUTDOWN_FINAL
 from foveal.server.streaming import sse
 
@@ -61,7 +62,6 @@ ROUTER = "foveal.server.router:AffinityRouter"
 PROBE_ROOM = 16  # requests a replica takes beyond --max-queue: /health and /metrics probes
 PROBE_S = 5.0  # a replica's /health or /metrics that takes longer is "unreachable"
 LARGE_BODY = 64 * 1024  # bodies parsed for their key off the event loop
-CUT_S = 10.0
 
 
 class ReplicaArgs(BaseModel):
