@@ -116,7 +116,8 @@ def run_once(serve, routing: str, args: argparse.Namespace, requests: list) -> d
 
     spec = ReplicaArgs(replicas=args.replicas, replica_cpus=args.replica_cpus, device="cpu", routing=routing)
     serve.run(application(spec), name=APP, route_prefix="/")
-    wait_ready(serve, APP, 120)
+    if not wait_ready(serve, APP, spec.initial_replicas, 120):
+        raise RuntimeError(f"{spec.initial_replicas} replicas did not answer /health within 120 s")
     url = f"http://127.0.0.1:{PORT}"
     warm = [(p, {**b, "image_url": data_url(scene(10_000 + i))}) for i, (p, b) in enumerate(requests[:8])]
     asyncio.run(drive(url, warm, args.concurrency))  # traces and grammars, on images the workload never sends

@@ -112,9 +112,10 @@ def _serve_command(commands: Any) -> None:
     sub.add_argument(
         "--read-timeout",
         type=float,
-        default=30.0,
+        default=None,
         metavar="SECONDS",
-        help="a client has this long to send a whole request, then it is disconnected (default: %(default)s)",
+        help="a client has this long to send a whole request, then it is disconnected (default: ServerConfig's "
+        "read_timeout_s, 30; one process only: with --replicas, Ray Serve's proxy reads the requests)",
     )
     sub.add_argument(
         "--quiet", action="store_true", help="no request log, no progress bar or transformers warning on load"
@@ -347,7 +348,7 @@ def run_serve(args: argparse.Namespace) -> int:
             max_queue=args.max_queue,
             max_body_bytes=args.max_body_bytes,
             shutdown_grace_s=args.shutdown_grace,
-            read_timeout_s=args.read_timeout,
+            **({} if args.read_timeout is None else {"read_timeout_s": args.read_timeout}),
         )
         check_serve_args(args)
     except ValueError as error:  # ModelLoadError is a ValueError
@@ -356,6 +357,12 @@ def run_serve(args: argparse.Namespace) -> int:
     if any(getattr(args, f) is not None for f in ("replicas", "min_replicas", "max_replicas")):
         from foveal.server.replica_cli import run_replicas
 
+        if args.read_timeout is not None:  # no proxy setting means "the whole request within N s"
+            return fail(
+                "--read-timeout applies to one process's server; with --replicas, Ray Serve's proxy "
+                "reads the requests (see docs/serving.md#replicas)",
+                2,
+            )
         return run_replicas(args)
 
     def loader() -> foveal.Model:

@@ -9,7 +9,9 @@ ORDER
        that cannot all fit its CPUs / GPUs exit 2 (Serve would wait for them for good).
     3. Serve's HTTP proxy on host:port, then the application (replicas.py) deployed; one line
        says the replicas are loading. `serve.run` returns once every replica has loaded its
-       model; a replica that cannot load fails the deployment: one line, exit 1.
+       model; a replica that cannot load fails the deployment: one line, exit 1. Then it waits
+       until the ingress's router reaches every replica the deployment starts with (affinity:
+       a key routed while it knows only some would move once the rest arrive).
     4. `foveal: serving on URL (N replicas on Ray ...)`; serve until SIGINT or SIGTERM.
     5. Drain, as `foveal serve` does (run.py's SHUTDOWN): the ingress refuses new calls (503
        `shutting_down`, /health "stopping"), calls in flight get --shutdown-grace seconds (a
@@ -109,7 +111,7 @@ def _serve(
             f"foveal: loading {_fleet(args)} on Ray ({where}); {url}/health answers once one is ready",
             flush=True,
         )
-        if not _deploy(serve, args) or not wait_ready(serve, APP, READY_S):
+        if not _deploy(serve, args) or not wait_ready(serve, APP, args.initial_replicas, READY_S):
             return 1
         print(
             f"foveal: serving on {url} ({_fleet(args)}, playground {url}/, Moondream and OpenAI APIs at {url}/v1)",
@@ -227,16 +229,22 @@ def _deploy(serve: Any, args: Any) -> bool:
     return True
 
 
-def wait_ready(serve: Any, app: str, seconds: float) -> bool:
-    """Whether a replica answered "ok" through the ingress within `seconds` (the deployment is up,
-    but the ingress's router may not have learnt of the replicas yet)."""
+def wait_ready(serve: Any, app: str, replicas: int, seconds: float) -> bool:
+    """Whether `replicas` replicas answered "ok" through the ingress within `seconds` (the
+    deployment is up, but the ingress's router may not have learnt of them all yet)."""
     ingress = serve.get_app_handle(app)
     deadline = time.monotonic() + seconds
+    ready = 0
     while time.monotonic() < deadline:
-        if ingress.ready.remote().result() > 0:
+        ready = ingress.ready.remote().result()
+        if ready >= replicas:
             return True
         time.sleep(POLL_S)
-    print(f"foveal: error: no replica answered /health within {seconds:g} s", file=sys.stderr, flush=True)
+    print(
+        f"foveal: error: {ready} of {replicas} replicas answered /health within {seconds:g} s",
+        file=sys.stderr,
+        flush=True,
+    )
     return False
 
 

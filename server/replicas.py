@@ -109,11 +109,16 @@ class ReplicaArgs(BaseModel):
             shutdown_grace_s=self.shutdown_grace,
         )
 
+    @property
+    def initial_replicas(self) -> int:
+        """How many replicas the deployment starts with (the fixed count, or the autoscaling floor)."""
+        return self.replicas or self.min_replicas or 1
+
     def scale(self) -> dict[str, Any]:
         """The replica deployment's num_replicas or autoscaling_config."""
         if self.min_replicas is None and self.max_replicas is None:
-            return {"num_replicas": self.replicas or 1}
-        low = self.min_replicas or 1
+            return {"num_replicas": self.initial_replicas}
+        low = self.initial_replicas
         return {
             "autoscaling_config": {
                 "min_replicas": low,
@@ -150,17 +155,15 @@ class FovealReplica:
         async for piece in relay(self.app, request, self.id):
             yield piece
 
-    async def observe(self) -> dict[str, Any]:
-        """This replica's /health (status and body), /metrics page and cache counts."""
+    async def observe(self, metrics: bool = False) -> dict[str, Any]:
+        """This replica's /health (status and body); with `metrics`, its /metrics page and cache
+        counts too (the fleet's /metrics asks for them, /health does not)."""
         health = await _collect(relay(self.app, Forwarded("GET", "/health"), self.id))
-        metrics = await _collect(relay(self.app, Forwarded("GET", "/metrics"), self.id))
-        return {
-            "replica": self.id,
-            "health": health[1].decode(),
-            "health_status": health[0],
-            "metrics": metrics[1].decode(),
-            "caches": self.caches(),
-        }
+        seen: dict[str, Any] = {"replica": self.id, "health": health[1].decode(), "health_status": health[0]}
+        if metrics:
+            page = await _collect(relay(self.app, Forwarded("GET", "/metrics"), self.id))
+            seen |= {"metrics": page[1].decode(), "caches": self.caches()}
+        return seen
 
     def caches(self) -> dict[str, int]:
         model = self.state.model
@@ -239,8 +242,10 @@ class FovealIngress:
         return self.calls
 
     async def ready(self) -> int:
-        """Replicas whose /health says "ok" through this ingress's router (replica_run.py waits for
-        one before it says it serves: the router learns the replicas from the controller first)."""
+        """Replicas whose /health says "ok" through this ingress's router. replica_run.py waits for
+        all the deployment starts with before it says it serves: the router learns the replicas
+        from the controller one by one, and a key routed while it knows only some would find a
+        new home once the rest arrive (its caches cold there)."""
         return sum(r.get("health") == "ok" for r in await self._fleet())
 
     # ---- forwarding ---------------------------------------------------------------------------
@@ -348,7 +353,7 @@ class FovealIngress:
         return _unavailable(body, "unavailable", "no replica is serving", "replica_unavailable")
 
     async def metrics(self, request: Request) -> PlainTextResponse:
-        replicas = await self._fleet()
+        replicas = await self._fleet(metrics=True)
         probed = [r for r in replicas if "metrics" in r]
         states: dict[str, int] = defaultdict(int)
         for r in replicas:
@@ -358,17 +363,17 @@ class FovealIngress:
         lines += ingress_lines(states, self.replica_failures, self.statuses)
         return PlainTextResponse("\n".join(lines) + "\n", media_type=PROMETHEUS_TEXT)
 
-    async def _fleet(self) -> list[dict[str, Any]]:
+    async def _fleet(self, metrics: bool = False) -> list[dict[str, Any]]:
         """The replicas Serve knows (state, pid, node), each RUNNING one with its own observation."""
         known = await _serve_replicas()
         running = [r["replica"] for r in known if r["state"] == "RUNNING"]
-        observed = await asyncio.gather(*(self._observe(rid) for rid in running))
+        observed = await asyncio.gather(*(self._observe(rid, metrics) for rid in running))
         by_id = {o["replica"]: o for o in observed if o is not None}
         unseen = {"health": "unreachable"}  # RUNNING for Serve, but no answer within PROBE_S
         return [{**r, **by_id.get(r["replica"], unseen if r["state"] == "RUNNING" else {})} for r in known]
 
-    async def _observe(self, replica: str) -> dict[str, Any] | None:
-        call = self.replicas.options(method_name="observe", session_id=PINNED + replica).remote()
+    async def _observe(self, replica: str, metrics: bool) -> dict[str, Any] | None:
+        call = self.replicas.options(method_name="observe", session_id=PINNED + replica).remote(metrics)
         try:
             seen = await asyncio.wait_for(_result(call), PROBE_S)
         except Exception:  # dead, or too busy to answer within PROBE_S: shown as unreachable

@@ -3,14 +3,17 @@
 The ingress (replicas.py) names each forwarded request's affinity key (affinity.py) as the
 handle call's `session_id`; Serve hands it to this router in the pending request's metadata. The
 router answers Serve's one question, "which replicas, in order of preference", and Serve does the
-rest: it sends the request to the first rank's replica if that one accepts (its queue is not full),
-else to the least loaded of the next rank, and drops a replica whose actor died from the
-candidates at once (`on_replica_actor_died`).
+rest: it sends the request to the least loaded replica of the first rank that accepts (a queue not
+full), retrying the ranks with a backoff while none does, and drops a replica whose actor died from
+the candidates at once (`on_replica_actor_died`), so the next choice sees a new home.
 
-    key "image:..." / "prefix:..."  ->  [[home], all]   (or [all] when the home is overloaded)
+    key "image:..." / "prefix:..."  ->  [[home]]        (or [all] when the home is overloaded)
     key "replica:ID"                ->  [[ID]]          (/health and /metrics ask each replica)
     no key                          ->  [all]           (the least loaded: Serve picks the shortest queue)
 
+The home is the only rank: with a second rank of all replicas, a home whose queue-length probe
+missed Serve's deadline (a replica busy on a loaded machine) would lose the request to another
+replica, and its caches the hit; overload is this router's decision (`imbalance`), not a probe's.
 The loads are Serve's own cache of each replica's requests in flight (updated as requests are sent
 and finish, and by the replicas' answers to Serve's probes); a replica missing from it counts as
 idle. Every rank list sets `should_backoff`, so a round where no replica accepts sleeps before the
@@ -53,4 +56,4 @@ class AffinityRouter(RequestRouter):
         cache = self.replica_queue_len_cache
         loads = {rid: cache.get(r.replica_id) or 0 for rid, r in by_id.items()}
         home = home_or_any(key, loads, getattr(self, "imbalance", DEFAULT_IMBALANCE))
-        return [candidate_replicas] if home is None else [[by_id[home]], candidate_replicas]
+        return [candidate_replicas] if home is None else [[by_id[home]]]

@@ -50,6 +50,23 @@ def test_the_same_image_has_one_key_whatever_the_route_or_question():
     assert affinity_key(_body({"image_url": other, "object": "circle"})) != detect
 
 
+def test_an_image_body_keys_without_being_parsed(monkeypatch):
+    image = data_url(scene(3))
+    parsed = affinity_key(_body({"object": "circle", "image_url": image}))
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("an image body was parsed")
+
+    monkeypatch.setattr(json, "loads", refuse)
+    assert affinity_key(_body({"image_url": image, "object": "circle"})) == parsed
+    # a quoted "data: inside some text is not a string's start: the image after it is the key
+    quoted = _body({"prompt": 'say "data:x" twice', "image_url": image})
+    assert b'\\"data:x' in quoted and affinity_key(quoted) == parsed
+    monkeypatch.undo()
+    escaped = json.dumps({"image_url": image}).replace("/", "\\/").encode()  # PHP's default
+    assert affinity_key(escaped) is None  # no text either: least loaded, never a wrong home
+
+
 def test_text_only_requests_key_on_their_prefix_and_the_rest_have_none():
     system = "You are a careful assistant. " * 20  # longer than the prefix
     one = affinity_key(
@@ -113,7 +130,7 @@ def test_the_router_ranks_the_home_first_pins_probes_and_spreads_the_rest():
     home = rank("image:k", ["r1", "r2", "r3"])[0]
     pending = _pending("image:k")
     ranks = asyncio.run(router.choose_replicas(replicas, pending))
-    assert [r.replica_id.unique_id for r in ranks[0]] == [home] and ranks[1] == replicas
+    assert [[r.replica_id.unique_id for r in rank_] for rank_ in ranks] == [[home]]
     assert pending.routing_context.should_backoff  # a round nobody accepts sleeps, never spins
     pinned = asyncio.run(router.choose_replicas(replicas, _pending(PINNED + "r2")))
     assert [[r.replica_id.unique_id for r in rank_] for rank_ in pinned] == [["r2"]]
@@ -183,9 +200,12 @@ def test_replica_options_are_checked_before_ray_starts(capsys):
         (("--replicas", "2", "--max-replicas", "3"), "not both"),
         (("--min-replicas", "3", "--max-replicas", "2"), "above --max-replicas"),
         (("--replicas", "2", "--replica-cpus", "-1"), "--replica-cpus"),
+        (("--replicas", "2", "--read-timeout", "5"), "Ray Serve's proxy reads the requests"),
     ):
         assert cli.main(["serve", "--port", "0", *args]) == 2
         assert says in capsys.readouterr().err
+    assert cli.main(["serve", "--port", "0", "--read-timeout", "0"]) == 2  # one process checks it
+    assert "read_timeout_s must be > 0" in capsys.readouterr().err
     started = time.monotonic()
     assert cli.main(["serve", "--port", "0", "--replicas", "2", "--ray-address", "127.0.0.1:1"]) == 2
     assert "cannot reach the Ray cluster at 127.0.0.1:1" in capsys.readouterr().err
