@@ -94,6 +94,10 @@ def _forward(runner: ModelRunner, step: Step, previous_slot: DecodeSlot, heads: 
     if decode:  # decode rows' inputs: the ids the previous step sampled, never visiting the host
         sampled = previous_slot.sampled.index_select(0, dev.gather_src[:decode])
         dev.input_ids.index_copy_(0, dev.gather_dst[:decode], sampled)
+    lanes = step.lane_of_row  # each launch row's lane (runner.OwnsKV)
+    if step.drafts:  # a verify row's positions are rows of their own (step.py)
+        assert lanes is not None and step.row_of_logit is not None  # by stage()
+        lanes = lanes[step.row_of_logit]
     batch = ForwardBatch(
         input_ids=dev.input_ids[:tokens],
         positions=dev.positions[:tokens],
@@ -104,6 +108,7 @@ def _forward(runner: ModelRunner, step: Step, previous_slot: DecodeSlot, heads: 
         max_query_len=step.max_query_len,
         max_context_len=step.max_context_len,
         prefill=step.prefill_inputs,
+        lanes=lanes,
     )
     if step.sliding:  # the sliding-window layers' pages (sliding.py)
         slot.upload(SLIDING_INPUTS, (tokens, rows))

@@ -149,7 +149,7 @@ import time
 from collections import deque
 from collections.abc import Callable
 from functools import partial
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 
 import numpy as np
 
@@ -161,7 +161,7 @@ from .kv_cache import PagePool, pages_needed
 from .lanes import Lanes
 from .matcher import FillMasks, bitmask_words, conforms, require
 from .request import FinishReason, TokenLogprob
-from .runner import ModelRunner, shares_pages, sliding_window
+from .runner import ModelRunner, OwnsKV, owns_kv, shares_pages, sliding_window
 from .scheduler import Scheduler
 from .sequence import Sequence
 from .sequences import Sequences
@@ -237,7 +237,12 @@ class Pipeline:
         # some steps may sample region values (regions.py): the runner's heads, or None
         self.heads: regions.RegionHeads | None = runner if conforms(runner, regions.RegionHeads) else None
         self.region_logprobs = self.heads is not None and conforms(runner, regions.RegionLogprobs)
-        if self.sliding is not None:
+        self.owns_kv = owns_kv(runner)
+        if self.owns_kv:  # its K/V is its own: a sequence per lane (runner.OwnsKV)
+            cast(OwnsKV, runner).allocate_streams(
+                num_pages, page_size, self.lanes.count, max_model_len, max_step_tokens
+            )
+        elif self.sliding is not None:
             # a SlidingWindow runner's allocate_kv takes sliding_pages (runner.SlidingWindow)
             runner.allocate_kv(num_pages, page_size, sliding_pages=sliding_pages)  # type: ignore[call-arg]
         else:

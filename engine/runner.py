@@ -30,7 +30,16 @@ SOLUTION
         without it);
       - `SlidingWindow` (optional): sliding-window layers whose K/V lives in a pool of its own,
         of which each sequence holds only its window (sliding.py);
-      - `regions.RegionHeads` (optional): region values sampled on the device (regions.py).
+      - `regions.RegionHeads` (optional): region values sampled on the device (regions.py);
+      - `OwnsKV` (optional): a runner whose K/V lives in memory of its own (the ggml runner:
+        llama.cpp's), not in tensors the engine's pages index. The engine keeps its pages as
+        bookkeeping all the same (the prefix cache, rollback, admission are unchanged) and gives
+        each row's lane (`ForwardBatch.lanes`), so the runner keeps one sequence of its own per
+        lane and mirrors the pages: it must treat a row's block table and context length as the
+        truth (tokens before `context_len - query_len` are cached: the same pages hold the same
+        tokens), drop what its sequence holds past them (a rolled-back draft, a lane that now
+        runs another sequence), and obtain cached tokens it lacks by copying them from another of
+        its sequences or by computing them again. `allocate_streams` replaces `allocate_kv`.
 
 INVARIANTS
     - `forward` never synchronizes with the host (no `.item()`, no `.tolist()`, no `.cpu()` on
@@ -45,6 +54,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Protocol, runtime_checkable
 
+import numpy as np
 import torch
 
 from .matcher import conforms
@@ -65,6 +75,7 @@ class ForwardBatch:
     max_context_len: the longest context in the batch; a host int.
     prefill:       per sequence, its `PrefillInputs` (images, prefix length) or None; an empty list
                    when no sequence has any (always for decode steps).
+    lanes:         per row, the lane (lanes.py) of its sequence, for an `OwnsKV` runner; None for others.
     sliding_block_tables, sliding_kv_index: the same for the K/V tensors of a `SlidingWindow`
                    runner's sliding layers, in their own page pool (sliding.py); None for other runners.
                    Entries of pages the window has passed are -1.
@@ -83,6 +94,7 @@ class ForwardBatch:
     prefill: list[PrefillInputs | None] = field(default_factory=list)
     sliding_block_tables: torch.Tensor | None = None
     sliding_kv_index: torch.Tensor | None = None
+    lanes: np.ndarray | None = None  # per row, its sequence's lane (host ints): `OwnsKV` runners only
 
     @property
     def num_seqs(self) -> int:
@@ -144,6 +156,37 @@ class SlidingWindow(Protocol):
     sliding_window: int | None
 
     def sliding_kv_bytes_per_token(self) -> int: ...
+
+
+@runtime_checkable
+class OwnsKV(Protocol):
+    """A runner that keeps its K/V itself (the module docstring): `owns_kv = True`, and the engine
+    calls `allocate_streams` instead of `allocate_kv`: `lanes` sequences of up to `max_len` tokens,
+    launches of up to `max_tokens` tokens, over the engine's `num_pages` pages of `page_size`."""
+
+    owns_kv: bool
+
+    def allocate_streams(self, num_pages: int, page_size: int, lanes: int, max_len: int, max_tokens: int) -> None: ...
+
+
+@runtime_checkable
+class Described(Protocol):
+    """A runner that says what it runs on (`describe()`: its library and kernels), for the user."""
+
+    def describe(self) -> str: ...
+
+
+def describe(runner: ModelRunner) -> str:
+    """What `runner` runs on: its own `describe()`, else torch's device and dtype."""
+    if conforms(runner, Described):
+        return runner.describe()
+    dtype = str(getattr(runner, "dtype", "")).removeprefix("torch.")
+    return f"torch ({runner.device.type}{', ' + dtype if dtype else ''})"
+
+
+def owns_kv(runner: ModelRunner) -> bool:
+    """Whether `runner` declares `OwnsKV` (checked once, when the engine is built)."""
+    return conforms(runner, OwnsKV) and bool(runner.owns_kv)
 
 
 def sliding_window(runner: ModelRunner) -> int | None:

@@ -95,13 +95,16 @@ def load(
     quantize: str | None = None,
     image_options: dict[str, Any] | None = None,
     revision: str | None = None,
+    runner: str = "auto",
 ) -> Family:
     """Load a checkpoint as its family's plugin. `source`: a local Hugging Face folder (safetensors), a hub id
     already in the local cache, or a .gguf file. Options as `foveal.load`'s; all are checked before any
     weights are read. `revision` pins a hub id's snapshot; on a local folder only a family that can
     tell a folder's revision (`Family.checks_revision`) takes it, and checks it."""
     gguf = Path(str(source)).suffix == ".gguf"
-    options = resolve_options(device, dtype, image_cache_bytes, quantize, image_options, gguf=gguf, revision=revision)
+    options = resolve_options(
+        device, dtype, image_cache_bytes, quantize, image_options, gguf=gguf, revision=revision, runner=runner
+    )
     path = resolve_source(source, revision)
     if gguf:
         return ChatFamily.load_gguf(path, options)

@@ -37,6 +37,7 @@ from foveal.engine.matcher import FillMasks, Matcher
 from foveal.engine.models.loader import LoadedModel, LoadOptions
 from foveal.engine.models.processor import PromptInputs
 from foveal.engine.request import Request
+from foveal.engine.runner import describe
 from foveal.families.conversation import Conversation
 from foveal.families.prepared import (
     AnswerAutomaton,
@@ -101,6 +102,10 @@ class Family:
         self._special = _special_pattern(special_texts(loaded.tokenizer))
         self._bounds: LRUCache[spatial.ItemTokenBounds] = LRUCache(maxsize=256)
         self._reserved: ReservedMask | None = None  # `reserve`: the family's reserved tokens
+
+    def runner_description(self) -> str:
+        """Which runner computes this model's forward, on which kernels (engine.runner.describe)."""
+        return describe(self.runner)
 
     @property
     def image_min_size(self) -> tuple[int, int] | None:

@@ -123,6 +123,7 @@ def load(
     quantize: str | None = None,
     pixel_budget: int = DEFAULT_PIXEL_BUDGET,
     revision: str | None = None,
+    runner: str = "auto",
 ) -> Model:
     """Load a model and start its engine.
 
@@ -170,6 +171,10 @@ def load(
     `revision`: a hub id's branch, tag or commit (None: the default branch), read from the local
     cache. A family that can tell a folder's revision (`Family.checks_revision`) also checks it on
     a local folder and refuses a revision it does not implement; the others refuse it on a local folder.
+    `runner`: "auto", "torch" or "ggml". "ggml" runs a `.gguf` file's forward on llama.cpp's own
+    kernels (the `gguf` extra: llama-cpp-python), with the engine above it unchanged; "auto" picks
+    it for a .gguf file on CPU when the extra is installed and neither `quantize` nor `dtype` is
+    given, else torch. `model.runner` says which runs and on which kernels.
     """
     _check_load_args(pipelined, max_batch_size, max_model_len, kv_cache_bytes, max_step_tokens)
     for name, flag in (("prefix_cache", prefix_cache), ("jump_forward", jump_forward)):
@@ -185,6 +190,7 @@ def load(
         image_options=image_options,
         quantize=quantize,
         revision=revision,
+        runner=runner,
     )
     pixels = PixelBudget(pixel_budget)  # checks the value before the engine starts
     config = engine_config(
@@ -275,6 +281,12 @@ class Model:
 
     def __repr__(self) -> str:
         return f"Model(family={self.family.name!r}, source={self.family.source!r})"
+
+    @property
+    def runner(self) -> str:
+        """Which runner computes the forward and on which kernels: "ggml (llama-cpp-python 0.3.36,
+        ...)" for a .gguf file on llama.cpp's kernels, "torch (cpu, float32)" and the like otherwise."""
+        return self.family.runner_description()
 
     @property
     def capabilities(self) -> families.Capabilities:

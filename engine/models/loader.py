@@ -68,6 +68,11 @@ class LoadOptions:
     # the revision the caller pinned (a hub branch, tag or commit); families that can tell a folder's
     # revision check it (Moondream 2), the others refuse a pin on a local folder (families.load)
     revision: str | None = None
+    # "torch" (engine/models/runner.py) or "ggml" (ggml.py: a .gguf file on llama.cpp's kernels)
+    runner: str = "torch"
+
+
+RUNNERS = ("auto", "torch", "ggml")
 
 
 def resolve_options(
@@ -78,6 +83,7 @@ def resolve_options(
     image_options: dict[str, Any] | None = None,
     gguf: bool = False,
     revision: str | None = None,
+    runner: str = "auto",
 ) -> LoadOptions:
     """Check and resolve load options. device "auto": CUDA when available; dtype None: bf16 on CUDA, fp32
     on CPU (bf16 under quantize "int8" / "int4", whose kernels want bf16 activations; fp32 under "fp16").
@@ -119,9 +125,32 @@ def resolve_options(
         raise ModelLoadError(f"revision must be a branch, tag or commit name (a non-empty str), got {revision!r}")
     if revision is not None and gguf:
         raise ModelLoadError("revision= pins a hub repository's snapshot; a .gguf file is read as it is")
+    chosen = resolve_runner(runner, gguf, dev, dtype, quantize)
     return LoadOptions(
-        dev, torch_dtype, image_cache_bytes, quantize, dict(image_options) if image_options else None, revision
+        dev, torch_dtype, image_cache_bytes, quantize, dict(image_options) if image_options else None, revision,
+        chosen,
     )
+
+
+def resolve_runner(runner: object, gguf: bool, device: torch.device, dtype: object, quantize: str | None) -> str:
+    """"auto": ggml for a .gguf file on CPU when llama-cpp-python is installed and no quantize or
+    dtype asks for torch's kernels; else torch. "ggml" where it cannot run is refused with why."""
+    from foveal.engine.models import ggml
+
+    if runner not in RUNNERS:
+        raise ModelLoadError(f"runner must be one of {', '.join(map(repr, RUNNERS))}, got {runner!r}")
+    fits = gguf and device.type == "cpu" and quantize is None and dtype is None
+    if runner == "auto":
+        return "ggml" if fits and ggml.available() else "torch"
+    if runner == "ggml" and not fits:
+        raise ModelLoadError(
+            "runner='ggml' runs a .gguf file's own weights on the CPU: "
+            + ("the source is not a .gguf file" if not gguf else f"leave device='cpu', quantize and dtype unset "
+               f"(got device={device.type!r}, quantize={quantize!r}, dtype={dtype!r}), or use runner='torch'")
+        )
+    if runner == "ggml" and not ggml.available():
+        raise ModelLoadError(f"runner='ggml' needs llama-cpp-python: {ggml.INSTALL}")
+    return str(runner)
 
 
 def resolve_source(source: str | os.PathLike, revision: str | None = None) -> Path:
@@ -305,6 +334,8 @@ def load_gguf(
     from foveal.engine.models import gguf as direct
 
     device, dtype, quantize = options.device, options.dtype, options.quantize
+    if options.runner == "ggml":
+        return _load_ggml(path, header, arch_for, options)
     if device.type == "cpu" and direct.is_direct(header):
         config = direct.llama_config(path, header)
         assert config.architectures is not None  # llama_config sets it
@@ -327,6 +358,33 @@ def load_gguf(
         quantize_model(model, quantize)
     tokenizer = transformers.AutoTokenizer.from_pretrained(path.parent, **kwargs)
     return assemble(model.to(device), arch, tokenizer, None, str(path), options), arch
+
+
+def _load_ggml(
+    path: Path, header: Any, arch_for: Callable[[list[str]], tuple[Architecture, str]], options: LoadOptions
+) -> tuple[LoadedModel, Architecture]:
+    """A .gguf file on llama.cpp's kernels (ggml.py): llama.cpp reads the weights, foveal only the
+    tokenizer (the same one the torch path builds), so the weights are held once."""
+    from foveal.engine.models import gguf as direct
+    from foveal.engine.models.ggml import GgmlRunner
+
+    meta = direct.read_metadata(header)
+    name = str(meta.get("general.architecture", "?"))
+    # the family's table knows llama and gemma; any other text architecture llama.cpp runs
+    # prompts as llama does (the file's own chat template, no vision)
+    arch, _ = arch_for(["GemmaForCausalLM" if name == "gemma" else "LlamaForCausalLM"])
+    runner = GgmlRunner(path)
+    tokenizer = direct.tokenizer_from(*direct.tokenizer_source(header))
+    if len(tokenizer) > runner.vocab_size:
+        raise ModelLoadError(
+            f"{path}'s tokenizer has {len(tokenizer)} tokens but llama.cpp's vocabulary {runner.vocab_size}"
+        )
+    processor = InputProcessor(arch, tokenizer, None, runner.device, runner.dtype, None)
+    eos = meta.get("tokenizer.ggml.eos_token_id")
+    found = [int(eos)] if eos is not None else []
+    if tokenizer.eos_token_id is not None and tokenizer.eos_token_id not in found:
+        found.append(int(tokenizer.eos_token_id))
+    return LoadedModel(runner, tokenizer, processor, tuple(found), str(path)), arch
 
 
 def _load_direct(path: Path, header: Any, config: Any, options: LoadOptions) -> tuple[Any, Any]:

@@ -1,0 +1,290 @@
+"""`GgmlRunner`: a GGUF checkpoint's forward on ggml's own CPU kernels (llama.cpp, through
+llama-cpp-python's low-level API), under foveal's engine (the `gguf` extra).
+
+PROBLEM
+    A GGUF file is made for ggml: its Q4 x Q8 dot products are the fastest CPU kernels for those
+    weights, and torch's own kernels decode the same file at about half llama.cpp's speed. Yet what
+    makes foveal faster than llama.cpp on structured and concurrent work lives above the forward
+    (batching, grammar masks, jump-forward, drafts, the prefix cache) and must not change. ggml keeps
+    the K/V in its own memory, though, while the engine's paged KV cache is bookkeeping the engine
+    owns (which page holds which tokens, which full pages several prompts share).
+SOLUTION
+    The engine's pages stay the truth; llama.cpp's memory mirrors them. Each of the engine's lanes
+    (lanes.py: a running sequence's row of fixed state) is one llama.cpp sequence, in a stream of its
+    own (`kv_unified` off), so a row's numerics are those of a batch of one whatever else shares the
+    launch. The runner remembers, per stream, the chain of pages it holds (each page with the
+    generation it had when written, bumped whenever a page is written from its first slot again)
+    and, per page, the tokens written into it. At each row it compares its stream with the row's
+    block table and the tokens the engine says are cached:
+      - the longest prefix that agrees is kept; what lies past it (a rolled-back draft, a lane that
+        now runs another sequence) is removed (`llama_memory_seq_rm`);
+      - a missing prefix is copied from another stream that holds those pages (`seq_cp`: a prefix
+        cache hit, a shared system prompt), and what no stream holds any more is computed again
+        from the remembered tokens, before the row's own query;
+      - the row's query tokens go into one `llama_decode` with every other row's, logits for each
+        row's last token (each position of a verify row: `SharedPages`).
+    ctypes releases the GIL for the whole `llama_decode`, so the pipeline's host work overlaps it.
+INVARIANTS
+    - A stream's tokens before a row's cached length are exactly the row's (same pages, same
+      generations); nothing else is ever attended.
+    - At batch 1 the logits are llama.cpp's own for the same prompt ids (llama-cpp-python's
+      completion API): same kernels, same stream layout (tests/models/test_ggml.py).
+    - A failed `llama_decode` raises (the engine fails the requests in flight); it never
+      corrupts a stream silently: the streams it touched are cleared and recomputed when next used.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from foveal.engine.models.arch import ModelLoadError
+
+INSTALL = (
+    "pip install -c constraints.txt -e '.[gguf]' in foveal's clone (llama-cpp-python builds from source; "
+    "docs/install.md#gguf says how to build it for any CPU)"
+)
+STREAM_ALIGN = 256  # llama.cpp pads a stream's cells to this
+
+
+def available() -> bool:
+    """Whether llama-cpp-python imports (the `gguf` extra is installed)."""
+    try:
+        import llama_cpp  # noqa: F401
+    except (ImportError, OSError):  # OSError: a shared library built for another CPU or missing
+        return False
+    return True
+
+
+def _llama() -> Any:
+    try:
+        import llama_cpp
+    except (ImportError, OSError) as error:
+        raise ModelLoadError(f"runner='ggml' needs llama-cpp-python ({error}); {INSTALL}") from None
+    return llama_cpp
+
+
+@dataclass(slots=True)
+class Stream:
+    """What one llama.cpp sequence holds: `length` tokens over `chain`'s pages (page id, generation)."""
+
+    length: int = 0
+    chain: list[tuple[int, int]] = field(default_factory=list)
+
+
+class GgmlRunner:
+    """The engine's `ModelRunner` over a llama.cpp model: `OwnsKV` (its K/V is llama.cpp's) and
+    `SharedPages` (a verify step's positions are one stream's consecutive tokens)."""
+
+    owns_kv = True
+    rows_share_pages = True
+
+    def __init__(self, path: Path, threads: int | None = None) -> None:
+        self.L = _llama()
+        self.path = path
+        self.threads = threads or torch.get_num_threads()
+        self.L.llama_backend_init()
+        params = self.L.llama_model_default_params()
+        self.model = self.L.llama_model_load_from_file(str(path).encode(), params)
+        if not self.model:
+            raise ModelLoadError(
+                f"llama.cpp could not load {path} (an architecture or tensor type this build of llama.cpp "
+                f"lacks?); load it with runner='torch', or update llama-cpp-python"
+            )
+        self.vocab = self.L.llama_model_get_vocab(self.model)
+        self.vocab_size = int(self.L.llama_vocab_n_tokens(self.vocab))
+        self.device = torch.device("cpu")
+        self.dtype = torch.float32
+        self.max_positions = int(self.L.llama_model_n_ctx_train(self.model)) or None
+        self.ctx: Any = None
+        self.streams: list[Stream] = []
+
+    # ---- the engine's contract ------------------------------------------------------------------
+    def kv_bytes_per_token(self) -> int:
+        """K and V in f16 (llama.cpp's default cache type) across the layers."""
+        layers = int(self.L.llama_model_n_layer(self.model))
+        heads_kv = int(self.L.llama_model_n_head_kv(self.model))
+        head_dim = int(self.L.llama_model_n_embd(self.model)) // int(self.L.llama_model_n_head(self.model))
+        return layers * 2 * heads_kv * head_dim * 2
+
+    def allocate_kv(self, num_pages: int, page_size: int) -> None:
+        raise TypeError("GgmlRunner owns its K/V: the engine calls allocate_streams (runner.OwnsKV)")
+
+    def allocate_streams(self, num_pages: int, page_size: int, lanes: int, max_len: int, max_tokens: int) -> None:
+        """One llama.cpp context: `lanes` streams of `max_len` tokens, launches of `max_tokens`."""
+        per_stream = -(-max_len // STREAM_ALIGN) * STREAM_ALIGN
+        params = self.L.llama_context_default_params()
+        params.n_ctx = per_stream * lanes
+        params.n_seq_max = lanes
+        params.kv_unified = False
+        params.n_batch = max_tokens
+        params.n_ubatch = min(max_tokens, 512)
+        params.n_threads = params.n_threads_batch = self.threads
+        # flash attention: a row's attention is then the same sum whatever else shares the launch
+        # (without it, rows of unequal lengths in one launch round differently from a batch of one)
+        params.flash_attn_type = self.L.LLAMA_FLASH_ATTN_TYPE_ENABLED
+        self.ctx = self.L.llama_init_from_model(self.model, params)
+        if not self.ctx:
+            raise ModelLoadError(
+                f"llama.cpp could not make a context of {lanes} sequences of {per_stream} tokens; "
+                "lower max_batch_size or max_model_len"
+            )
+        self.memory = self.L.llama_get_memory(self.ctx)
+        self.page_size = page_size
+        self.streams = [Stream() for _ in range(lanes)]
+        self.page_gen = np.zeros(num_pages, dtype=np.int64)
+        self.page_tokens = np.full((num_pages, page_size), -1, dtype=np.int32)
+        self.batch = self.L.llama_batch_init(max_tokens, 0, 1)
+        self.capacity = max_tokens
+        self.token_view = np.ctypeslib.as_array(self.batch.token, shape=(max_tokens,))
+        self.pos_view = np.ctypeslib.as_array(self.batch.pos, shape=(max_tokens,))
+        self.logit_flags = np.ctypeslib.as_array(self.batch.logits, shape=(max_tokens,))
+        np.ctypeslib.as_array(self.batch.n_seq_id, shape=(max_tokens,))[:] = 1
+
+    def forward(self, batch: Any) -> torch.Tensor:
+        assert batch.lanes is not None, "the engine gives an OwnsKV runner each row's lane"
+        if any(p is not None for p in batch.prefill):
+            raise ValueError("the ggml runner runs text only: no image inputs")
+        ids = batch.input_ids.numpy()
+        starts = batch.query_start.numpy()
+        context = batch.context_lens.numpy()
+        tables = batch.block_tables.numpy()
+        lanes = np.asarray(batch.lanes)
+        rows = len(context)
+        plan: list[tuple[int, int, int]] = []  # (lane, first row, end row) per stream, in row order
+        row = 0
+        while row < rows:
+            end = row + 1
+            while end < rows and lanes[end] == lanes[row]:  # a verify step's positions
+                end += 1
+            plan.append((int(lanes[row]), row, end))
+            row = end
+        fills: list[tuple[int, int, np.ndarray, list[int]]] = []  # (lane, start pos, tokens, logit offsets)
+        for lane, first, end in plan:
+            cached = int(context[first] - (starts[first + 1] - starts[first]))
+            table = tables[first]
+            start = self._prepare(lane, table, cached)
+            redo = self._tokens(table, start, cached)
+            query = ids[starts[first] : starts[end]]
+            offsets = [len(redo) + int(starts[r + 1] - starts[first]) - 1 for r in range(first, end)]
+            tokens = np.concatenate([redo, query]).astype(np.int32)
+            fills.append((lane, start, tokens, offsets))
+            self._record(lane, table, start, cached, tokens)
+        return self._decode(fills)
+
+    # ---- the mirror -----------------------------------------------------------------------------
+    def _agreeing(self, stream: Stream, table: np.ndarray, cached: int) -> int:
+        """How many of the row's cached tokens `stream` already holds."""
+        pages = -(-cached // self.page_size)
+        agree = 0
+        for index, (page, gen) in enumerate(stream.chain[:pages]):
+            if page != table[index] or gen != self.page_gen[page]:
+                break
+            agree = index + 1
+        return min(stream.length, agree * self.page_size, cached)
+
+    def _prepare(self, lane: int, table: np.ndarray, cached: int) -> int:
+        """Make the lane's stream hold the longest prefix of the row's cached tokens that can be had
+        without computing; returns its length (the position the row's launch starts at)."""
+        stream = self.streams[lane]
+        keep = self._agreeing(stream, table, cached)
+        if keep < cached:
+            donor, got = max(
+                ((d, self._agreeing(s, table, cached)) for d, s in enumerate(self.streams) if d != lane),
+                key=lambda pair: pair[1],
+                default=(None, 0),
+            )
+            got = (got // self.page_size) * self.page_size  # whole pages: a donor's last page may go on differently
+            if donor is not None and got > keep:
+                self.L.llama_memory_seq_rm(self.memory, lane, -1, -1)
+                self.L.llama_memory_seq_cp(self.memory, donor, lane, -1, -1)
+                keep = got
+                stream.chain = list(self.streams[donor].chain)
+                stream.length = self.streams[donor].length
+        if stream.length > keep:
+            self.L.llama_memory_seq_rm(self.memory, lane, keep, -1)
+        stream.length = keep
+        del stream.chain[-(-keep // self.page_size) :]
+        return keep
+
+    def _tokens(self, table: np.ndarray, start: int, end: int) -> np.ndarray:
+        """The remembered tokens at positions start..end of the pages in `table`."""
+        positions = np.arange(start, end)
+        return self.page_tokens[table[positions // self.page_size], positions % self.page_size]
+
+    def _record(self, lane: int, table: np.ndarray, start: int, cached: int, tokens: np.ndarray) -> None:
+        """Note tokens written from `start` on: their pages' tokens, generations and the chain. Those
+        before `cached` are the engine's cached tokens computed again: the same content, the same
+        generation (other streams that hold those pages still agree)."""
+        stream, size = self.streams[lane], self.page_size
+        positions = np.arange(start, start + len(tokens))
+        pages = table[positions // size]
+        fresh = pages[(positions % size == 0) & (positions >= cached)]
+        self.page_gen[fresh] += 1
+        self.page_tokens[pages, positions % size] = tokens
+        stream.length = start + len(tokens)
+        first = len(stream.chain)
+        for index in range(first, -(-stream.length // size)):
+            page = int(table[index])
+            stream.chain.append((page, int(self.page_gen[page])))
+
+    # ---- llama.cpp --------------------------------------------------------------------------------
+    def _decode(self, fills: list[tuple[int, int, np.ndarray, list[int]]]) -> torch.Tensor:
+        total = sum(len(tokens) for _, _, tokens, _ in fills)
+        if total > self.capacity:
+            raise RuntimeError(f"a launch of {total} tokens exceeds the ggml context's batch of {self.capacity}")
+        b, n, outputs = self.batch, 0, []
+        self.logit_flags[:total] = 0
+        for lane, start, tokens, offsets in fills:
+            count = len(tokens)
+            self.token_view[n : n + count] = tokens
+            self.pos_view[n : n + count] = np.arange(start, start + count)
+            for index in range(n, n + count):
+                b.seq_id[index][0] = lane
+            self.logit_flags[[n + o for o in offsets]] = 1
+            outputs += [n + o for o in offsets]
+            n += count
+        b.n_tokens = n
+        status = self.L.llama_decode(self.ctx, b)
+        if status != 0:
+            for lane, _, _, _ in fills:  # what the failed call left in these streams is unknown
+                self.L.llama_memory_seq_rm(self.memory, lane, -1, -1)
+                self.streams[lane] = Stream()
+            raise RuntimeError(f"llama_decode failed with status {status} on a launch of {n} tokens")
+        logits = torch.empty(len(outputs), self.vocab_size)
+        view = logits.numpy()
+        for row, index in enumerate(outputs):
+            pointer = self.L.llama_get_logits_ith(self.ctx, index)
+            ctypes.memmove(view[row].ctypes.data, pointer, self.vocab_size * 4)
+        return logits
+
+    # ---- what the user sees ---------------------------------------------------------------------------
+    def describe(self) -> str:
+        """Which runner and which kernels: llama.cpp's CPU features as its build reports them."""
+        info = self.L.llama_print_system_info().decode()
+        parts = info.replace("CPU :", "|").split("|")
+        features = [part.split("=")[0].strip() for part in parts if part.strip().endswith("= 1")]
+        version = getattr(self.L, "__version__", "?")
+        return f"ggml (llama-cpp-python {version}, {self.threads} threads; CPU kernels: {' '.join(features)})"
+
+    def close(self) -> None:
+        if self.ctx:
+            self.L.llama_batch_free(self.batch)
+            self.L.llama_free(self.ctx)
+            self.ctx = None
+        if self.model:
+            self.L.llama_model_free(self.model)
+            self.model = None
+
+    def __del__(self) -> None:
+        if os is not None:  # not at interpreter teardown, when modules are gone
+            try:
+                self.close()
+            except Exception:
+                pass
