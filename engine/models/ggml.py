@@ -36,7 +36,9 @@ INVARIANTS
 from __future__ import annotations
 
 import ctypes
+import logging
 import os
+from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -51,6 +53,10 @@ INSTALL = (
     "docs/install.md#gguf says how to build it for any CPU)"
 )
 STREAM_ALIGN = 256  # llama.cpp pads a stream's cells to this
+LOG_ERROR = 3  # ggml_log_level's GGML_LOG_LEVEL_ERROR
+log = logging.getLogger("foveal.ggml")
+_errors: deque[str] = deque(maxlen=8)  # llama.cpp's last error lines, for the messages below
+_callback: Any = None  # the ctypes callback, kept alive while llama.cpp holds it
 
 
 def available() -> bool:
@@ -63,11 +69,26 @@ def available() -> bool:
 
 
 def _llama() -> Any:
+    global _callback
     try:
         import llama_cpp
     except (ImportError, OSError) as error:
         raise ModelLoadError(f"runner='ggml' needs llama-cpp-python ({error}); {INSTALL}") from None
+    if _callback is None:  # llama.cpp logs every load to stderr: to logging instead, errors kept
+
+        def on_log(level: int, text: bytes, user_data: Any) -> None:
+            line = text.decode("utf-8", "replace").rstrip()
+            if level == LOG_ERROR and line:
+                _errors.append(line)
+            log.debug("%s", line)
+
+        _callback = llama_cpp.llama_log_callback(on_log)
+        llama_cpp.llama_log_set(_callback, ctypes.c_void_p(0))
     return llama_cpp
+
+
+def _last_error() -> str:
+    return _errors[-1] if _errors else "no error message"
 
 
 @dataclass(slots=True)
@@ -91,11 +112,12 @@ class GgmlRunner:
         self.threads = threads or torch.get_num_threads()
         self.L.llama_backend_init()
         params = self.L.llama_model_default_params()
+        _errors.clear()
         self.model = self.L.llama_model_load_from_file(str(path).encode(), params)
         if not self.model:
             raise ModelLoadError(
-                f"llama.cpp could not load {path} (an architecture or tensor type this build of llama.cpp "
-                f"lacks?); load it with runner='torch', or update llama-cpp-python"
+                f"llama.cpp could not load {path}: {_last_error()}; load it with runner='torch', or a "
+                "llama-cpp-python whose llama.cpp knows this file"
             )
         self.vocab = self.L.llama_model_get_vocab(self.model)
         self.vocab_size = int(self.L.llama_vocab_n_tokens(self.vocab))
@@ -132,8 +154,8 @@ class GgmlRunner:
         self.ctx = self.L.llama_init_from_model(self.model, params)
         if not self.ctx:
             raise ModelLoadError(
-                f"llama.cpp could not make a context of {lanes} sequences of {per_stream} tokens; "
-                "lower max_batch_size or max_model_len"
+                f"llama.cpp could not make a context of {lanes} sequences of {per_stream} tokens "
+                f"({_last_error()}); lower max_batch_size or max_model_len"
             )
         self.memory = self.L.llama_get_memory(self.ctx)
         self.page_size = page_size
@@ -256,7 +278,7 @@ class GgmlRunner:
             for lane, _, _, _ in fills:  # what the failed call left in these streams is unknown
                 self.L.llama_memory_seq_rm(self.memory, lane, -1, -1)
                 self.streams[lane] = Stream()
-            raise RuntimeError(f"llama_decode failed with status {status} on a launch of {n} tokens")
+            raise RuntimeError(f"llama_decode failed with status {status} on a launch of {n} tokens: {_last_error()}")
         logits = torch.empty(len(outputs), self.vocab_size)
         view = logits.numpy()
         for row, index in enumerate(outputs):

@@ -68,7 +68,8 @@ class LoadOptions:
     # the revision the caller pinned (a hub branch, tag or commit); families that can tell a folder's
     # revision check it (Moondream 2), the others refuse a pin on a local folder (families.load)
     revision: str | None = None
-    # "torch" (engine/models/runner.py) or "ggml" (ggml.py: a .gguf file on llama.cpp's kernels)
+    # "torch" (engine/models/runner.py), "ggml" (ggml.py: a .gguf file on llama.cpp's kernels), or
+    # "auto": ggml, else torch where llama.cpp cannot load the file (resolve_runner)
     runner: str = "torch"
 
 
@@ -134,14 +135,15 @@ def resolve_options(
 
 def resolve_runner(runner: object, gguf: bool, device: torch.device, dtype: object, quantize: str | None) -> str:
     """"auto": ggml for a .gguf file on CPU when llama-cpp-python is installed and no quantize or
-    dtype asks for torch's kernels; else torch. "ggml" where it cannot run is refused with why."""
+    dtype asks for torch's kernels (kept "auto": load_gguf falls back to torch, with a warning,
+    where llama.cpp cannot load the file); else torch. "ggml" where it cannot run is refused with why."""
     from foveal.engine.models import ggml
 
     if runner not in RUNNERS:
         raise ModelLoadError(f"runner must be one of {', '.join(map(repr, RUNNERS))}, got {runner!r}")
     fits = gguf and device.type == "cpu" and quantize is None and dtype is None
     if runner == "auto":
-        return "ggml" if fits and ggml.available() else "torch"
+        return "auto" if fits and ggml.available() else "torch"
     if runner == "ggml" and not fits:
         raise ModelLoadError(
             "runner='ggml' runs a .gguf file's own weights on the CPU: "
@@ -336,6 +338,11 @@ def load_gguf(
     device, dtype, quantize = options.device, options.dtype, options.quantize
     if options.runner == "ggml":
         return _load_ggml(path, header, arch_for, options)
+    if options.runner == "auto":
+        try:
+            return _load_ggml(path, header, arch_for, options)
+        except ModelLoadError as error:  # an architecture this llama.cpp lacks: torch's kernels, said
+            warnings.warn(f"{error}; running it on torch's kernels instead", stacklevel=4)
     if device.type == "cpu" and direct.is_direct(header):
         config = direct.llama_config(path, header)
         assert config.architectures is not None  # llama_config sets it

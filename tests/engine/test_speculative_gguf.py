@@ -29,7 +29,7 @@ def tiny_gguf(tmp_path_factory):
     from tests.models.test_gguf_tiny import write_tiny_gguf
 
     tiny = write_tiny_gguf(tmp_path_factory.mktemp("gguf") / "tiny.gguf", tied=True, seed=0)
-    loaded = families.load(tiny.path, device="cpu")
+    loaded = families.load(tiny.path, device="cpu", runner="torch")
     decoder = loaded.runner.model.get_decoder()
     assert isinstance(decoder.layers[0].mlp.up_proj, SplitLinear)
     assert isinstance(loaded.runner.model.lm_head, HalfLinear)

@@ -105,7 +105,7 @@ def test_smollm2_gguf_default_decodes_int4_at_batch_1_close_to_fp32():
         pytest.skip("torch has no fbgemm backend here (not x86): the GGUF default is its own blocks")
     path = smollm2_gguf()
     start = time.perf_counter()
-    loaded = load(path, device="cpu")
+    loaded = load(path, device="cpu", runner="torch")
     seconds = time.perf_counter() - start
     assert seconds < 15  # see benchmarks/cold_start.py for the measured load; the bound leaves room for noise
     runner = loaded.runner
@@ -127,7 +127,7 @@ def test_smollm2_gguf_int4_keeps_the_files_blocks_and_decodes_close_to_fp32():
     difference, 3 of 5 answers identical, first-step max logit error 1.08 (logits up to 24.7); with
     the prefill through the int4 kernel instead of the dense path (quant.DENSE_ROWS): 85/101, 4 of 5,
     0.87. Greedy answers fork at near-ties, so the bound is on the share of tokens before a fork."""
-    loaded = load(smollm2_gguf(), device="cpu", quantize="int4")
+    loaded = load(smollm2_gguf(), device="cpu", runner="torch", quantize="int4")
     runner = loaded.runner
     assert runner.dtype == torch.bfloat16 and runner.lean is not None
     layer = runner.model.get_decoder().layers[0]
@@ -145,14 +145,14 @@ def test_gguf_without_its_packages_says_what_to_install(tmp_path, monkeypatch):
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name in missing else object())
     (tmp_path / "model.gguf").write_bytes(b"GGUF")
     with pytest.raises(ModelLoadError, match=r"needs gguf: pip install -e '.\[bench\]' in foveal's clone"):
-        load(tmp_path / "model.gguf", device="cpu")
+        load(tmp_path / "model.gguf", device="cpu", runner="torch")
     missing.discard("gguf")  # gguf present: a broken file is refused first, then accelerate is asked for
     with pytest.raises(ModelLoadError, match="not a readable GGUF file|is truncated"):
-        load(tmp_path / "model.gguf", device="cpu")
+        load(tmp_path / "model.gguf", device="cpu", runner="torch")
     # foveal reads llama files itself (engine/models/gguf.py); other architectures go through transformers
     _write_gguf(tmp_path / "model.gguf", "gemma")
     with pytest.raises(ModelLoadError, match=r"needs accelerate: pip install -e '.\[bench\]' in foveal's clone"):
-        load(tmp_path / "model.gguf", device="cpu")
+        load(tmp_path / "model.gguf", device="cpu", runner="torch")
 
 
 def test_an_incomplete_llama_gguf_says_what_is_missing(tmp_path):
@@ -160,7 +160,7 @@ def test_an_incomplete_llama_gguf_says_what_is_missing(tmp_path):
     with pytest.raises(
         ModelLoadError, match=r"has no .*llama\.feed_forward_length.*not a complete llama model"
     ):
-        load(tmp_path / "model.gguf", device="cpu")
+        load(tmp_path / "model.gguf", device="cpu", runner="torch")
 
 
 def _write_gguf(path, arch="llama"):
@@ -201,7 +201,7 @@ def test_a_truncated_or_corrupt_gguf_is_refused_in_one_line_before_parsing(tmp_p
     with pytest.raises(
         ModelLoadError, match=r"(not a readable GGUF file|is truncated).*download it again"
     ) as caught:
-        load(path, device="cpu")
+        load(path, device="cpu", runner="torch")
     assert "\n" not in str(caught.value)
 
 

@@ -3,7 +3,7 @@
 tests/models/test_gguf.py checks the loader on a real 93 MB file, marked slow. These tests write a
 complete llama GGUF of ~80 KB into tmp_path with the `gguf` package's writer (2 layers, hidden 64,
 4 heads over 2 KV heads, a byte-level BPE tokenizer of 265 tokens) and load it through
-`foveal.engine.models.load(path, device="cpu", quantize=...)`. They check:
+`foveal.engine.models.load(path, device="cpu", runner="torch", quantize=...)`. They check:
   - "fp16": HalfLinear / HalfEmbedding layers, float32 activations, weights equal to the file's
     rounded to fp16, and greedy tokens and logits matching transformers' LlamaForCausalLM that
     holds the file's dequantized weights in float32;
@@ -246,7 +246,7 @@ needs_fbgemm = pytest.mark.skipif(
 @pytest.mark.parametrize("kind", ["tied", "untied"])
 def test_fp16_greedy_tokens_and_logits_match_transformers_on_the_files_weights(files, kind):
     tiny = files[kind]
-    loaded = load(tiny.path, device="cpu", quantize="fp16")
+    loaded = load(tiny.path, device="cpu", runner="torch", quantize="fp16")
     runner = loaded.runner
     assert runner.dtype == torch.float32 and runner.vocab_size == VOCAB
     assert loaded.name == "llama" and EOS_ID in loaded.eos_token_ids
@@ -265,7 +265,7 @@ def test_fp16_greedy_tokens_and_logits_match_transformers_on_the_files_weights(f
 @needs_fbgemm
 def test_fp16_weights_are_the_files_rounded_to_half_with_q_and_k_rows_unpermuted(files):
     tiny = files["untied"]
-    loaded = load(tiny.path, device="cpu", quantize="fp16")
+    loaded = load(tiny.path, device="cpu", runner="torch", quantize="fp16")
     for key, layer in _all_linears(loaded):
         assert torch.equal(layer.dequantize(), tiny.weights[key].half().float()), key
     for i, layer in enumerate(loaded.runner.model.get_decoder().layers):
@@ -277,7 +277,7 @@ def test_fp16_weights_are_the_files_rounded_to_half_with_q_and_k_rows_unpermuted
 @pytest.mark.parametrize("kind", ["tied", "untied"])
 def test_fp16_head_is_the_output_matrix_or_else_the_tied_embedding(files, kind):
     tiny = files[kind]
-    model = load(tiny.path, device="cpu", quantize="fp16").runner.model
+    model = load(tiny.path, device="cpu", runner="torch", quantize="fp16").runner.model
     assert model.config.tie_word_embeddings is tiny.tied
     embedding = tiny.weights["token_embd.weight"].half().float()
     assert torch.equal(model.get_decoder().embed_tokens.weight.float(), embedding)
@@ -293,7 +293,7 @@ def test_default_splits_q4_blocks_into_int4_for_few_rows_and_fp16_for_many(files
     half holds the file's codes and groups (bf16 scales, as under "int4") and whose fp16 half holds
     the file's weights rounded to fp16; every other weight is what "fp16" makes it."""
     tiny = files[kind]
-    loaded = load(tiny.path, device="cpu")
+    loaded = load(tiny.path, device="cpu", runner="torch")
     model = loaded.runner.model
     assert loaded.runner.dtype == torch.float32
     for key, layer in _all_linears(loaded, Q4_LINEARS):
@@ -312,7 +312,7 @@ def test_default_decodes_close_to_transformers_on_the_files_weights(files):
     relative) and its scales to bf16: logits within 2% of the largest logit through two layers
     (measured 0.4% tied, 0.8% untied, greedy tokens equal); fp16's own rounding alone is 4-7e-4 of
     it (the "fp16" test above), and "int4", bf16 everywhere, 0.7-1.15 of it (tokens fork)."""
-    loaded = load(files["untied"].path, device="cpu")
+    loaded = load(files["untied"].path, device="cpu", runner="torch")
     _, worst, largest = _greedy_against_transformers(loaded, files["untied"].reference())
     assert worst < 2e-2 * largest
 
@@ -321,7 +321,7 @@ def test_a_bf16_dtype_with_the_default_kernels_is_refused_before_loading(files):
     if not fp16_kernel_available():
         pytest.skip("the float32 default runs where fbgemm does")
     with pytest.raises(ModelLoadError, match="float32 activations"):
-        load(files["tied"].path, device="cpu", dtype="bfloat16")
+        load(files["tied"].path, device="cpu", runner="torch", dtype="bfloat16")
 
 
 # -- the int kernels: quantize="int4", "int8", and the default without fbgemm ---------------------
@@ -363,7 +363,7 @@ def _assert_int8_rows(layer, weight: torch.Tensor, key: str) -> None:
 
 def test_int4_keeps_the_files_q4_blocks_up_to_bf16_scales(files):
     tiny = files["untied"]
-    loaded = load(tiny.path, device="cpu", quantize="int4")
+    loaded = load(tiny.path, device="cpu", runner="torch", quantize="int4")
     assert loaded.runner.dtype == torch.bfloat16
     _assert_q4_kept_as_int4(loaded, tiny)
     assert all(layer.mode == "int4" for _, layer in _all_linears(loaded, OTHER_LINEARS))  # requantized
@@ -373,7 +373,7 @@ def test_int4_keeps_the_files_q4_blocks_up_to_bf16_scales(files):
 def test_int8_makes_every_layer_per_row_int8(files):
     """gguf.py's rule: "int8" requantizes Q4 blocks too (its kernel was the faster one at batch 1)."""
     tiny = files["untied"]
-    loaded = load(tiny.path, device="cpu", quantize="int8")
+    loaded = load(tiny.path, device="cpu", runner="torch", quantize="int8")
     assert loaded.runner.dtype == torch.bfloat16
     for key, layer in _all_linears(loaded):
         _assert_int8_rows(layer, tiny.weights[key], key)
@@ -384,7 +384,7 @@ def test_default_without_fbgemm_keeps_the_files_blocks(files, kind, monkeypatch)
     """Where fp16 has no kernel (ARM), quantize=None keeps Q4 as int4 and makes the rest int8."""
     monkeypatch.setattr("foveal.engine.models.loader.fp16_kernel_available", lambda: False)
     tiny = files[kind]
-    loaded = load(tiny.path, device="cpu")
+    loaded = load(tiny.path, device="cpu", runner="torch")
     model = loaded.runner.model
     assert loaded.runner.dtype == torch.bfloat16
     _assert_q4_kept_as_int4(loaded, tiny)
@@ -401,7 +401,7 @@ def test_default_without_fbgemm_keeps_the_files_blocks(files, kind, monkeypatch)
 
 
 def test_the_files_tokenizer_applies_its_merges_and_keeps_its_eos_whole(files):
-    loaded = load(files["tied"].path, device="cpu")
+    loaded = load(files["tied"].path, device="cpu", runner="torch")
     tokenizer = loaded.tokenizer
     ids = loaded.processor("the cat and the hat").token_ids
     # by the merges' ranks: "the" | "Ġc" "at" | "Ġ" "and" | "Ġthe" | "Ġ" "h" "at"
@@ -460,7 +460,7 @@ def test_a_gguf_load_and_first_call_import_no_modeling_code_nor_other_families(f
     `NOT_IMPORTED` unimported (before: all of them, 3.6 s of a 7.4 s load)."""
     script = (
         "import sys, foveal\n"
-        f"model = foveal.load({str(files['tied'].path)!r}, device='cpu', max_model_len=128)\n"
+        f"model = foveal.load({str(files['tied'].path)!r}, device='cpu', runner='torch', max_model_len=128)\n"
         "model.generate(None, 'the cat', None, {'max_tokens': 3, 'temperature': 0.0})\n"
         "model.close()\n"
         f"print([m for m in {NOT_IMPORTED!r} if m in sys.modules or any(k.startswith(m + '.') for k in sys.modules)])\n"
@@ -474,7 +474,7 @@ def test_a_gguf_load_and_first_call_import_no_modeling_code_nor_other_families(f
 def test_the_models_rotary_is_transformers_llama_rotary_to_the_bit(files):
     from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
-    model = load(files["tied"].path, device="cpu").runner.model
+    model = load(files["tied"].path, device="cpu", runner="torch").runner.model
     theirs = LlamaRotaryEmbedding(files["tied"].reference().config)
     positions = torch.arange(0, 4096, 7)[None]
     x = torch.zeros(1, dtype=torch.float32)

@@ -104,7 +104,7 @@ def test_a_decode_replay_reads_no_shape_and_converts_nothing_in_vain_per_layer(t
     from tests.models.test_gguf_tiny import LAYERS, write_tiny_gguf
 
     tiny = write_tiny_gguf(tmp_path / "tiny.gguf", tied=True, seed=0)
-    runner = load(tiny.path, device="cpu").runner
+    runner = load(tiny.path, device="cpu", runner="torch").runner
     assert isinstance(runner.model.get_decoder().layers[0].mlp.up_proj, SplitLinear)
     runner.allocate_kv(16, 4)
     one, every = _replayed_graph(runner, 1), _replayed_graph(runner, LAYERS)

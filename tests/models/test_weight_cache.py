@@ -94,13 +94,13 @@ def _forbid_building(monkeypatch) -> None:
 
 @pytest.mark.parametrize("quantize", MODES)
 def test_a_load_from_the_cache_is_the_load_from_the_file(cache, tiny, quantize, monkeypatch):
-    first = load(tiny.path, device="cpu", quantize=quantize)  # from the file; writes the entry
+    first = load(tiny.path, device="cpu", runner="torch", quantize=quantize)  # from the file; writes the entry
     assert len(_entries(cache)) == 1
     with monkeypatch.context() as patch:
         _forbid_building(patch)
-        again = load(tiny.path, device="cpu", quantize=quantize)  # from the entry
+        again = load(tiny.path, device="cpu", runner="torch", quantize=quantize)  # from the entry
     monkeypatch.setenv("FOVEAL_WEIGHT_CACHE", "0")
-    without = load(tiny.path, device="cpu", quantize=quantize)
+    without = load(tiny.path, device="cpu", runner="torch", quantize=quantize)
     _assert_same_model(again, first)
     _assert_same_model(again, without)
     text = "the cat and the hat"
@@ -111,7 +111,7 @@ def test_a_load_from_the_cache_is_the_load_from_the_file(cache, tiny, quantize, 
 
 def test_the_cache_can_be_turned_off(cache, tiny, monkeypatch):
     monkeypatch.setenv("FOVEAL_WEIGHT_CACHE", "0")
-    load(tiny.path, device="cpu")
+    load(tiny.path, device="cpu", runner="torch")
     assert _entries(cache) == []
 
 
@@ -134,47 +134,47 @@ def _damage_a_tensor(entry) -> None:
 )
 def test_a_damaged_entry_is_reported_never_used_and_written_again(cache, tiny, damage, monkeypatch):
     monkeypatch.setenv("FOVEAL_WEIGHT_CACHE", "0")
-    reference = load(tiny.path, device="cpu")
+    reference = load(tiny.path, device="cpu", runner="torch")
     monkeypatch.delenv("FOVEAL_WEIGHT_CACHE")
-    load(tiny.path, device="cpu")
+    load(tiny.path, device="cpu", runner="torch")
     (entry,) = cache.glob("*.safetensors")
     damage(entry)
     with pytest.warns(UserWarning, match="weight cache entry .* is damaged"):
-        rebuilt = load(tiny.path, device="cpu")
+        rebuilt = load(tiny.path, device="cpu", runner="torch")
     _assert_same_model(rebuilt, reference)
     with warnings.catch_warnings(), monkeypatch.context() as patch:
         warnings.simplefilter("error")  # the entry written again is whole
         _forbid_building(patch)
-        _assert_same_model(load(tiny.path, device="cpu"), reference)
+        _assert_same_model(load(tiny.path, device="cpu", runner="torch"), reference)
 
 
 def test_a_changed_file_or_build_or_other_options_miss_silently_and_replace_their_own_entry(
     cache, tiny, monkeypatch
 ):
-    load(tiny.path, device="cpu", quantize="int8")
+    load(tiny.path, device="cpu", runner="torch", quantize="int8")
     (before,) = cache.glob("*.safetensors")
     written = before.stat().st_mtime_ns
     stat = tiny.path.stat()
     os.utime(tiny.path, ns=(stat.st_atime_ns, stat.st_mtime_ns + 10**9))  # the file changed
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        load(tiny.path, device="cpu", quantize="int8")
+        load(tiny.path, device="cpu", runner="torch", quantize="int8")
     assert _entries(cache) == [before.name] and before.stat().st_mtime_ns != written  # replaced
     monkeypatch.setattr(weight_cache, "FORMAT", weight_cache.FORMAT + 1)  # foveal (or torch) changed
     written = before.stat().st_mtime_ns
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        load(tiny.path, device="cpu", quantize="int8")
+        load(tiny.path, device="cpu", runner="torch", quantize="int8")
     assert _entries(cache) == [before.name] and before.stat().st_mtime_ns != written  # replaced in place
-    load(tiny.path, device="cpu", quantize="int4")
+    load(tiny.path, device="cpu", runner="torch", quantize="int4")
     assert len(_entries(cache)) == 2  # one entry per (file, options)
 
 
 def test_entries_of_removed_files_are_pruned(cache, tiny, tmp_path):
     other = write_tiny_gguf(tmp_path / "other.gguf", tied=True, seed=1)
-    load(other.path, device="cpu", quantize="int8")
+    load(other.path, device="cpu", runner="torch", quantize="int8")
     other.path.unlink()
-    load(tiny.path, device="cpu", quantize="int8")
+    load(tiny.path, device="cpu", runner="torch", quantize="int8")
     assert [name.split("-")[0] for name in _entries(cache)] == ["tiny"]
     assert [p.name.split("-")[0] for p in cache.glob("*.tokenizer.json")] == ["tiny"]
 
@@ -185,6 +185,6 @@ def test_a_cache_that_cannot_be_written_warns_and_the_model_loads(tmp_path, tiny
     monkeypatch.setenv("FOVEAL_CACHE", str(blocker))
     monkeypatch.delenv("FOVEAL_WEIGHT_CACHE", raising=False)
     with pytest.warns(UserWarning, match="could not write its weight cache entry"):
-        loaded = load(tiny.path, device="cpu", quantize="int8")
+        loaded = load(tiny.path, device="cpu", runner="torch", quantize="int8")
     monkeypatch.setenv("FOVEAL_WEIGHT_CACHE", "0")
-    _assert_same_model(loaded, load(tiny.path, device="cpu", quantize="int8"))
+    _assert_same_model(loaded, load(tiny.path, device="cpu", runner="torch", quantize="int8"))
