@@ -74,10 +74,14 @@ def settings(max_tokens: int) -> dict:
     return {"temperature": 0.0, "max_tokens": max_tokens}
 
 
-def load_foveal(path: Any, threads: int, quantize: str | None = None) -> tuple[foveal.Model, float]:
+def load_foveal(
+    path: Any, threads: int, quantize: str | None = None, runner: str = "auto"
+) -> tuple[foveal.Model, float]:
     torch.set_num_threads(threads)
     start = time.perf_counter()
-    model = foveal.load(path, device="cpu", max_batch_size=32, max_model_len=512, quantize=quantize)
+    model = foveal.load(
+        path, device="cpu", max_batch_size=32, max_model_len=512, quantize=quantize, runner=runner
+    )
     return model, time.perf_counter() - start
 
 
@@ -220,14 +224,16 @@ def run(
     quantize: str | None = None,
     rounds: int = 3,
     decode_threads: tuple[int, ...] = (),
+    runner: str = "auto",
 ) -> dict:
     path = gguf or smollm2_gguf()
-    model, foveal_load = load_foveal(path, threads, quantize)
+    model, foveal_load = load_foveal(path, threads, quantize, runner)
     llm, llama_load = load_llama(path, threads)
     report: dict[str, Any] = {
         "model": str(path),
         "threads": threads,
         "foveal_quantize": quantize,
+        "foveal_runner": model.runner,
         "machine": machine(),
         "load": [
             {"contender": "foveal", "seconds": foveal_load},
@@ -367,7 +373,8 @@ def machine() -> dict:
 def print_table(report: dict) -> None:
     print(
         f"SmolLM2-135M-Instruct Q4_1 GGUF (foveal quantize={report.get('foveal_quantize')}), "
-        f"{report['threads']} thread(s), load average {report['machine']['load_average']}"
+        f"{report['threads']} thread(s), load average {report['machine']['load_average']}; "
+        f"foveal's runner: {report.get('foveal_runner')}"
     )
     for r in report["load"]:
         print(f"  load            {r['contender']:<34} {r['seconds']:8.2f} s")
@@ -649,6 +656,12 @@ def main(argv: list[str] | None = None) -> None:
         metavar="ROUNDS",
         help="only time the parts of a batch-1 decode step (ROUNDS rounds, each part in turn, 1 and 2 threads)",
     )
+    parser.add_argument(
+        "--runner",
+        choices=["auto", "torch", "ggml"],
+        default="auto",
+        help="foveal.load(runner=): ggml (llama.cpp's kernels) where the gguf extra is installed, else torch",
+    )
     parser.add_argument("--out", default="out/benchmarks/llamacpp.json")
     args = parser.parse_args(argv)
     if args.step:
@@ -671,6 +684,7 @@ def main(argv: list[str] | None = None) -> None:
         quantize=args.quantize,
         rounds=args.rounds,
         decode_threads=tuple(int(c) for c in args.decode_threads.split(",")) if args.decode_threads else (),
+        runner=args.runner,
     )
     print_table(report)
     print(f"wrote {write_json(args.out, report)}")

@@ -35,6 +35,7 @@ INVARIANTS
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import logging
 import os
@@ -126,6 +127,8 @@ class GgmlRunner:
         self.max_positions = int(self.L.llama_model_n_ctx_train(self.model)) or None
         self.ctx: Any = None
         self.streams: list[Stream] = []
+        # cached tokens the rows found in their own stream, copied from another, or computed again
+        self.stats = {"kept": 0, "copied": 0, "recomputed": 0}
 
     # ---- the engine's contract ------------------------------------------------------------------
     def kv_bytes_per_token(self) -> int:
@@ -193,6 +196,7 @@ class GgmlRunner:
             table = tables[first]
             start = self._prepare(lane, table, cached)
             redo = self._tokens(table, start, cached)
+            self.stats["recomputed"] += len(redo)
             query = ids[starts[first] : starts[end]]
             offsets = [len(redo) + int(starts[r + 1] - starts[first]) - 1 for r in range(first, end)]
             tokens = np.concatenate([redo, query]).astype(np.int32)
@@ -216,6 +220,7 @@ class GgmlRunner:
         without computing; returns its length (the position the row's launch starts at)."""
         stream = self.streams[lane]
         keep = self._agreeing(stream, table, cached)
+        self.stats["kept"] += keep
         if keep < cached:
             donor, got = max(
                 ((d, self._agreeing(s, table, cached)) for d, s in enumerate(self.streams) if d != lane),
@@ -226,6 +231,7 @@ class GgmlRunner:
             if donor is not None and got > keep:
                 self.L.llama_memory_seq_rm(self.memory, lane, -1, -1)
                 self.L.llama_memory_seq_cp(self.memory, donor, lane, -1, -1)
+                self.stats["copied"] += got - keep
                 keep = got
                 stream.chain = list(self.streams[donor].chain)
                 stream.length = self.streams[donor].length
@@ -306,7 +312,5 @@ class GgmlRunner:
 
     def __del__(self) -> None:
         if os is not None:  # not at interpreter teardown, when modules are gone
-            try:
+            with contextlib.suppress(Exception):
                 self.close()
-            except Exception:
-                pass

