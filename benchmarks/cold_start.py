@@ -15,6 +15,7 @@ its first line:
     grammar built from the schema inside the call, as foveal compiles its own): `json_s`;
   - makes three free-text calls of `--free-tokens` tokens (benchmarks.llamacpp's asks): the first
     three calls' tokens/s, then `--steady` more calls of the same asks: the steady tokens/s.
+Each process also reports its peak resident memory (`max_rss_mb`, getrusage).
 Rows: load + first JSON call + first free-text call (`cold_s`), and foveal's over llama.cpp's
 (target <= 2); the first three free calls' tokens/s over the steady ones (target >= 0.8); the load
 (target <= 2 s on a quiet machine).
@@ -95,7 +96,7 @@ def _foveal_child(spec: dict, start: float) -> dict:
     finally:
         model.close()
     report = _report(imported - start, loaded - start, json_s, json_text, free, len(spec["free_asks"]) // 2)
-    return {**report, "load_cpu_s": load_cpu_s}
+    return {**report, "load_cpu_s": load_cpu_s, "runner": model.runner}
 
 
 def _llama_child(spec: dict, start: float) -> dict:
@@ -124,6 +125,8 @@ def _llama_child(spec: dict, start: float) -> dict:
 
 
 def _report(import_s: float, load_s: float, json_s: float, json_text: str, free: list, first: int) -> dict:
+    import resource
+
     def rate(calls: list) -> float:
         return sum(tokens for _, tokens, _ in calls) / sum(seconds for seconds, _, _ in calls)
 
@@ -138,6 +141,8 @@ def _report(import_s: float, load_s: float, json_s: float, json_text: str, free:
         "cold_s": load_s + json_s + free[0][0],
         "first_tokens_per_s": rate(free[:first]),
         "steady_tokens_per_s": rate(free[first:]),
+        # the process's peak resident memory (Linux reports KiB): weights, K/V, library, interpreter
+        "max_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
     }
 
 
@@ -233,9 +238,12 @@ def row(contender: str, runs: list[dict]) -> dict:
 
     keys = ("import_s", "load_s", "json_s", "first_free_s", "cold_s", "first_tokens_per_s", "steady_tokens_per_s")
     keys += ("load_cpu_s",) if all("load_cpu_s" in r for r in runs) else ()
+    keys += ("max_rss_mb",) if all("max_rss_mb" in r for r in runs) else ()
     out = {"contender": contender, "processes": len(runs), **{key: median(key) for key in keys}}
     out["first_vs_steady"] = out["first_tokens_per_s"] / out["steady_tokens_per_s"]
     out["load_averages"] = [r["load_average"][0] for r in runs]
+    if "runner" in runs[0]:
+        out["runner"] = runs[0]["runner"]
     return out
 
 
@@ -265,6 +273,11 @@ def print_table(report: dict) -> None:
             f" {r['cold_s']:6.2f}s {r['first_tokens_per_s']:5.1f}t/s {r['steady_tokens_per_s']:5.1f}t/s"
             f" {r['first_vs_steady']:6.2f}  {', '.join(f'{x:.1f}' for x in r['load_averages'])}"
         )
+    for r in report["rows"]:
+        if "max_rss_mb" in r:
+            print(f"  {r['contender']}: peak resident memory {r['max_rss_mb']:.0f} MB (median)")
+        if "runner" in r:
+            print(f"  {r['contender']}: runner {r['runner']}")
     for r in report["rows"]:
         if "load_cpu_s" in r:
             print(f"  {r['contender']}: CPU time in foveal.load {r['load_cpu_s']:.2f} s (every thread, median)")

@@ -16,6 +16,12 @@ SOLUTION
     running sequences still prefilling, then waiting ones in FIFO order; a request that does not
     fit the free pages waits (head of line, so a big one is not starved). Admission also gives the
     sequence a lane (lanes.py): its fixed per-step inputs, written once into host arrays.
+    Shared prefixes wait for their first writer: a waiting request whose prompt starts with at least
+    SHARE_PAGES more full pages than the prefix cache holds, pages that a running sequence's prefill
+    is writing now (its prompt's page hashes, not yet registered), is admitted only once that
+    sequence has registered them, so that it reads them from the cache instead of computing them
+    a second time in the same launch (requests arriving together with one system prompt, or asking
+    about one image, prefill it once).
     Chunked prefill: a text prompt is prefilled `prefill_chunk` tokens at a time at most (and no
     more than the budget the step has left), so a long prompt never stalls the decoding rows for
     a whole prompt's forward. `chunk` is the query length of its next launch; `num_prefilled`
@@ -26,6 +32,8 @@ INVARIANTS
     - A scheduled row's output index is `num_scheduled` before the launch; it never reaches max_tokens.
     - Pages are reserved at admission for every position the sequence can reach, so a running
       sequence never needs a page the pool does not have.
+    - A request waits for a sharer only while that sharer runs and has committed no token (it
+      registers its pages at its first commit), so every wait ends within its prefill.
     - A step carries at most `max_step_tokens` query tokens (decode rows come first: they always fit,
       max_step_tokens >= max_batch, and jumps are capped to the room left).
 """
@@ -39,6 +47,8 @@ from .kv_cache import PagePool
 from .lanes import Lanes
 from .sequence import Sequence
 from .sliding import SlidingPages
+
+SHARE_PAGES = 2  # a shared run of pages worth a step's wait (a page is DEFAULT_PAGE_SIZE tokens)
 
 
 class Scheduler:
@@ -73,8 +83,13 @@ class Scheduler:
             if seq.num_prefilled < seq.prompt_len and tokens < self.max_step_tokens and len(rows) < self.max_batch:
                 tokens += self._chunk(seq, self.max_step_tokens - tokens)
                 rows.append(seq)
+        writing: set[bytes] | None = None  # page hashes the running prefills write, made when needed
         while self.waiting and len(rows) < self.max_batch and tokens < self.max_step_tokens:
             seq = self.waiting[0]
+            if seq.prefix_chain:
+                writing = self._being_written() if writing is None else writing
+                if self._shares_a_prefill(seq, writing):
+                    break  # FIFO: the requests behind it wait too
             pages = self._reserve(seq, self.max_step_tokens - tokens)
             if pages is None:
                 break
@@ -86,7 +101,24 @@ class Scheduler:
             self.running.append(seq)
             rows.append(seq)
             tokens += self._chunk(seq, self.max_step_tokens - tokens)
+            if writing is not None:
+                writing.update(seq.prefix_chain)
         return rows
+
+    def _being_written(self) -> set[bytes]:
+        """The page hashes of running sequences whose prompt pages are not registered yet."""
+        return {d for s in self.running if s.num_committed == 0 and not s.finalized for d in s.prefix_chain}
+
+    def _shares_a_prefill(self, seq: Sequence, writing: set[bytes]) -> bool:
+        """Whether `seq` would compute SHARE_PAGES or more pages a running prefill is writing."""
+        reusable = seq.prefix_chain[: (seq.prompt_len - 1) // self.pool.page_size]
+        cached = 0
+        while cached < len(reusable) and self.pool.is_cached(reusable[cached]):
+            cached += 1
+        shared = cached
+        while shared < len(reusable) and reusable[shared] in writing:  # a hash chain: prefixes agree
+            shared += 1
+        return shared - cached >= SHARE_PAGES
 
     def _chunk(self, seq: Sequence, step_tokens_left: int) -> int:
         """Set the query length of `seq`'s next prefill launch; returns it. A prompt with prefill

@@ -377,9 +377,9 @@ def _load_ggml(
 
     meta = direct.read_metadata(header)
     name = str(meta.get("general.architecture", "?"))
-    # the family's table knows llama and gemma; any other text architecture llama.cpp runs
-    # prompts as llama does (the file's own chat template, no vision)
-    arch, _ = arch_for(["GemmaForCausalLM" if name == "gemma" else "LlamaForCausalLM"])
+    # the file's own architecture where the family's table has it; any other text architecture
+    # llama.cpp runs prompts as a llama does (the file's own chat template, no vision)
+    arch, _ = arch_for([f"{name.capitalize()}ForCausalLM", "LlamaForCausalLM"])
     runner = GgmlRunner(path)
     tokenizer = direct.tokenizer_from(*direct.tokenizer_source(header))
     if len(tokenizer) > runner.vocab_size:

@@ -119,14 +119,23 @@ def test_a_later_request_skips_the_shared_prompt_pages_and_answers_the_same():
     assert outputs[True] == outputs[False]
 
 
-def test_requests_sharing_a_prefix_in_the_same_step_are_computed_once_each_then_shared():
+def test_requests_sharing_a_prefix_that_arrive_together_compute_it_once():
+    """The first writes the shared pages; the others wait for them (scheduler.SHARE_PAGES) and read
+    them from the cache, with the answers of a run without the cache."""
+    outputs = {}
+    for cache in (True, False):
+        pipe = _pipeline()
+        same = [_add(pipe, list(range(40, 52)) + [i], 4, cache=cache) for i in range(3)]
+        _run(pipe)
+        outputs[cache] = [s.handle.result(0).token_ids for s in same]
+        if cache:
+            assert [s.num_cached for s in same] == [0, 12, 12]
+    assert outputs[True] == outputs[False]
     pipe = _pipeline()
-    same = [_add(pipe, list(range(40, 52)) + [i], 4) for i in range(3)]  # admitted together: no hit yet
+    short = [_add(pipe, list(range(40, 45)) + [i], 4) for i in range(3)]  # one shared page: not worth a wait
+    pipe.tick()
+    assert all(s.pages is not None for s in short)
     _run(pipe)
-    assert [s.num_cached for s in same] == [0, 0, 0]
-    later = _add(pipe, list(range(40, 52)) + [9], 4)
-    _run(pipe)
-    assert later.num_cached == 12
 
 
 # ---- the threaded engine -----------------------------------------------------------------------------------
