@@ -60,6 +60,29 @@ _errors: deque[str] = deque(maxlen=8)  # llama.cpp's last error lines, for the m
 _callback: Any = None  # the ctypes callback, kept alive while llama.cpp holds it
 
 
+AVX2_ARGS = (
+    "-DGGML_NATIVE=OFF", "-DGGML_AVX=ON", "-DGGML_AVX2=ON", "-DGGML_FMA=ON", "-DGGML_F16C=ON",
+    "-DGGML_AMX_TILE=OFF", "-DGGML_AMX_INT8=OFF", "-DGGML_AMX_BF16=OFF",
+)
+AVX512_FLAGS = {  # /proc/cpuinfo flag -> the ggml option that uses it
+    "avx512f": "-DGGML_AVX512=ON",
+    "avx512vbmi": "-DGGML_AVX512_VBMI=ON",
+    "avx512_vnni": "-DGGML_AVX512_VNNI=ON",
+    "avx512_bf16": "-DGGML_AVX512_BF16=ON",
+}
+
+
+def cmake_args(cpu_flags: set[str], avx512: bool = True) -> str:
+    """llama-cpp-python's CMAKE_ARGS for a CPU with these /proc/cpuinfo flags: never -march=native
+    and never AMX (the virtual machines here refuse its tile instructions), AVX2 always, and the
+    AVX-512 extensions the CPU has when `avx512` (a build for this CPU kind only: it dies with
+    SIGILL on an AVX2-only one)."""
+    if "avx2" not in cpu_flags:
+        raise ValueError("this CPU has no AVX2: build llama-cpp-python the default way for it")
+    extra = [arg for flag, arg in AVX512_FLAGS.items() if avx512 and "avx512f" in cpu_flags and flag in cpu_flags]
+    return " ".join([*AVX2_ARGS, *(extra or ["-DGGML_AVX512=OFF"])])
+
+
 def available() -> bool:
     """Whether llama-cpp-python imports (the `gguf` extra is installed)."""
     try:
@@ -314,3 +337,17 @@ class GgmlRunner:
         if os is not None:  # not at interpreter teardown, when modules are gone
             with contextlib.suppress(Exception):
                 self.close()
+
+
+def _cpu_flags() -> set[str]:
+    for line in Path("/proc/cpuinfo").read_text().splitlines():
+        if line.startswith("flags"):
+            return set(line.split(":", 1)[1].split())
+    return set()
+
+
+if __name__ == "__main__":  # python -m foveal.engine.models.ggml [--avx2]: CMAKE_ARGS for this machine
+    import sys
+
+    print(cmake_args(_cpu_flags(), avx512="--avx2" not in sys.argv[1:]))
+
