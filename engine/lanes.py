@@ -11,6 +11,7 @@ SOLUTION
     its next input id is sampled (the step and row that last carried it). Staging a step is then a
     few numpy gathers by its rows' lanes, a cost that barely grows with the number of rows.
 INVARIANTS
+    - A sequence takes the lowest free lane.
     - A lane belongs to at most one sequence: taken at admission, given back at release (when no step
       in flight holds the sequence); giving back a free lane raises; at idle every lane is free.
     - `2 * max_batch` lanes always suffice, so admission never waits for one: when a step is scheduled
@@ -21,6 +22,7 @@ INVARIANTS
 
 from __future__ import annotations
 
+import heapq
 from collections.abc import Sequence
 
 import numpy as np
@@ -42,7 +44,9 @@ class Lanes:
         self.logprobs = np.full(count, -1, dtype=np.int64)  # alternatives to record; -1: none
         self.last_step = np.full(count, -1, dtype=np.int64)  # the latest step that carried the lane ...
         self.last_row = np.zeros(count, dtype=np.int64)  # ... and its row there (where its next input is)
-        self._free = list(range(count - 1, -1, -1))  # pop() hands out low lanes first
+        # a heap: the lowest free lane first, so the lanes in use stay few and low (a runner that
+        # keeps a sequence per lane, runner.OwnsKV, attends over the range of lanes a launch spans)
+        self._free = list(range(count))
         self._is_free = [True] * count
 
     @property
@@ -61,7 +65,7 @@ class Lanes:
         sliding pages so far: those the prefix cache held)."""
         if not self._free:  # unreachable while the bound in the docstring holds
             raise RuntimeError(f"all {self.count} lanes are taken: a sequence was not released (engine bug)")
-        lane = self._free.pop()
+        lane = heapq.heappop(self._free)
         self._is_free[lane] = False
         self.prompt_len[lane] = prompt_len
         self.block_table[lane] = -1
@@ -81,4 +85,4 @@ class Lanes:
         if self._is_free[lane]:
             raise RuntimeError(f"lane {lane} given back twice")
         self._is_free[lane] = True
-        self._free.append(lane)
+        heapq.heappush(self._free, lane)

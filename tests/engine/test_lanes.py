@@ -29,6 +29,19 @@ def test_take_writes_the_fixed_state_and_give_back_twice_raises():
         lanes.give_back(lane)
 
 
+def test_a_sequence_takes_the_lowest_free_lane():
+    """Lanes in use stay few and low: a runner that keeps a sequence per lane (runner.OwnsKV)
+    attends over the range of lanes one launch spans."""
+    lanes = Lanes(6, max_pages=2)
+    taken = [lanes.take(1, [0], SamplingParams(), seed=0) for _ in range(4)]
+    assert taken == [0, 1, 2, 3]
+    lanes.give_back(2)
+    lanes.give_back(0)
+    assert lanes.take(1, [0], SamplingParams(), seed=0) == 0
+    assert lanes.take(1, [0], SamplingParams(), seed=0) == 2
+    assert lanes.take(1, [0], SamplingParams(), seed=0) == 4
+
+
 def test_scheduler_refuses_fewer_lanes_than_the_bound():
     with pytest.raises(ValueError, match="2 \\* max_batch"):
         Scheduler(PagePool(8, 4), Lanes(7, 4), max_batch=4, max_step_tokens=64)
