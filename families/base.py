@@ -155,6 +155,10 @@ class Family:
     def spatial_query(self, question: str, refs: tuple[tuple[float, ...], ...]) -> Task:
         raise self.unsupported_option("spatial_refs on query", self.refs_hint())
 
+    def spatial_point(self, phrase: str, max_objects: int, refs: tuple[tuple[float, ...], ...]) -> Task:
+        """point with spatial references in the prompt (families with "point" in capabilities.spatial_refs)."""
+        raise self.unsupported_option("spatial_refs on point", self.refs_hint())
+
     def reasoning(self, question: str, refs: tuple[tuple[float, ...], ...] | None) -> Task:
         """The reasoning phase of query(reasoning=True); its ids go to `reasoned_answer`."""
         raise self.unsupported("reasoning")

@@ -115,9 +115,14 @@ def point(
     family: Family, image: Any, object: str, settings: Mapping | None = None, spatial_refs: Any = None
 ) -> Call:
     phrase = check_object(object)
-    if check_spatial_refs(spatial_refs) is not None:  # no family points from references yet
+    refs = check_spatial_refs(spatial_refs)
+    if refs is None:
+        make: Callable[[Settings], Task] = lambda s: family.point(phrase, s.max_objects)  # noqa: E731
+    elif "point" in family.capabilities.spatial_refs:
+        make = lambda s: family.spatial_point(phrase, s.max_objects, refs)  # noqa: E731
+    else:  # refused before the settings are read: the option itself is missing
         raise family.unsupported_option("spatial_refs on point", family.refs_hint())
-    return _call(family, "point", settings, lambda s: family.point(phrase, s.max_objects), image, False)
+    return _call(family, "point", settings, make, image, False)
 
 
 def segment(

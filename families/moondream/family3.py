@@ -9,6 +9,9 @@ What the preview's code does differently, and this class states:
     spatial refs on query: the same single suffix;
     detect / point: every gate after the first object decides on the lm_head rows [coord, eos] only
                (`_gate_ids`); the first gate, after the prompt, is the full argmax.
+    point with spatial refs: point.prefix + each ref's coord (and size) values + " " + object +
+               point.suffix (Moondream's engine's layout, kestrel's point skill; the preview's HF
+               code has no such call), decoded as point is.
 Not implemented for Moondream 3: LoRA variants (the preview applies them to attention and dense
 MLPs only; a variant is refused by name) and quantized weights (refused at load, as for Moondream 2).
 
@@ -104,9 +107,8 @@ class Moondream3Family(MoondreamFamily):
         self._path_tokens: PathTokens | None = None  # built on the first segment call
         self._path_lock = threading.Lock()
         caps = self.capabilities  # Moondream 2's, but segment where the template allows it, and no variants
-        self.capabilities = dataclasses.replace(
-            caps, skills=caps.skills | segments, spatial_refs=caps.spatial_refs | segments, variants=False
-        )
+        refs = caps.spatial_refs | segments | {"point"}
+        self.capabilities = dataclasses.replace(caps, skills=caps.skills | segments, spatial_refs=refs, variants=False)
 
     REFS_WITH_REASONING = "the preview's reference fails on it; ask with one or the other"
 
@@ -117,6 +119,12 @@ class Moondream3Family(MoondreamFamily):
     def _thinking_suffix(self) -> tuple[int, ...]:
         """Moondream 3's reasoning phase: the thinking id straight after the question."""
         return (self.ids.thinking_id,)
+
+    def spatial_point(self, phrase: str, max_objects: int, refs: tuple[tuple[float, ...], ...]) -> Task:
+        """point's task with the refs' values after point.prefix, before the object's ids."""
+        task = self.point(phrase, max_objects)
+        p = task.prompt
+        return dataclasses.replace(task, prompt=MoondreamPrompt((*p.prefix, *ref_parts(refs)), p.text, p.suffix))
 
     def segment(self, phrase: str, refs: tuple[tuple[float, ...], ...] | None) -> Task:
         """segment.prefix + the refs' values + object (no leading space, as Moondream's engine) +
