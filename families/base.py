@@ -64,6 +64,9 @@ class CallSettings(Protocol):
     @property
     def variant(self) -> str | None: ...
 
+    @property
+    def adapter(self) -> str | None: ...
+
 
 class UnsupportedSkill(ValueError):
     """A skill, an input or an option this family does not support; the message says what it does."""
@@ -177,9 +180,11 @@ class Family:
         raise self.unsupported("segment")
 
     def with_settings(self, task: Task, settings: CallSettings) -> Task:
-        """The task with what the call's settings say beyond sampling (a LoRA variant)."""
+        """The task with what the call's settings say beyond sampling (a LoRA variant, an adapter)."""
         if settings.variant is not None:
             raise self.unsupported_option("settings['variant'] (LoRA variants)", "remove it")
+        if settings.adapter is not None:
+            raise self.unsupported_option("settings['adapter'] (fine-tune adapters)", "remove it")
         return task
 
     def refs_hint(self) -> str:

@@ -28,6 +28,8 @@ Accepted keys and ranges:
                  whose answer is decoded under a grammar refuse it (the grammar decides the end)
     variant      a LoRA variant's name or file path (Moondream's `settings["variant"]`), or None;
                  families without variants refuse it (the family resolves and loads it)
+    adapter      a fine-tune's adapter as Moondream's API names it, `<finetune_id>@<step>`, or its file
+                 path, or None; families without adapters (Moondream 3 has them) refuse it
 """
 
 from __future__ import annotations
@@ -62,6 +64,7 @@ class Settings:
     stop: tuple[str, ...] = ()
     min_score: float = 0.0
     variant: str | None = None
+    adapter: str | None = None
 
     def __post_init__(self) -> None:
         # object.__setattr__: the dataclass is frozen; values are normalized to plain Python numbers.
@@ -75,6 +78,11 @@ class Settings:
         if self.variant is not None and (not isinstance(self.variant, str) or not self.variant.strip()):
             raise ValueError(
                 f"setting 'variant' = {self.variant!r:.80} is not accepted; it must be a variant's name or file path, or None"
+            )
+        if self.adapter is not None and (not isinstance(self.adapter, str) or not self.adapter.strip()):
+            raise ValueError(
+                f"setting 'adapter' = {self.adapter!r:.80} is not accepted; it must be '<finetune_id>@<step>' or an "
+                "adapter file's path, or None"
             )
         object.__setattr__(self, "min_score", _real("min_score", self.min_score, 0.0, 1.0, "number in [0, 1]"))
 

@@ -282,6 +282,8 @@ class MoondreamFamily(Family):
         by every family, where the checkpoint declares no variants."""
         if not self.capabilities.variants:
             return super().with_settings(task, settings)
+        if settings.adapter is not None:  # Moondream 3's format (lora.py); Moondream 2's fine-tunes are variants
+            raise self.unsupported_option("settings['adapter'] (Moondream 3's fine-tunes)", "use settings['variant']")
         name = settings.variant
         if name is None:
             return task

@@ -12,8 +12,12 @@ What the preview's code does differently, and this class states:
     point with spatial refs: point.prefix + each ref's coord (and size) values + " " + object +
                point.suffix (Moondream's engine's layout, kestrel's point skill; the preview's HF
                code has no such call), decoded as point is.
-Not implemented for Moondream 3: LoRA variants (the preview applies them to attention and dense
-MLPs only; a variant is refused by name) and quantized weights (refused at load, as for Moondream 2).
+    adapters   settings["adapter"]: a fine-tune of Moondream's API, `<finetune_id>@<step>` or a file
+               (lora.py: its format is Moondream's engine's, LoRA on the dense MLPs and the experts),
+               applied to the whole call as Moondream 2's variants are; Moondream 2's
+               settings["variant"] is refused (the preview's own LoRA code, attention and dense
+               MLPs only, has no published checkpoints in its format).
+Not implemented for Moondream 3: quantized weights (refused at load, as for Moondream 2).
 
     segment    segment.prefix + each ref's coord (and size) values + object (no leading space) +
                segment.suffix; the answer is coord, coord, size (region steps), then path tokens until
@@ -38,6 +42,8 @@ from typing import Any
 
 import torch
 
+from foveal.families.base import CallSettings
+from foveal.families.moondream import lora
 from foveal.families.moondream.family import (
     VALUE,
     MoondreamFamily,
@@ -106,7 +112,7 @@ class Moondream3Family(MoondreamFamily):
         segments = frozenset({"segment"}) if self._segment is not None else frozenset()
         self._path_tokens: PathTokens | None = None  # built on the first segment call
         self._path_lock = threading.Lock()
-        caps = self.capabilities  # Moondream 2's, but segment where the template allows it, and no variants
+        caps = self.capabilities  # Moondream 2's, but segment where the template allows it, adapters, no variants
         refs = caps.spatial_refs | segments | {"point"}
         self.capabilities = dataclasses.replace(caps, skills=caps.skills | segments, spatial_refs=refs, variants=False)
 
@@ -119,6 +125,20 @@ class Moondream3Family(MoondreamFamily):
     def _thinking_suffix(self) -> tuple[int, ...]:
         """Moondream 3's reasoning phase: the thinking id straight after the question."""
         return (self.ids.thinking_id,)
+
+    def with_settings(self, task: Task, settings: CallSettings) -> Task:
+        """The task with the call's adapter (settings['adapter']) resolved and loaded, its index and
+        identity on the prompt (the runner's rows, the prefix cache's salt); a variant is refused."""
+        if settings.variant is not None:
+            raise self.unsupported_option(
+                "settings['variant'] (Moondream 2's LoRA variants)",
+                "a Moondream 3 fine-tune is settings['adapter'] = '<finetune_id>@<step>' or its file's path",
+            )
+        if settings.adapter is None:
+            return task
+        index, identity = self.runner.variants.load(lora.resolve_adapter(settings.adapter, self.folder))
+        p = task.prompt
+        return dataclasses.replace(task, prompt=MoondreamPrompt(p.prefix, p.text, p.suffix, index, identity))
 
     def spatial_point(self, phrase: str, max_objects: int, refs: tuple[tuple[float, ...], ...]) -> Task:
         """point's task with the refs' values after point.prefix, before the object's ids."""

@@ -44,7 +44,7 @@ from foveal.engine.runner import ForwardBatch
 from . import region
 from .answers import COORD, GATE, SIZE, THINK
 from .config import HEAD_DIM, MoondreamConfig
-from .lora import VariantBank, selector
+from .lora import AdapterBank, VariantBank, selector
 from .text import rotary_table
 from .weights import MoondreamWeights
 
@@ -79,7 +79,10 @@ class MoondreamRunner:
             "fc1": (text.dim, text.ff_dim),
             "fc2": (text.ff_dim, text.dim),
         }
-        self.variants = VariantBank(text.n_layers, text_shapes, self.device, self.dtype)
+        self.variants: VariantBank | AdapterBank = (  # Moondream 3's adapters are another format (lora.py)
+            AdapterBank(text, self.device, self.dtype) if self.config.generation == 3
+            else VariantBank(text.n_layers, text_shapes, self.device, self.dtype)
+        )
         self.page_variant: torch.Tensor | None = None  # [pages + 1]: the variant of the sequence owning a first page
         self.images_encoded = 0
         self.kv: PagedKV | None = None

@@ -14,7 +14,8 @@ SOLUTION
     unchanged. Then rotary on q and k (text.apply_rotary, whose half layout gives the same scores as
     the reference's interleaved one), and attention on the engine's paged KV exactly as Moondream 2's
     (text.py): the scaled v is what the cache holds. Dense layers (below `moe.start_layer`) keep
-    Moondream 2's tanh-GELU MLP.
+    Moondream 2's tanh-GELU MLP. Tokens with a fine-tune's adapter take their MLPs with its change of
+    weights, dense and per expert (lora.py); the others keep the block's output.
 INVARIANTS
     - The module tree's `state_dict()` keys are the real checkpoint's (`attn.tau.wq`, `mlp.router`, ...).
     - `forward` returns hidden states before `post_ln`, as Moondream 2's (the region heads read those).
@@ -33,6 +34,7 @@ from foveal.engine.models.attention import PagedContext, paged_attention
 
 from .config import HEAD_DIM, LN_EPS, TextConfig
 from .layers import MLP, QKV
+from .lora import AdapterRows, AdapterStacks, adapted_feed_forward
 from .moe import MoE
 from .text import apply_rotary
 
@@ -94,10 +96,10 @@ class TextDecoder3(nn.Module):
         ctx: PagedContext,
         cos_table: torch.Tensor,
         sin_table: torch.Tensor,
-        lora: object = None,
+        lora: tuple[AdapterStacks, AdapterRows] | None = None,
     ) -> torch.Tensor:
         """x [T, dim] input embeddings -> [T, dim] hidden states (before post_ln), as text.TextDecoder's."""
-        # `lora` is always None: the family declares no variants, so with_settings refuses them
+        # `lora`: (AdapterStacks, AdapterRows) of lora.py where the launch holds adapters, else None
         cos, sin = cos_table[positions], sin_table[positions]
         log_pos = torch.log(positions.to(x.dtype) + 1)[:, None]  # the tau position term's, once per launch
         heads = self.cfg.n_heads
@@ -112,7 +114,10 @@ class TextDecoder3(nn.Module):
             q, k = apply_rotary(q * scale_q, cos, sin), apply_rotary(k, cos, sin)
             a = paged_attention(ctx, index, q, k, v * scale_v, None)
             attn = block.attn.proj(a.reshape(num_tokens, heads * HEAD_DIM))
-            x = x + attn + block.feed_forward(h, decode)
+            mlp = block.feed_forward(h, decode)
+            if lora is not None:  # adapted tokens take their adapter's MLP (lora.py); the others keep mlp
+                mlp = adapted_feed_forward(block, index, h, mlp, *lora)
+            x = x + attn + mlp
         return x
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:

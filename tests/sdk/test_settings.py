@@ -129,7 +129,7 @@ def test_unknown_keys_are_named_with_a_suggestion():
     ):
         validate_settings({"temprature": 0.5})
     with pytest.raises(
-        ValueError, match=r"unknown setting 'stream'; accepted settings: max_objects, max_tokens"
+        ValueError, match=r"unknown setting 'stream'; accepted settings: adapter, max_objects, max_tokens"
     ):
         validate_settings({"stream": True})
     with pytest.raises(ValueError, match=r"unknown setting 3"):
