@@ -7,7 +7,8 @@ tokenizer per tokenizer.py. The generation is read from the tensor names (weight
 Moondream 3's tau and router tensors), since both generations' config.json say `moondream1`; the
 region LayerNorm of later Moondream 3 checkpoints likewise (`model.region.ln`). Checks run before
 the weights are read. Moondream 2 folders also pass revisions.py's check; Moondream 3 (preview)
-has one implemented revision, so a folder's own refs are not read for it.
+has one implemented revision, so a folder's own refs are not read for it, but its layout is checked
+(revisions.check3: Moondream's engine's training layout is refused by name).
 """
 
 from __future__ import annotations
@@ -56,6 +57,7 @@ def load_folder(
     raw = json.loads((path / "config.json").read_text())
     names = _readable_names(path)
     kind = generation(names)
+    revisions.check3(path, names)  # a Moondream 3 layout foveal does not map is refused by what it holds
     if kind == 2:
         # before anything else: never the wrong revision's rules, nor another revision than the pinned one
         revisions.check(path, raw.get("config"), pinned=revision)
