@@ -21,8 +21,12 @@ also carries its "reasoning"). A streamed segment sends `{"type": "bbox", "bbox"
 known, `{"type": "path_delta", "chunk", "completed": false}` per piece of the path, then
 `{"type": "final", "path", "bbox", "completed": true, "finish_reason", "metrics"}`: the client
 2.6.1 yields `{"bbox"}`, `{"chunk"}` and `{"path", "bbox", "completed"}` from them. Results are the
-SDK's result dicts, unchanged, plus those two keys. `model` is accepted and ignored (one model is
-served). `reasoning`, `spatial_refs`, segment and gaze go to the SDK's query / point / segment /
+SDK's result dicts, unchanged, plus those two keys. `model` names the served model (one is served:
+its name is not checked) or, in the form moondream's finetune client writes
+(`Finetune.model(step)`: `<base>/<finetune_id>@<step>`, e.g. `moondream3-preview/01J5Z3@1000`), a
+fine-tune of it: the call then runs with `settings["adapter"] = "<finetune_id>@<step>"` (a setting of
+its own that names another adapter is a 400; a model without adapters answers the SDK's 400; /v1/gaze,
+which takes no settings, refuses one). `reasoning`, `spatial_refs`, segment and gaze go to the SDK's query / point / segment /
 detect_gaze, which answer them on models that have them and refuse them, a 400 naming the model's
 family and what it supports, on the others; a streamed grounded query streams its answer (the
 reasoning is made first). The official client (2.6.1) has no gaze call; `/v1/gaze` takes the SDK's
@@ -40,6 +44,7 @@ themselves are checked by the SDK, whose refusals are 400s naming the key.
 
 from __future__ import annotations
 
+import re
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Request
@@ -84,6 +89,10 @@ def settings_schema(skill: str) -> dict[str, Any]:
             "anyOf": [{"type": "string", "minLength": 1}, {"type": "null"}],
             "description": "a LoRA variant's name or path, where the model takes variants (Moondream 2)",
         },
+        "adapter": {
+            "anyOf": [{"type": "string", "minLength": 1}, {"type": "null"}],
+            "description": "a fine-tune's adapter, '<finetune_id>@<step>', where the model takes them (Moondream 3)",
+        },
     }
     if skill in OBJECT_SKILLS:
         properties["max_objects"] = {"type": "integer", "minimum": 1, "maximum": MAX_OBJECTS_CEILING}
@@ -127,9 +136,43 @@ SpatialRefs = Annotated[
 ]
 
 
+# A fine-tune checkpoint's id as moondream's client writes it after the base model's name: never a path
+# (no '/'), so a body's `model` cannot point the server at a file.
+FINETUNE = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9._-]*@[A-Za-z0-9_-][A-Za-z0-9._-]*")
+
+
 class _Body(BaseModel):
     model_config = ConfigDict(extra="forbid")
-    model: str | None = None
+    model: Annotated[
+        str | None,
+        Field(description="the served model's name, or a fine-tune of it: '<base>/<finetune_id>@<step>'"),
+    ] = None
+
+
+def adapter_of(model: str | None) -> str | None:
+    """The adapter a body's `model` names (`<base>/<finetune_id>@<step>`), None for a plain model name
+    (`moondream3-preview`, or a hub id such as `moondream/moondream3-preview`, which has no '@')."""
+    if model is None or "/" not in model or "@" not in model:
+        return None
+    base, _, adapter = model.partition("/")
+    if not base or FINETUNE.fullmatch(adapter) is None:
+        raise ValueError(
+            f"model {model!r:.120} is neither a model's name nor a fine-tune's '<base>/<finetune_id>@<step>'"
+        )
+    return adapter
+
+
+def with_adapter(body: _Body, settings: dict[str, Any] | None) -> dict[str, Any] | None:
+    """The call's settings with the adapter its `model` names, if any."""
+    adapter = adapter_of(body.model)
+    if adapter is None:
+        return settings
+    given = (settings or {}).get("adapter")
+    if given is not None and given != adapter:
+        raise ValueError(
+            f"model {body.model!r:.120} names adapter {adapter!r} but settings['adapter'] is {given!r:.120}; give one"
+        )
+    return {**(settings or {}), "adapter": adapter}
 
 
 class CaptionBody(_Body):
@@ -182,49 +225,52 @@ class GazeBody(_Body):
 
 @router.post("/caption")
 async def caption(body: CaptionBody, request: Request) -> Any:
+    settings = with_adapter(body, body.settings)
     image = await decode_image(body.image_url)
     return await _text(
         request,
         "caption",
         body.stream,
-        lambda m, stream: m.acaption(image, body.length, stream, body.settings),
+        lambda m, stream: m.acaption(image, body.length, stream, settings),
     )
 
 
 @router.post("/query")
 async def query(body: QueryBody, request: Request) -> Any:
+    settings = with_adapter(body, body.settings)
     await check_fits(state_of(request).ready_model(), [("question", body.question)])
     image = await decode_image(body.image_url)
     return await _text(
         request,
         "answer",
         body.stream,
-        lambda m, stream: m.aquery(
-            image, body.question, body.reasoning, body.spatial_refs, stream, body.settings
-        ),
+        lambda m, stream: m.aquery(image, body.question, body.reasoning, body.spatial_refs, stream, settings),
     )
 
 
 @router.post("/detect")
 async def detect(body: DetectBody, request: Request) -> Any:
+    settings = with_adapter(body, body.settings)
     image = await decode_image(body.image_url)
-    return _answered(await call(request, lambda m: m.adetect(image, body.object, body.settings)))
+    return _answered(await call(request, lambda m: m.adetect(image, body.object, settings)))
 
 
 @router.post("/point")
 async def point(body: PointBody, request: Request) -> Any:
+    settings = with_adapter(body, body.settings)
     image = await decode_image(body.image_url)
     return _answered(
-        await call(request, lambda m: m.apoint(image, body.object, body.settings, spatial_refs=body.spatial_refs))
+        await call(request, lambda m: m.apoint(image, body.object, settings, spatial_refs=body.spatial_refs))
     )
 
 
 @router.post("/segment")
 async def segment(body: SegmentBody, request: Request) -> Any:
+    settings = with_adapter(body, body.settings)
     image = await decode_image(body.image_url)
 
     def start(model: Any, stream: bool) -> Any:
-        return model.asegment(image, body.object, body.spatial_refs, stream, body.settings)
+        return model.asegment(image, body.object, body.spatial_refs, stream, settings)
 
     if not body.stream:
         return _answered(await call(request, lambda m: start(m, False)))
@@ -236,6 +282,8 @@ async def segment(body: SegmentBody, request: Request) -> Any:
 
 @router.post("/gaze")
 async def gaze(body: GazeBody, request: Request) -> Any:
+    if adapter_of(body.model) is not None:
+        raise ValueError("/v1/gaze takes no settings, so no fine-tune's adapter; name the base model or none")
     image = await decode_image(body.image_url)
     return _answered(await call(request, lambda m: m.adetect_gaze(image, eye=tuple(body.eye))))
 
