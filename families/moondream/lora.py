@@ -396,19 +396,23 @@ class AdapterBank(_Bank):
         return read_adapter3(path, self.cfg)
 
     def _stack(self) -> AdapterStacks:
-        dense_keys = [key for key in self._adapters[0] if key[1] in ("fc1", "fc2")]
-        dense = _columns(self._adapters, dense_keys, self.device, self.dtype) if dense_keys else None
-        flat = []  # each adapter's experts as its rank columns: A [E r, in], B [out, E r]
-        for adapter in self._adapters:
-            flat.append({key: (a.reshape(-1, a.shape[-1]), b.permute(1, 0, 2).reshape(b.shape[1], -1))
-                         for key, (a, b) in adapter.items() if key[1] in ("up", "down")})
-        moe_keys = list(flat[0])
-        moe = _columns(flat, moe_keys, self.device, self.dtype)
-        per_expert = [ad[moe_keys[0]][0].shape[1] for ad in self._adapters] if moe_keys else []
+        """Dense modules by rank columns; MoE modules by each adapter's experts' rank columns, in (expert,
+        rank) order: A [E, r, in] -> [E r, in], B [E, out, r] -> [out, E r], column code v * E + e."""
+        dense = self._stacked(lambda module: module in ("fc1", "fc2"), lambda a, b: (a, b))
+        moe = self._stacked(lambda module: module in ("up", "down"),
+                            lambda a, b: (a.reshape(-1, a.shape[-1]), b.permute(1, 0, 2).reshape(b.shape[1], -1)))
+        per_expert = [next((a.shape[1] for (_, m), (a, _) in ad.items() if m == "up"), 0) for ad in self._adapters]
         code = [v * self.experts + e for v, r in enumerate(per_expert, 1) for e in range(self.experts) for _ in range(r)]
-        empty = Stacks({}, {}, torch.zeros(0, dtype=torch.int64, device=self.device), len(self._adapters))
-        return AdapterStacks(dense or empty, moe, torch.tensor(code, dtype=torch.int64, device=self.device),
+        return AdapterStacks(dense, moe, torch.tensor(code, dtype=torch.int64, device=self.device),
                              self.experts, len(self._adapters))
+
+    def _stacked(self, keep, columns) -> Stacks:
+        """`_columns` of the adapters' modules that `keep` names, each (A, B) made rank columns by `columns`."""
+        adapters = [{key: columns(a, b) for key, (a, b) in ad.items() if keep(key[1])} for ad in self._adapters]
+        keys = list(adapters[0])
+        if not keys:  # a config without dense (or MoE) layers: nothing to select
+            return Stacks({}, {}, torch.zeros(0, dtype=torch.int64, device=self.device), len(adapters))
+        return _columns(adapters, keys, self.device, self.dtype)
 
 
 def adapted_feed_forward(
