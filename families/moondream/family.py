@@ -182,11 +182,11 @@ class MoondreamFamily(Family):
 
     @classmethod
     def load(cls, folder: Path, raw: dict, options: LoadOptions) -> MoondreamFamily:
-        for name, value in (("quantize", options.quantize), ("image_options", options.image_options)):
-            if value:
-                raise ModelLoadError(f"{name} is not supported for Moondream 2 or 3 (its own implementation); leave it unset")
+        if options.image_options:
+            raise ModelLoadError("image_options is not supported for Moondream 2 or 3 (its own implementation); leave it unset")
         loaded, config = load_folder(
-            folder, options.device, options.dtype, str(folder), options.image_cache_bytes, options.revision
+            folder, options.device, options.dtype, str(folder), options.image_cache_bytes, options.revision,
+            options.quantize,  # "int8" / "int4" (quantize.py); "fp16" refused there
         )
         if config.generation == 3:
             from foveal.families.moondream.family3 import Moondream3Family  # it builds on this module

@@ -14,6 +14,7 @@ has one implemented revision, so a folder's own refs are not read for it, but it
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -25,9 +26,11 @@ from foveal.engine.models.loader import LoadedModel
 from . import revisions
 from .config import MoondreamConfig
 from .processor import MoondreamProcessor
+from .quantize import check as quantize_check
+from .quantize import quantize_text
 from .runner import MoondreamRunner
 from .tokenizer import load_tokenizer
-from .weights import REGION_LN, generation, load_weights, stored_names
+from .weights import REGION_LN, MoondreamWeights, generation, load_weights, stored_names
 
 # The runner's description: a vision model whose processor is MoondreamProcessor (processor.py).
 MOONDREAM = Architecture("moondream", ("HfMoondream",), processor_class="MoondreamProcessor")
@@ -46,6 +49,14 @@ def _readable_names(path: Path) -> list[str]:
         return []
 
 
+def _checked(step: Callable[[], None]) -> None:
+    """A quantize step whose ValueError (a shape or mode it refuses) is a load error."""
+    try:
+        step()
+    except ValueError as error:
+        raise ModelLoadError(str(error)) from None
+
+
 def load_folder(
     path: Path,
     device: torch.device,
@@ -53,7 +64,10 @@ def load_folder(
     source: str,
     image_cache_bytes: int,
     revision: str | None = None,
+    quantize: str | None = None,
 ) -> tuple[LoadedModel, MoondreamConfig]:
+    """`quantize`: None, "int8" or "int4" (quantize.py: its shapes checked on the meta-device model
+    before any weight is read)."""
     raw = json.loads((path / "config.json").read_text())
     names = _readable_names(path)
     kind = generation(names)
@@ -62,8 +76,12 @@ def load_folder(
         # before anything else: never the wrong revision's rules, nor another revision than the pinned one
         revisions.check(path, raw.get("config"), pinned=revision)
     config = MoondreamConfig.from_dict(raw.get("config"), kind, region_ln=REGION_LN in names)
+    if quantize is not None:
+        _checked(lambda: quantize_check(MoondreamWeights(config, device="meta").model.text, quantize))
     tokenizer = load_tokenizer(path, config.text.vocab_size, config.tokenizer.eos_id)
     weights = load_weights(path, config, device, dtype)
+    if quantize is not None:
+        _checked(lambda: quantize_text(weights.model.text, quantize))
     runner = MoondreamRunner(weights, MOONDREAM, image_cache_bytes)
     processor = MoondreamProcessor(config, tokenizer, device, dtype)
     return LoadedModel(runner, tokenizer, processor, (config.tokenizer.eos_id,), source), config

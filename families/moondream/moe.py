@@ -20,6 +20,8 @@ SOLUTION
                 [E, capacity, dim] block (capacity = the busiest expert's count, one host read),
                 two bmm, then each pair's output added back to its token (index_add).
     `looped` is the per-expert loop, kept as the oracle of tests and benchmarks.
+    Under int8 / int4 the stacks are `moe_quant.QuantStack`s: decode runs moe_quant's gathered and
+    dense on torch's int kernels; grouped, looped and adapters read their dequantized `weight`.
 INVARIANTS
     - All strategies give the same output up to float summation order (tests/models/moondream/test_md3_moe.py).
     - The expert stacks are the checkpoint's: fc1 [E, 2 * inner, dim], fc2 [E, dim, inner].
@@ -31,7 +33,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from . import moe_quant
 from .config import MoeConfig
+from .moe_quant import QuantStack
 
 
 class ExpertStack(nn.Module):
@@ -47,8 +51,8 @@ class MoE(nn.Module):
         super().__init__()
         self.cfg = cfg
         self.router = nn.Linear(dim, cfg.num_experts, **factory)
-        self.fc1 = ExpertStack(cfg.num_experts, 2 * cfg.expert_inner_dim, dim, **factory)
-        self.fc2 = ExpertStack(cfg.num_experts, dim, cfg.expert_inner_dim, **factory)
+        self.fc1: ExpertStack | QuantStack = ExpertStack(cfg.num_experts, 2 * cfg.expert_inner_dim, dim, **factory)
+        self.fc2: ExpertStack | QuantStack = ExpertStack(cfg.num_experts, dim, cfg.expert_inner_dim, **factory)
 
     def route(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """([T, k] expert ids, [T, k] weights in h's dtype): top-k by logit, softmax over the k in float32."""
@@ -60,9 +64,11 @@ class MoE(nn.Module):
         experts, weights = self.route(h)
         if not decode:
             return self.grouped(h, experts, weights)
-        if h.shape[0] * self.cfg.experts_per_token <= self.cfg.num_experts:
-            return self.gathered(h, experts, weights)
-        return self.dense(h, experts, weights)
+        few = h.shape[0] * self.cfg.experts_per_token <= self.cfg.num_experts
+        if isinstance(self.fc1, QuantStack) and isinstance(self.fc2, QuantStack):  # int8 / int4 (moe_quant.py)
+            strategy = moe_quant.gathered if few else moe_quant.dense
+            return strategy(self.fc1, self.fc2, self._geglu, h, experts, weights)
+        return self.gathered(h, experts, weights) if few else self.dense(h, experts, weights)
 
     def _geglu(self, u: torch.Tensor) -> torch.Tensor:
         a, g = u.split(self.cfg.expert_inner_dim, dim=-1)
@@ -102,11 +108,12 @@ class MoE(nn.Module):
     def looped(self, h: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """The per-expert loop (the oracle; not used by the runner)."""
         out = torch.zeros_like(h)
+        w1, w2 = self.fc1.weight, self.fc2.weight  # read once: a quantized stack dequantizes on each read
         for e in range(self.cfg.num_experts):
             token, slot = (experts == e).nonzero(as_tuple=True)
             if token.numel() == 0:
                 continue
-            u = h.index_select(0, token) @ self.fc1.weight[e].T
-            y = self._geglu(u) @ self.fc2.weight[e].T
+            u = h.index_select(0, token) @ w1[e].T
+            y = self._geglu(u) @ w2[e].T
             out.index_add_(0, token, y * weights[token, slot][:, None])
         return out
