@@ -63,6 +63,16 @@ _callback: Any = None  # the ctypes callback, kept alive while llama.cpp holds i
 AVX2_ARGS = (
     "-DGGML_NATIVE=OFF", "-DGGML_AVX=ON", "-DGGML_AVX2=ON", "-DGGML_FMA=ON", "-DGGML_F16C=ON",
     "-DGGML_AMX_TILE=OFF", "-DGGML_AMX_INT8=OFF", "-DGGML_AMX_BF16=OFF",
+    # ggml's own thread pool, not OpenMP: an OpenMP build shares torch's libgomp (one soname), whose
+    # barriers stop spinning and sleep once the process has more OpenMP threads than CPUs (torch's
+    # pool beside ggml's), and every ggml barrier then waits on a futex
+    "-DGGML_OPENMP=OFF",
+)
+OPENMP_SLOW = (
+    "this llama-cpp-python was built with OpenMP, which shares torch's OpenMP runtime in foveal's process: "
+    "once torch has run an operation in another thread, ggml's barriers sleep, and a step can take twice as "
+    "long. Rebuild it with CMAKE_ARGS=\"$(python -m foveal.engine.models.ggml)\" "
+    "(docs/models/index.md#gguf-files-on-llamacpps-kernels)"
 )
 AVX512_FLAGS = {  # /proc/cpuinfo flag -> the ggml option that uses it
     "avx512f": "-DGGML_AVX512=ON",
@@ -143,6 +153,8 @@ class GgmlRunner:
                 f"llama.cpp could not load {path}: {_last_error()}; load it with runner='torch', or a "
                 "llama-cpp-python whose llama.cpp knows this file"
             )
+        if "OPENMP = 1" in self.L.llama_print_system_info().decode():
+            log.warning("%s", OPENMP_SLOW)
         self.vocab = self.L.llama_model_get_vocab(self.model)
         self.vocab_size = int(self.L.llama_vocab_n_tokens(self.vocab))
         self.device = torch.device("cpu")

@@ -380,8 +380,11 @@ def _load_ggml(
     # the file's own architecture where the family's table has it; any other text architecture
     # llama.cpp runs prompts as a llama does (the file's own chat template, no vision)
     arch, _ = arch_for([f"{name.capitalize()}ForCausalLM", "LlamaForCausalLM"])
-    runner = GgmlRunner(path)
-    tokenizer = direct.tokenizer_from(*direct.tokenizer_source(header))
+    # llama.cpp's load runs with the GIL released (ctypes), the tokenizer's conversion holds it: the two overlap
+    with ThreadPoolExecutor(1) as pool:
+        made = pool.submit(_ggml_tokenizer, path, header)
+        runner = GgmlRunner(path)
+        tokenizer = made.result()
     if len(tokenizer) > runner.vocab_size:
         raise ModelLoadError(
             f"{path}'s tokenizer has {len(tokenizer)} tokens but llama.cpp's vocabulary {runner.vocab_size}"
@@ -392,6 +395,30 @@ def _load_ggml(
     if tokenizer.eos_token_id is not None and tokenizer.eos_token_id not in found:
         found.append(int(tokenizer.eos_token_id))
     return LoadedModel(runner, tokenizer, processor, tuple(found), str(path)), arch
+
+
+def _ggml_tokenizer(path: Path, header: Any) -> Any:
+    """The file's tokenizer for the ggml runner, from the weight cache's entry for the file (an entry
+    of no weights: llama.cpp reads those) when there is one, else converted and the entry written."""
+    from foveal.engine.models import gguf as direct
+    from foveal.engine.models import weight_cache
+
+    key = weight_cache.key(path, header.data_start, {"runner": "ggml"}) if weight_cache.enabled() else None
+    if key is not None:
+        try:
+            entry = weight_cache.open_entry(key)
+            if entry is not None:
+                return direct.tokenizer_from(*entry.tokenizer())
+        except weight_cache.Corrupt as error:
+            warnings.warn(
+                f"foveal's cache entry of {path}'s tokenizer is damaged ({error}); converting it from the file again "
+                "and replacing the entry",
+                stacklevel=5,
+            )
+    backend, settings = direct.tokenizer_source(header)
+    if key is not None:
+        weight_cache.write(key, {}, backend.to_str(), settings)  # before the tokenizer is built on it
+    return direct.tokenizer_from(backend, settings)
 
 
 def _load_direct(path: Path, header: Any, config: Any, options: LoadOptions) -> tuple[Any, Any]:

@@ -147,3 +147,34 @@ def test_loading_prints_nothing_of_llama_cpps_log(path, capfd):
     with foveal.load(path, device="cpu", runner="ggml", max_batch_size=1, max_model_len=64) as model:
         model.generate(None, "Hi", None, greedy(2))
     assert "llama_model_loader" not in capfd.readouterr().err
+
+
+def test_a_second_load_reads_the_tokenizer_from_the_cache_not_the_file(path, monkeypatch, tmp_path):
+    """The ggml load converts the file's tokenizer once: later loads take the weight cache's entry
+    (no weights in it: llama.cpp reads those) and give the same tokenizer."""
+    from foveal.engine.models import gguf
+
+    monkeypatch.setenv("FOVEAL_CACHE", str(tmp_path))
+    monkeypatch.delenv("FOVEAL_WEIGHT_CACHE", raising=False)  # the suite's default: off (tests/conftest.py)
+    options = {"device": "cpu", "runner": "ggml", "max_batch_size": 1, "max_model_len": 64}
+    with foveal.load(path, **options) as first:
+        ids = _ids(first, ASKS[1])
+    assert list((tmp_path / "prepared").glob("*.tokenizer.json"))
+
+    def converted(header):
+        raise AssertionError("the tokenizer was converted from the file again")
+
+    monkeypatch.setattr(gguf, "tokenizer_source", converted)
+    with foveal.load(path, **options) as second:
+        assert _ids(second, ASKS[1]) == ids
+        assert second.generate(None, ASKS[0], None, greedy(8))["text"]
+
+
+def test_an_openmp_build_is_named_with_its_fix(path, monkeypatch, caplog):
+    """An OpenMP llama.cpp shares torch's libgomp in foveal's process (ggml.AVX2_ARGS): said at load."""
+    info = llama_cpp.llama_print_system_info()
+    monkeypatch.setattr(llama_cpp, "llama_print_system_info", lambda: info.rstrip(b"| ") + b" | OPENMP = 1 | ")
+    with caplog.at_level("WARNING", logger="foveal.ggml"):
+        runner = ggml.GgmlRunner(path)
+        runner.close()
+    assert any("OpenMP" in r.message and "python -m foveal.engine.models.ggml" in r.message for r in caplog.records)

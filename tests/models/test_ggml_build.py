@@ -14,6 +14,7 @@ def test_the_portable_build_is_avx2_without_avx512_or_amx_on_any_cpu():
         args = ggml.cmake_args(flags, avx512=False).split()
         assert "-DGGML_NATIVE=OFF" in args and "-DGGML_AVX2=ON" in args and "-DGGML_AVX512=OFF" in args
         assert {"-DGGML_AMX_TILE=OFF", "-DGGML_AMX_INT8=OFF", "-DGGML_AMX_BF16=OFF"} <= set(args)
+        assert "-DGGML_OPENMP=OFF" in args  # torch's libgomp would be ggml's too (ggml.AVX2_ARGS)
 
 
 def test_an_avx512_build_takes_the_extensions_the_cpu_has_and_still_no_amx():
