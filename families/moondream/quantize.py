@@ -46,7 +46,7 @@ def _linears(text: nn.Module) -> list[tuple[nn.Module, str, nn.Linear]]:
     """(parent, name, layer) of every block's attention and dense-MLP linears."""
     found = []
     for block in cast(nn.ModuleList, text.blocks):
-        parts = [(block.attn, ("qkv", "proj"))]
+        parts: list[tuple[nn.Module, tuple[str, ...]]] = [(cast(nn.Module, block.attn), ("qkv", "proj"))]
         if isinstance(block.mlp, MLP):
             parts.append((block.mlp, ("fc1", "fc2")))
         found += [(parent, name, cast(nn.Linear, getattr(parent, name))) for parent, names in parts for name in names]
@@ -68,7 +68,8 @@ def check(text: nn.Module, mode: object) -> None:
     for _, _, linear in _linears(text):
         check_int4_shape(linear.out_features, linear.in_features, GROUP_SIZE)
     for moe, name, layout in _stacks(text):
-        QuantStack.check(*getattr(moe, name).weight.shape, mode, layout)
+        experts, out, inp = getattr(moe, name).weight.shape
+        QuantStack.check(experts, out, inp, mode, layout)
 
 
 def quantize_text(text: nn.Module, mode: str) -> None:
