@@ -146,6 +146,7 @@ from __future__ import annotations
 import contextlib
 import math
 import time
+import warnings
 from collections import deque
 from collections.abc import Callable
 from functools import partial
@@ -682,6 +683,14 @@ def check_speculative(speculative: str | None, runner: ModelRunner, region_heads
             f"speculative='ngram' needs a runner whose rows may read the K/V other rows of a launch write "
             f"(runner.SharedPages) and that samples no region values; {type(runner).__name__} is not one: "
             "load it with speculative=None"
+        )
+    if not getattr(runner, "verify_rows_exact", True):  # declared by a runner whose kernels round them apart
+        warnings.warn(
+            f"speculative='ngram' on {type(runner).__name__}: its kernels compute a draft's positions in one "
+            "launch with other rounding than one at a time, so greedy text can differ from decoding without "
+            "drafts where two tokens nearly tie (docs/performance.md); load with speculative=None for text "
+            "equal to it",
+            stacklevel=4,
         )
     return speculative
 

@@ -140,7 +140,10 @@ class Quiesce(Protocol):
 class SharedPages(Protocol):
     """A runner whose rows may read the K/V other rows of the same launch write (their block tables
     name the same pages): `rows_share_pages = True`. Speculative decoding verifies drafts with such
-    launches (pipeline.py, SPECULATIVE DECODING); a runner without it gets none."""
+    launches (pipeline.py, SPECULATIVE DECODING); a runner without it gets none. A runner whose
+    kernels compute a launch's several positions of one sequence with other rounding than one position
+    at a time says so with `verify_rows_exact = False`: drafts then run, with a warning that greedy
+    text may differ from decoding without them."""
 
     rows_share_pages: bool
 

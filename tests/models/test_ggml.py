@@ -84,9 +84,14 @@ def test_calls_at_once_blocking_and_drafts_give_the_texts_of_calls_alone(path, m
     for thread in threads:
         thread.join()
     assert [together[i] for i in range(len(ASKS))] == alone  # a stream per lane: batch-invariant rows
-    for options in ({"pipelined": False}, {"speculative": "ngram"}):
-        with foveal.load(path, device="cpu", runner="ggml", max_batch_size=4, max_model_len=256, **options) as other:
-            assert [other.generate(None, a, None, greedy())["text"] for a in ASKS] == alone, options
+    with foveal.load(path, device="cpu", runner="ggml", max_batch_size=4, max_model_len=256, pipelined=False) as other:
+        assert [other.generate(None, a, None, greedy())["text"] for a in ASKS] == alone
+    # drafts: equal on these prompts, but ggml's many-token kernels round a verify row apart from one
+    # token at a time, so the load says that greedy text can differ at near-ties (docs/performance.md)
+    with pytest.warns(UserWarning, match="greedy text can differ"):
+        drafting = foveal.load(path, device="cpu", runner="ggml", max_batch_size=4, max_model_len=256, speculative="ngram")
+    with drafting:
+        assert [drafting.generate(None, a, None, greedy())["text"] for a in ASKS] == alone
 
 
 def test_a_prefix_no_stream_holds_any_more_is_copied_or_computed_again(model):
