@@ -17,7 +17,7 @@ What the preview's code does differently, and this class states:
                applied to the whole call as Moondream 2's variants are; Moondream 2's
                settings["variant"] is refused (the preview's own LoRA code, attention and dense
                MLPs only, has no published checkpoints in its format).
-Not implemented for Moondream 3: quantized weights (refused at load, as for Moondream 2).
+Quantized weights (int8 / int4 on CPU) load as for Moondream 2 (quantize.py, moe_quant.py).
 
     segment    segment.prefix + each ref's coord (and size) values + object (no leading space) +
                segment.suffix; the answer is coord, coord, size (region steps), then path tokens until
