@@ -56,7 +56,7 @@ from benchmarks.moe_decode import CONFIGS as MOE_DECODE_CONFIGS
 from foveal import families
 from foveal.families.moondream.answers import GATE, SIZE
 from foveal.families.moondream.config import MoeConfig, MoondreamConfig
-from foveal.families.moondream.moe import MoE
+from foveal.families.moondream.moe import MoE, grouped_mm_runs
 from foveal.families.moondream.processor import Coord, MoondreamPrompt, Size
 from foveal.testing import parity
 
@@ -64,7 +64,8 @@ LIMIT_S = 5 * 60
 FIXTURE = Path(__file__).resolve().parents[1].parent / "shared" / "fixtures" / "moondream3-tiny"  # ../shared
 LOGIT_TOLERANCE = 1e-4  # the fixture README's absolute rule for float32
 MOE_TOLERANCE = {"float32": 1e-5, "bfloat16": 3e-2}  # max |path - looped| / max |looped|: summation order, bf16 rounding
-MOE_PATHS = ("gathered", "dense", "grouped", "looped", "forward")
+MOE_PATHS = ("gathered", "dense", "grouped", "grouped_mm", "looped", "forward")
+CANDIDATES = ("gathered", "dense", "grouped", "grouped_mm")  # looped is the oracle: it syncs with the host
 PAGE = 16
 
 
@@ -325,7 +326,9 @@ def _path(moe: MoE, name: str, h: torch.Tensor) -> torch.Tensor:
 
 def moe_agreement(moe: MoE, rows: tuple[int, ...], dtype: torch.dtype) -> dict[str, float]:
     """Per path, the worst over `rows` of max |path - looped| / max |looped| on one routing."""
-    worst = {p: 0.0 for p in MOE_PATHS if p != "looped"}
+    paths = [p for p in MOE_PATHS if p != "looped"]
+    probe = torch.zeros(1, moe.router.in_features, device=moe.router.weight.device, dtype=dtype)
+    worst = {p: 0.0 for p in paths if p != "grouped_mm" or grouped_mm_runs(probe)}  # torch's kernel: bf16 on CUDA
     for n in rows:
         h = torch.randn(n, moe.router.in_features, device=moe.router.weight.device, dtype=dtype)
         experts, weights = moe.route(h)
@@ -339,9 +342,9 @@ def moe_agreement(moe: MoE, rows: tuple[int, ...], dtype: torch.dtype) -> dict[s
 def moe_timing(moe: MoE, rows: int, steps: int, device: str) -> dict[str, float]:
     """Median ms of one MoE layer's decode step (routing included) per path, paths interleaved step by step."""
     h = torch.randn(rows, moe.router.in_features, device=device, dtype=moe.router.weight.dtype)
-    times: dict[str, list[float]] = {p: [] for p in MOE_PATHS}
+    times: dict[str, list[float]] = {p: [] for p in MOE_PATHS if p != "grouped_mm" or grouped_mm_runs(h)}
     for step in range(steps + 3):  # 3 warm-up steps
-        for p in MOE_PATHS:
+        for p in times:
             _sync(device)
             start = time.perf_counter()
             _path(moe, p, h)
@@ -367,7 +370,7 @@ def check_moe(device: str, configs: list[str], rows: tuple[int, ...], steps: int
             for n in rows:  # moe is bfloat16 now
                 ms = moe_timing(moe, n, steps, device)
                 # looped is the reference, not a candidate: it syncs with the host (nonzero) and cannot trace
-                fastest = min(("gathered", "dense", "grouped"), key=ms.get)
+                fastest = min((p for p in CANDIDATES if p in ms), key=ms.__getitem__)
                 out["timing"].append({"config": name, "dim": dim, "experts": cfg.num_experts,
                                       "top_k": cfg.experts_per_token, "inner": cfg.expert_inner_dim,
                                       "moe_layers": layers, "rows": n, "ms": ms, "fastest": fastest,
@@ -441,7 +444,7 @@ def print_report(report: dict) -> None:
         print("median ms of one MoE layer per decode step, bfloat16 (step = forward x MoE layers)")
         print(f"{'config':6s} {'rows':>4s} " + " ".join(f"{p:>9s}" for p in MOE_PATHS) + f" {'fastest':>9s} {'step':>8s}")
         for row in moe["timing"]:
-            ms = " ".join(f"{row['ms'][p]:9.3f}" for p in MOE_PATHS)
+            ms = " ".join(f"{row['ms'][p]:9.3f}" if p in row["ms"] else f"{'-':>9s}" for p in MOE_PATHS)
             print(f"{row['config']:6s} {row['rows']:4d} {ms} {row['fastest']:>9s} {row['step_ms_forward']:8.2f}")
     e2e = report.get("e2e")
     if e2e:
@@ -463,6 +466,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true",
                         help="base weights only, MoE at the tiny config and 1 and 4 rows, short e2e (smoke run)")
     parser.add_argument("--real-moe", action="store_true", help="time the real-size MoE on CPU too (GBs, slow)")
+    parser.add_argument("--moe-rows", help="the MoE section's decode rows, e.g. 1,4,16 (default 1,4,16,64; --quick 1,4)")
+    parser.add_argument("--moe-steps", type=int, help="timed steps per MoE path and row count (default 30; --quick 5)")
     args = parser.parse_args(argv)
     device = args.device or "cuda"
     if device == "cuda" and not torch.cuda.is_available():
@@ -473,12 +478,13 @@ def main(argv: list[str] | None = None) -> int:
         print(f"the moondream3-tiny fixture is not at {args.fixture}; pass --fixture, or --sections moe")
         return 2
     real = device == "cuda" or args.real_moe
+    moe_rows = tuple(int(n) for n in args.moe_rows.split(",")) if args.moe_rows else ((1, 4) if args.quick else (1, 4, 16, 64))
     began = time.perf_counter()
     report: dict[str, Any] = {"machine": machine(device), "fixture": str(args.fixture), "quick": args.quick}
     sections = {
         "parity": lambda: check_parity(args.fixture, device, args.quick),
-        "moe": lambda: check_moe(device, ["tiny"] + (["real"] if real and not args.quick else []),
-                                 (1, 4) if args.quick else (1, 4, 16, 64), steps=5 if args.quick else 30),
+        "moe": lambda: check_moe(device, ["tiny"] + (["real"] if real and not args.quick else []), moe_rows,
+                                 steps=args.moe_steps or (5 if args.quick else 30)),
         "e2e": lambda: check_e2e(args.fixture, device, (1, 4) if args.quick else (1, 16),
                                  8 if args.quick else 64, 1 if args.quick else 3),
     }

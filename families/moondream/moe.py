@@ -8,7 +8,12 @@ PROBLEM
     launches E small matmuls per layer and, on CPU, retakes the GIL between them; a traced decode
     graph cannot hold a loop whose trip count depends on the routing.
 SOLUTION
-    Three ways to compute the same sum, chosen by the launch's shape (never by the routing, so a
+    `grouped_mm`, where torch's grouped matmul runs (every CPU dtype; CUDA in bfloat16 from compute
+    capability 9.0): the (token, expert) pairs sorted by expert, the offsets of each expert's run
+    counted on the device, and `torch._grouped_mm` over the whole stacks, twice, reading only the
+    experts used and copying no weight; T * k rows whatever the routing, so a traced decode graph
+    replays it, and no host read. The fastest or tied at every batch size measured (docs/performance.md).
+    Elsewhere, three ways to compute the same sum, chosen by the launch's shape (never by the routing, so a
     traced decode graph replays whatever the routing):
     `gathered`  few rows (T * k <= E, a small decode batch): each (token, expert) pair gathers its
                 expert's weights (index_select) and one bmm computes all pairs; reads only the
@@ -38,6 +43,16 @@ from .config import MoeConfig
 from .moe_quant import QuantStack
 
 
+def grouped_mm_runs(h: torch.Tensor) -> bool:
+    """Whether `torch._grouped_mm` computes this launch: on CPU in any dtype; on CUDA in bfloat16 on
+    compute capability 9.0 or later (its kernel's requirement)."""
+    if not hasattr(torch, "_grouped_mm"):
+        return False
+    if h.device.type == "cpu":
+        return True
+    return h.device.type == "cuda" and h.dtype == torch.bfloat16 and torch.cuda.get_device_capability(h.device) >= (9, 0)
+
+
 class ExpertStack(nn.Module):
     """One weight tensor [experts, out, in] under the checkpoint's name `<module>.weight`."""
 
@@ -62,13 +77,27 @@ class MoE(nn.Module):
     def forward(self, h: torch.Tensor, decode: bool) -> torch.Tensor:
         """h [T, dim] -> [T, dim]. `decode`: a decode launch (possibly traced: static strategies only)."""
         experts, weights = self.route(h)
+        quantized = isinstance(self.fc1, QuantStack) and isinstance(self.fc2, QuantStack)  # moe_quant.py
+        if not quantized and grouped_mm_runs(h):
+            return self.grouped_mm(h, experts, weights)
         if not decode:
             return self.grouped(h, experts, weights)
         few = h.shape[0] * self.cfg.experts_per_token <= self.cfg.num_experts
-        if isinstance(self.fc1, QuantStack) and isinstance(self.fc2, QuantStack):  # int8 / int4 (moe_quant.py)
+        if quantized:
             strategy = moe_quant.gathered if few else moe_quant.dense
             return strategy(self.fc1, self.fc2, self._geglu, h, experts, weights)
         return self.gathered(h, experts, weights) if few else self.dense(h, experts, weights)
+
+    def grouped_mm(self, h: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        k = self.cfg.experts_per_token
+        flat = experts.reshape(-1)
+        order = flat.argsort(stable=True)  # the pairs by expert; order // k is each pair's token
+        ends = torch.bincount(flat, minlength=self.cfg.num_experts).cumsum(0).to(torch.int32)
+        token = order // k
+        u = torch._grouped_mm(h.index_select(0, token), self.fc1.weight.transpose(1, 2), offs=ends)
+        y = torch._grouped_mm(self._geglu(u), self.fc2.weight.transpose(1, 2), offs=ends)  # [T * k, dim]
+        y = y * weights.reshape(-1).index_select(0, order)[:, None]
+        return torch.zeros_like(h).index_add_(0, token, y)
 
     def _geglu(self, u: torch.Tensor) -> torch.Tensor:
         a, g = u.split(self.cfg.expert_inner_dim, dim=-1)

@@ -22,7 +22,7 @@ def moe():
 
 
 @pytest.mark.parametrize("rows", [1, 3, 4, 9, 40])
-@pytest.mark.parametrize("strategy", ["gathered", "dense", "grouped"])
+@pytest.mark.parametrize("strategy", ["gathered", "dense", "grouped", "grouped_mm"])
 def test_strategies_equal_the_loop(moe, rows, strategy):
     h = torch.randn(rows, 32)
     experts, weights = moe.route(h)
@@ -39,11 +39,29 @@ def test_routing(moe):
     assert torch.allclose(weights.sum(-1), torch.ones(5))
 
 
-def test_forward_picks_by_shape(moe):
-    """Prefill groups; decode gathers while rows * k <= experts, else runs every expert densely."""
-    for rows, decode in ((2, True), (7, True), (7, False)):
-        h = torch.randn(rows, 32)
-        torch.testing.assert_close(moe(h, decode), moe.looped(h, *moe.route(h)), atol=1e-5, rtol=1e-5)
+def test_forward_picks_by_shape(moe, monkeypatch):
+    """torch's grouped matmul where it runs (every CPU launch); else prefill groups and decode gathers
+    while rows * k <= experts, else runs every expert densely."""
+    from foveal.families.moondream import moe as module
+
+    calls: list[str] = []
+    for name in ("grouped_mm", "grouped", "gathered", "dense"):
+        method = getattr(module.MoE, name)
+        monkeypatch.setattr(module.MoE, name, lambda self, *a, _m=method, _n=name: calls.append(_n) or _m(self, *a))
+    for runs in (True, False):
+        monkeypatch.setattr(module, "grouped_mm_runs", lambda h, _r=runs: _r)
+        for rows, decode in ((2, True), (7, True), (7, False)):
+            h = torch.randn(rows, 32)
+            torch.testing.assert_close(moe(h, decode), moe.looped(h, *moe.route(h)), atol=1e-5, rtol=1e-5)
+    assert calls == ["grouped_mm"] * 3 + ["gathered", "dense", "grouped"]
+
+
+def test_grouped_mm_runs_on_cpu_and_not_on_cuda_in_float32():
+    from foveal.families.moondream.moe import grouped_mm_runs
+
+    assert grouped_mm_runs(torch.zeros(1, 4)) and grouped_mm_runs(torch.zeros(1, 4, dtype=torch.bfloat16))
+    if torch.cuda.is_available():
+        assert not grouped_mm_runs(torch.zeros(1, 4, device="cuda"))
 
 
 @pytest.mark.filterwarnings("ignore::torch.jit.TracerWarning")  # the rows are fixed by the trace: intended
