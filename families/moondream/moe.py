@@ -83,7 +83,7 @@ class MoE(nn.Module):
         if not decode:
             return self.grouped(h, experts, weights)
         few = h.shape[0] * self.cfg.experts_per_token <= self.cfg.num_experts
-        if quantized:
+        if isinstance(self.fc1, QuantStack) and isinstance(self.fc2, QuantStack):
             strategy = moe_quant.gathered if few else moe_quant.dense
             return strategy(self.fc1, self.fc2, self._geglu, h, experts, weights)
         return self.gathered(h, experts, weights) if few else self.dense(h, experts, weights)
