@@ -54,6 +54,7 @@ import hashlib
 import os
 import re
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -93,13 +94,10 @@ def resolve(name: str, folder: Path | None) -> Path:
         if folder is not None:
             candidates.append(folder / "variants" / f"{name}.safetensors")
         candidates.append(cache_dir() / name / "final.pt")
-    for candidate in candidates:
-        if candidate.is_file():
-            return candidate.resolve()
-    looked = ", ".join(str(c) for c in candidates)
-    raise VariantError(
-        f"variant {name!r} was not found (looked at {looked}); put its adapter at <model folder>/variants/"
-        f"{name}.safetensors or pass its file's path (foveal does not download variants)"
+    return _first_file(
+        candidates,
+        lambda looked: f"variant {name!r} was not found (looked at {looked}); put its adapter at <model folder>/"
+        f"variants/{name}.safetensors or pass its file's path (foveal does not download variants)",
     )
 
 
@@ -263,14 +261,20 @@ def resolve_adapter(name: str, folder: Path | None) -> Path:
             raise VariantError(f"adapter {name!r}: this model has no folder to look in; pass the adapter file's path")
         finetune, step = match.groups()
         candidates = [folder / "adapters" / finetune / f"{step}{suffix}" for suffix in ADAPTER_FILES]
+    return _first_file(
+        candidates,
+        lambda looked: f"adapter {name!r} was not found (looked at {looked}); put the checkpoint Moondream's API "
+        "serves at <model folder>/adapters/<finetune_id>/<step>.pt or pass its file's path (foveal does not download "
+        "adapters)",
+    )
+
+
+def _first_file(candidates: list[Path], missing: Callable[[str], str]) -> Path:
+    """The first of `candidates` that is a file, resolved; else VariantError(missing(the places looked at))."""
     for candidate in candidates:
         if candidate.is_file():
             return candidate.resolve()
-    looked = ", ".join(str(c) for c in candidates)
-    raise VariantError(
-        f"adapter {name!r} was not found (looked at {looked}); put the checkpoint Moondream's API serves at "
-        "<model folder>/adapters/<finetune_id>/<step>.pt or pass its file's path (foveal does not download adapters)"
-    )
+    raise VariantError(missing(", ".join(str(c) for c in candidates)))
 
 
 def _adapter_tensors(path: Path) -> dict[str, torch.Tensor]:
