@@ -105,10 +105,7 @@ def _read_tensors(path: Path) -> dict[str, torch.Tensor]:
     if path.suffix == ".safetensors":
         with safe_open(str(path), framework="pt") as file:
             return {name: file.get_tensor(name) for name in file.keys()}  # noqa: SIM118 - safe_open is not iterable
-    try:  # the reference's download: a torch state dict; tensors only, no code (weights_only)
-        state = torch.load(str(path), map_location="cpu", weights_only=True)
-    except Exception as error:
-        raise VariantError(f"{path} is not a readable variant ({type(error).__name__}: {error})") from None
+    state = _torch_checkpoint(path, "variant")  # the reference's download: a torch state dict
     if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):
         raise VariantError(f"{path} is not a state dict of tensors; a variant file holds its LoRA A / B tensors")
     return state
@@ -280,7 +277,7 @@ def _first_file(candidates: list[Path], missing: Callable[[str], str]) -> Path:
 def _adapter_tensors(path: Path) -> dict[str, torch.Tensor]:
     """A file's LoRA tensors: a .safetensors file's, or a torch checkpoint's `lora_state_dict` (or the
     checkpoint itself, when it is that state dict)."""
-    state: object = _read_tensors(path) if path.suffix == ".safetensors" else _torch_checkpoint(path)
+    state: object = _read_tensors(path) if path.suffix == ".safetensors" else _torch_checkpoint(path, "adapter")
     if isinstance(state, dict) and isinstance(state.get("lora_state_dict"), dict):
         state = state["lora_state_dict"]
     if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):
@@ -288,11 +285,12 @@ def _adapter_tensors(path: Path) -> dict[str, torch.Tensor]:
     return state
 
 
-def _torch_checkpoint(path: Path) -> object:
-    try:  # tensors and plain containers only, no code (weights_only)
+def _torch_checkpoint(path: Path, what: str) -> object:
+    """A torch checkpoint's contents: tensors and plain containers only, no code (weights_only)."""
+    try:
         return torch.load(str(path), map_location="cpu", weights_only=True)
     except Exception as error:
-        raise VariantError(f"{path} is not a readable adapter ({type(error).__name__}: {error})") from None
+        raise VariantError(f"{path} is not a readable {what} ({type(error).__name__}: {error})") from None
 
 
 def adapter_shapes(cfg: TextConfig, rank: int, per_expert: int) -> dict[tuple[str, str], tuple[int, ...]]:
