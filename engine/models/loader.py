@@ -403,18 +403,9 @@ def _ggml_tokenizer(path: Path, header: Any) -> Any:
     from foveal.engine.models import gguf as direct
     from foveal.engine.models import weight_cache
 
-    key = weight_cache.key(path, header.data_start, {"runner": "ggml"}) if weight_cache.enabled() else None
-    if key is not None:
-        try:
-            entry = weight_cache.open_entry(key)
-            if entry is not None:
-                return direct.tokenizer_from(*entry.tokenizer())
-        except weight_cache.Corrupt as error:
-            warnings.warn(
-                f"foveal's cache entry of {path}'s tokenizer is damaged ({error}); converting it from the file again "
-                "and replacing the entry",
-                stacklevel=5,
-            )
+    key, cached = _from_cache(path, header, {"runner": "ggml"}, lambda entry: direct.tokenizer_from(*entry.tokenizer()))
+    if cached is not None:
+        return cached
     backend, settings = direct.tokenizer_source(header)
     if key is not None:
         weight_cache.write(key, {}, backend.to_str(), settings)  # before the tokenizer is built on it
@@ -428,24 +419,36 @@ def _load_direct(path: Path, header: Any, config: Any, options: LoadOptions) -> 
     from foveal.engine.models import weight_cache
 
     variant = {"dtype": str(options.dtype).removeprefix("torch."), "quantize": options.quantize}
-    key = weight_cache.key(path, header.data_start, variant) if weight_cache.enabled() else None
-    if key is not None:
-        try:
-            entry = weight_cache.open_entry(key)
-            if entry is not None:
-                return _build_direct(header, config, options, entry)[:2]
-        except weight_cache.Corrupt as error:
-            warnings.warn(
-                f"foveal's weight cache entry for {path} is damaged ({error}); preparing the weights from the "
-                "file again and replacing the entry",
-                stacklevel=4,
-            )
+    key, cached = _from_cache(path, header, variant, lambda entry: _build_direct(header, config, options, entry)[:2])
+    if cached is not None:
+        return cached
     keep: dict | None = {} if key is not None else None
     model, tokenizer, source = _build_direct(header, config, options, None, keep)
     if key is not None:
         assert keep is not None  # made with the key
         weight_cache.write(key, keep, *source)
     return model, tokenizer
+
+
+def _from_cache(path: Path, header: Any, variant: dict, build: Callable[[Any], Any]) -> tuple[dict | None, Any]:
+    """(the weight cache's key for this load of `path`, None where the cache is off; `build(entry)` of
+    its entry, None where there is none). A damaged entry is reported, never used: the caller then
+    prepares from the file and writes the entry again."""
+    from foveal.engine.models import weight_cache
+
+    if not weight_cache.enabled():
+        return None, None
+    key = weight_cache.key(path, header.data_start, variant)
+    try:
+        entry = weight_cache.open_entry(key)
+        return key, (None if entry is None else build(entry))
+    except weight_cache.Corrupt as error:
+        warnings.warn(
+            f"foveal's weight cache entry for {path} is damaged ({error}); preparing it from the file again and "
+            "replacing the entry",
+            stacklevel=5,
+        )
+        return key, None
 
 
 def _build_direct(header: Any, config: Any, options: LoadOptions, entry: Any, keep: dict | None = None):
