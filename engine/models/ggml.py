@@ -41,6 +41,7 @@ import contextlib
 import ctypes
 import logging
 import os
+import struct
 from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -56,6 +57,12 @@ INSTALL = (
     "docs/install.md#gguf says how to build it for any CPU)"
 )
 STREAM_ALIGN = 256  # llama.cpp pads a stream's cells to this
+# the first context's streams and their length: K/V is allocated and cleared when a context is made
+# (64 streams of 4,096 tokens of SmolLM2-135M would be 6 GB at load), so it grows with the launches
+FIRST_STREAMS, FIRST_STREAM_LEN = 2, STREAM_ALIGN
+# llama.cpp's per-sequence state (llama_state_seq_get_data) starts: magic, sequence id, its cache's
+# stream count; then, per stream, a cell count (the sequence's stream: its cells, K and V)
+STATE_HEADER = struct.Struct("<IiI")
 LOG_ERROR = 3  # ggml_log_level's GGML_LOG_LEVEL_ERROR
 log = logging.getLogger("foveal.ggml")
 _errors: deque[str] = deque(maxlen=8)  # llama.cpp's last error lines, for the messages below
@@ -167,6 +174,7 @@ class GgmlRunner:
         self.max_positions = int(self.L.llama_model_n_ctx_train(self.model)) or None
         self.ctx: Any = None
         self.streams: list[Stream] = []
+        self.grown = 0  # contexts made (the first included)
         # cached tokens the rows found in their own stream, copied from another, or computed again
         self.stats = {"kept": 0, "copied": 0, "recomputed": 0}
 
@@ -182,25 +190,9 @@ class GgmlRunner:
         raise TypeError("GgmlRunner owns its K/V: the engine calls allocate_streams (runner.OwnsKV)")
 
     def allocate_streams(self, num_pages: int, page_size: int, lanes: int, max_len: int, max_tokens: int) -> None:
-        """One llama.cpp context: `lanes` streams of `max_len` tokens, launches of `max_tokens`."""
-        per_stream = -(-max_len // STREAM_ALIGN) * STREAM_ALIGN
-        params = self.L.llama_context_default_params()
-        params.n_ctx = per_stream * lanes
-        params.n_seq_max = lanes
-        params.kv_unified = False
-        params.n_batch = max_tokens
-        params.n_ubatch = min(max_tokens, 512)
-        params.n_threads = params.n_threads_batch = self.threads
-        # flash attention: a row's attention is then the same sum whatever else shares the launch
-        # (without it, rows of unequal lengths in one launch round differently from a batch of one)
-        params.flash_attn_type = self.L.LLAMA_FLASH_ATTN_TYPE_ENABLED
-        self.ctx = self.L.llama_init_from_model(self.model, params)
-        if not self.ctx:
-            raise ModelLoadError(
-                f"llama.cpp could not make a context of {lanes} sequences of {per_stream} tokens "
-                f"({_last_error()}); lower max_batch_size or max_model_len"
-            )
-        self.memory = self.L.llama_get_memory(self.ctx)
+        """Up to `lanes` streams of up to `max_len` tokens, launches of `max_tokens`: a first llama.cpp
+        context of a few short streams, grown as launches need more (`_fit`)."""
+        self.max_lanes, self.max_len = lanes, _aligned(max_len)
         self.page_size = page_size
         self.streams = [Stream() for _ in range(lanes)]
         self.page_gen = np.zeros(num_pages, dtype=np.int64)
@@ -211,6 +203,80 @@ class GgmlRunner:
         self.pos_view = np.ctypeslib.as_array(self.batch.pos, shape=(max_tokens,))
         self.logit_flags = np.ctypeslib.as_array(self.batch.logits, shape=(max_tokens,))
         np.ctypeslib.as_array(self.batch.n_seq_id, shape=(max_tokens,))[:] = 1
+        self.num_streams = self.stream_len = 0
+        self.ctx = self._context(min(lanes, FIRST_STREAMS), min(self.max_len, FIRST_STREAM_LEN))
+        self.memory = self.L.llama_get_memory(self.ctx)
+
+    def _context(self, streams: int, per_stream: int) -> Any:
+        """A llama.cpp context of `streams` streams of `per_stream` tokens (its K/V allocated and
+        cleared now, which is why contexts start small)."""
+        params = self.L.llama_context_default_params()
+        params.n_ctx = per_stream * streams
+        params.n_seq_max = streams
+        params.kv_unified = False
+        params.n_batch = self.capacity
+        params.n_ubatch = min(self.capacity, 512)
+        params.n_threads = params.n_threads_batch = self.threads
+        # flash attention: a row's attention is then the same sum whatever else shares the launch
+        # (without it, rows of unequal lengths in one launch round differently from a batch of one)
+        params.flash_attn_type = self.L.LLAMA_FLASH_ATTN_TYPE_ENABLED
+        _errors.clear()
+        ctx = self.L.llama_init_from_model(self.model, params)
+        if not ctx:
+            raise ModelLoadError(
+                f"llama.cpp could not make a context of {streams} sequences of {per_stream} tokens "
+                f"({_last_error()}); lower max_batch_size or max_model_len"
+            )
+        self.grown += 1
+        self.num_streams, self.stream_len = streams, per_stream
+        return ctx
+
+    def _fit(self, lanes: np.ndarray, context: np.ndarray) -> None:
+        """Make the context hold the launch: a stream for its highest lane, room for its longest row
+        (`context`: each row's length after the launch). A larger context (at least twice the streams
+        or the length it outgrows) takes over every stream's K/V (llama.cpp's per-sequence state:
+        the same cells in the same order, so the same numerics); one that cannot be made fails the
+        launch and keeps the old."""
+        streams, length = int(lanes.max()) + 1, int(context.max())
+        if streams <= self.num_streams and length <= self.stream_len:
+            return
+        if streams > self.max_lanes or length > self.max_len:
+            raise RuntimeError(f"a launch needs lane {streams - 1} and {length} tokens, past the engine's limits")
+        old, old_streams = self.ctx, self.num_streams
+        if streams > old_streams:
+            streams = min(self.max_lanes, max(streams, 2 * old_streams))
+        if length > self.stream_len:
+            length = min(self.max_len, max(_aligned(length), 2 * self.stream_len))
+        states = [(lane, self._state(old, lane)) for lane in range(old_streams) if self.streams[lane].length]
+        self.ctx = self._context(max(streams, old_streams), max(length, self.stream_len))
+        self.memory = self.L.llama_get_memory(self.ctx)
+        self.L.llama_free(old)
+        for lane, state in states:
+            if not self._restore(lane, state, old_streams):  # computed again from the remembered tokens
+                self.L.llama_memory_seq_rm(self.memory, lane, -1, -1)
+                self.streams[lane] = Stream()
+
+    def _state(self, ctx: Any, lane: int) -> bytes:
+        size = self.L.llama_state_seq_get_size(ctx, lane)
+        state = (ctypes.c_uint8 * size)()
+        written = self.L.llama_state_seq_get_data(ctx, state, size, lane)
+        return bytes(state)[:written]
+
+    def _restore(self, lane: int, state: bytes, old_streams: int) -> bool:
+        """Put a stream's state, saved from a context of `old_streams` streams, into this one. llama.cpp
+        refuses a state of another stream count; it reads the streams' entries in turn and puts the
+        one non-empty entry in the sequence's stream, so empty entries (a zero count) are added.
+        A state of any other layout (another llama.cpp) is not restored: its stream is recomputed."""
+        if len(state) < STATE_HEADER.size or STATE_HEADER.unpack_from(state)[1:] != (lane, old_streams):
+            return False
+        magic = STATE_HEADER.unpack_from(state)[0]
+        moved = STATE_HEADER.pack(magic, lane, self.num_streams) + state[STATE_HEADER.size :]
+        moved += bytes(4 * (self.num_streams - old_streams))
+        buffer = (ctypes.c_uint8 * len(moved)).from_buffer_copy(moved)
+        if not self.L.llama_state_seq_set_data(self.ctx, buffer, len(moved), lane):
+            return False
+        # the restored cells are the stream's positions 0 .. length - 1
+        return int(self.L.llama_memory_seq_pos_max(self.memory, lane)) == self.streams[lane].length - 1
 
     def forward(self, batch: Any) -> torch.Tensor:
         assert batch.lanes is not None, "the engine gives an OwnsKV runner each row's lane"
@@ -221,6 +287,7 @@ class GgmlRunner:
         context = batch.context_lens.numpy()
         tables = batch.block_tables.numpy()
         lanes = np.asarray(batch.lanes)
+        self._fit(lanes, context)
         rows = len(context)
         plan: list[tuple[int, int, int]] = []  # (lane, first row, end row) per stream, in row order
         row = 0
@@ -362,6 +429,10 @@ class GgmlRunner:
         if os is not None:  # not at interpreter teardown, when modules are gone
             with contextlib.suppress(Exception):
                 self.close()
+
+
+def _aligned(tokens: int) -> int:
+    return -(-tokens // STREAM_ALIGN) * STREAM_ALIGN
 
 
 def _cpu_flags() -> set[str]:

@@ -225,3 +225,45 @@ def test_a_stream_written_in_the_same_launch_donates_only_what_it_held(path):
         assert torch.equal(both[1], expected[0])
     finally:
         runner.close()
+
+
+def test_the_context_grows_with_the_launches_and_no_row_changes(path, monkeypatch):
+    """A first context of two short streams (its K/V is allocated and cleared when made), grown when a
+    launch needs a higher lane or a longer row: every row's logits equal those of a runner whose
+    context had every stream at full length from the start, and the streams' K/V moves over (kept,
+    not computed again)."""
+    pages = list(range(24))
+
+    def launches(runner):
+        prompt = [100 + i % 50 for i in range(200)]
+        yield _launch(runner, [(0, pages[:13], 0, prompt)])
+        yield _launch(runner, [(0, pages[:19], 200, list(range(300, 400)))])  # 300 tokens: past 256
+        yield _launch(runner, [(0, pages[:19], 300, [7]), (5, [20, 21], 0, list(range(500, 520)))])  # lane 5
+
+    def run(first_streams: int, first_len: int):
+        monkeypatch.setattr(ggml, "FIRST_STREAMS", first_streams)
+        monkeypatch.setattr(ggml, "FIRST_STREAM_LEN", first_len)
+        runner = ggml.GgmlRunner(path)
+        try:
+            runner.allocate_streams(num_pages=24, page_size=16, lanes=8, max_len=512, max_tokens=256)
+            out = list(launches(runner))
+            return out, (runner.grown, runner.num_streams, runner.stream_len), dict(runner.stats)
+        finally:
+            runner.close()
+
+    grown, sizes, stats = run(2, 256)
+    full, full_sizes, _ = run(8, 512)
+    assert full_sizes == (1, 8, 512)
+    assert sizes == (3, 6, 512)  # 2 x 256, then 2 x 512 (a longer row), then 6 x 512 (lane 5)
+    assert stats["recomputed"] == 0 and stats["kept"] == 200 + 300  # lane 0's K/V moved with each growth
+    for ours, theirs in zip(grown, full, strict=True):
+        assert torch.equal(ours, theirs)
+
+
+def test_a_default_load_allocates_little(path):
+    """`foveal.load(gguf)` with its defaults (32 sequences of up to 4,096 tokens) makes a small context:
+    the K/V of SmolLM2-135M's 64 lanes at full length would be 6 GB."""
+    with foveal.load(path, device="cpu", runner="ggml") as model:
+        runner = model.family.runner
+        assert runner.num_streams * runner.stream_len <= 2 * 256
+        assert model.generate(None, ASKS[2], None, greedy(8))["text"]
