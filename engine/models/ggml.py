@@ -24,6 +24,9 @@ SOLUTION
       - the row's query tokens go into one `llama_decode` with every other row's, logits for each
         row's last token (each position of a verify row: `SharedPages`).
     ctypes releases the GIL for the whole `llama_decode`, so the pipeline's host work overlaps it.
+    llama.cpp allocates and clears a context's whole K/V when it is made, so the first context holds
+    two short streams, and a launch that needs a higher lane or a longer row makes a larger one and
+    moves every stream's K/V into it (`_fit`: llama.cpp's per-sequence state).
 INVARIANTS
     - A stream's tokens before a row's cached length are exactly the row's (same pages, same
       generations); nothing else is ever attended.
@@ -31,6 +34,8 @@ INVARIANTS
       writes donates at most the tokens it held before the launch.
     - At batch 1 the logits are llama.cpp's own for the same prompt ids (llama-cpp-python's
       completion API): same kernels, same stream layout (tests/models/test_ggml.py).
+    - Growing the context changes no row: a moved stream holds the same cells in the same order (a
+      state that cannot be moved is dropped and its tokens computed again).
     - A failed `llama_decode` raises (the engine fails the requests in flight); it never
       corrupts a stream silently: the streams it touched are cleared and recomputed when next used.
 """
