@@ -11,8 +11,10 @@ PROBLEM
 SOLUTION
     The engine's pages stay the truth; llama.cpp's memory mirrors them. Each of the engine's lanes
     (lanes.py: a running sequence's row of fixed state) is one llama.cpp sequence, in a stream of its
-    own (`kv_unified` off), so a row's numerics are those of a batch of one whatever else shares the
-    launch. The runner remembers, per stream, the chain of pages it holds (each page with the
+    own (`kv_unified` off), so a row never attends another's cells and, while its stream holds at
+    most 256 tokens, its numerics are those of a batch of one whatever else shares the launch
+    (past that, ggml's flash attention computes one query alone with its keys split across the
+    threads, and a launch of several queries row by row: the two round apart). The runner remembers, per stream, the chain of pages it holds (each page with the
     generation it had when written, bumped whenever a page is written from its first slot again)
     and, per page, the tokens written into it. At each row it compares its stream with the row's
     block table and the tokens the engine says are cached:

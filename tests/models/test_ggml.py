@@ -83,7 +83,7 @@ def test_calls_at_once_blocking_and_drafts_give_the_texts_of_calls_alone(path, m
         thread.start()
     for thread in threads:
         thread.join()
-    assert [together[i] for i in range(len(ASKS))] == alone  # a stream per lane: batch-invariant rows
+    assert [together[i] for i in range(len(ASKS))] == alone  # a stream per lane, under 256 tokens: batch-invariant rows
     with foveal.load(path, device="cpu", runner="ggml", max_batch_size=4, max_model_len=256, pipelined=False) as other:
         assert [other.generate(None, a, None, greedy())["text"] for a in ASKS] == alone
     # drafts: equal on these prompts, but ggml's many-token kernels round a verify row apart from one
@@ -92,6 +92,19 @@ def test_calls_at_once_blocking_and_drafts_give_the_texts_of_calls_alone(path, m
         drafting = foveal.load(path, device="cpu", runner="ggml", max_batch_size=4, max_model_len=256, speculative="ngram")
     with drafting:
         assert [drafting.generate(None, a, None, greedy())["text"] for a in ASKS] == alone
+
+
+def test_past_256_tokens_greedy_text_at_batch_1_still_equals_llama_cpps(path):
+    # a stream past 256 cells has K/V views of 512 or more, where ggml's flash attention splits one
+    # query's keys across the threads (llama.cpp's own completion alike); the context grows to it
+    listing = " ".join(f"Item {i} is a {('red', 'blue', 'green')[i % 3]} box of {i * 7 % 23} kg." for i in range(40))
+    ask = f"Here is a list. {listing} Which items are blue?"
+    with foveal.load(path, device="cpu", runner="ggml", max_batch_size=2, max_model_len=1024) as model:
+        ids = _ids(model, ask)
+        assert len(ids) > 512
+        ours = model.generate(None, ask, None, greedy())["text"]
+    llm = llama_cpp.Llama(model_path=str(path), n_ctx=1024, n_threads=2, flash_attn=True, seed=0, verbose=False)
+    assert ours == llm.create_completion(ids, max_tokens=TOKENS, temperature=0.0)["choices"][0]["text"]
 
 
 def test_a_prefix_no_stream_holds_any_more_is_copied_or_computed_again(model):
