@@ -92,8 +92,7 @@ def _forward(runner: ModelRunner, step: Step, previous_slot: DecodeSlot, heads: 
     slot.upload(FORWARD_INPUTS, (tokens, tokens, tokens, rows + 1, rows, rows, decode, decode))
     dev = slot.dev
     if decode:  # decode rows' inputs: the ids the previous step sampled, never visiting the host
-        sampled = previous_slot.sampled.index_select(0, dev.gather_src[:decode])
-        dev.input_ids.index_copy_(0, dev.gather_dst[:decode], sampled)
+        _gather(dev.input_ids, dev.gather_dst[:decode], previous_slot.sampled, dev.gather_src[:decode])
     lanes = step.lane_of_row  # each launch row's lane (runner.OwnsKV)
     if step.drafts:  # a verify row's positions are rows of their own (step.py)
         assert lanes is not None and step.row_of_logit is not None  # by stage()
@@ -117,6 +116,16 @@ def _forward(runner: ModelRunner, step: Step, previous_slot: DecodeSlot, heads: 
     slot.logits = runner.forward(batch)
     if heads is not None:  # its last-token hidden states, for the sample job's region rows
         slot.hidden = heads.last_hidden
+
+
+def _gather(input_ids: torch.Tensor, dst: torch.Tensor, sampled: torch.Tensor, src: torch.Tensor) -> None:
+    """input_ids[dst] = sampled[src]. On CPU through numpy views, which keep the GIL: each torch op
+    drops and takes it back, and the device thread then waits for the scheduler thread's turn (its
+    commit runs just as a forward starts), which had cost a pipelined decode step more than its gather."""
+    if input_ids.device.type == "cpu":
+        input_ids.numpy()[dst.numpy()] = sampled.numpy()[src.numpy()]
+    else:
+        input_ids.index_copy_(0, dst, sampled.index_select(0, src))
 
 
 @torch.inference_mode()  # runners return inference tensors; the sampler masks them in place

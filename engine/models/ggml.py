@@ -407,12 +407,12 @@ class GgmlRunner:
                 self.L.llama_memory_seq_rm(self.memory, lane, -1, -1)
                 self.streams[lane] = Stream()
             raise RuntimeError(f"llama_decode failed with status {status} on a launch of {n} tokens: {_last_error()}")
-        logits = torch.empty(len(outputs), self.vocab_size)
-        view = logits.numpy()
-        for row, index in enumerate(outputs):
-            pointer = self.L.llama_get_logits_ith(self.ctx, index)
-            ctypes.memmove(view[row].ctypes.data, pointer, self.vocab_size * 4)
-        return logits
+        # llama_get_logits: the outputs' rows in batch order, which is the order of `outputs`; copied
+        # while holding the GIL (`_memmove`), so that the device thread does not wait for the
+        # scheduler's turn to take it back between the launch and the sampling
+        logits = np.empty((len(outputs), self.vocab_size), dtype=np.float32)
+        _memmove(logits.ctypes.data, self.L.llama_get_logits(self.ctx), logits.nbytes)
+        return torch.from_numpy(logits)
 
     # ---- what the user sees ---------------------------------------------------------------------------
     def describe(self) -> str:
@@ -436,6 +436,21 @@ class GgmlRunner:
         if os is not None:  # not at interpreter teardown, when modules are gone
             with contextlib.suppress(Exception):
                 self.close()
+
+
+def _gil_memmove() -> Any:
+    """libc's memmove called with the GIL held (ctypes.memmove drops and retakes it, and the thread
+    may then wait for another's turn); ctypes.memmove where the C library cannot be opened so."""
+    try:
+        function = ctypes.PyDLL(None).memmove
+    except (OSError, AttributeError):
+        return ctypes.memmove
+    function.restype = ctypes.c_void_p
+    function.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t]
+    return function
+
+
+_memmove = _gil_memmove()
 
 
 def _aligned(tokens: int) -> int:
