@@ -52,7 +52,7 @@ import struct
 from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
@@ -147,6 +147,17 @@ class Stream:
 
     length: int = 0
     chain: list[tuple[int, int]] = field(default_factory=list)
+
+
+class Fill(NamedTuple):
+    """One stream's part of a launch: its tokens from position `start`, logits at `offsets` among
+    them, which are the launch's rows `first_row` on."""
+
+    lane: int
+    start: int
+    tokens: np.ndarray
+    offsets: list[int]
+    first_row: int
 
 
 class GgmlRunner:
@@ -304,7 +315,7 @@ class GgmlRunner:
                 end += 1
             plan.append((int(lanes[row]), row, end))
             row = end
-        fills: list[tuple[int, int, np.ndarray, list[int]]] = []  # (lane, start pos, tokens, logit offsets)
+        fills: list[Fill] = []
         held: dict[int, int] = {}  # the lanes prepared for this launch: what their memory holds until it runs
         for lane, first, end in plan:
             cached = int(context[first] - (starts[first + 1] - starts[first]))
@@ -316,9 +327,11 @@ class GgmlRunner:
             query = ids[starts[first] : starts[end]]
             offsets = [len(redo) + int(starts[r + 1] - starts[first]) - 1 for r in range(first, end)]
             tokens = np.concatenate([redo, query]).astype(np.int32)
-            fills.append((lane, start, tokens, offsets))
+            fills.append(Fill(lane, start, tokens, offsets, first))
             self._record(lane, table, start, cached, tokens)
-        return self._decode(fills)
+        # lanes in increasing order: llama.cpp splits a batch over several streams into micro-batches
+        # of consecutive sequence ids met in increasing order, each a pass over the weights
+        return self._decode(sorted(fills, key=lambda fill: fill.lane))
 
     # ---- the mirror -----------------------------------------------------------------------------
     def _agreeing(self, stream: Stream, table: np.ndarray, cached: int) -> int:
@@ -385,33 +398,38 @@ class GgmlRunner:
             stream.chain.append((page, int(self.page_gen[page])))
 
     # ---- llama.cpp --------------------------------------------------------------------------------
-    def _decode(self, fills: list[tuple[int, int, np.ndarray, list[int]]]) -> torch.Tensor:
-        total = sum(len(tokens) for _, _, tokens, _ in fills)
+    def _decode(self, fills: list[Fill]) -> torch.Tensor:
+        """One llama_decode of the fills; the logits of their offsets, in the rows' order."""
+        total = sum(len(fill.tokens) for fill in fills)
         if total > self.capacity:
             raise RuntimeError(f"a launch of {total} tokens exceeds the ggml context's batch of {self.capacity}")
-        b, n, outputs = self.batch, 0, []
+        b, n, rows = self.batch, 0, []
         self.logit_flags[:total] = 0
-        for lane, start, tokens, offsets in fills:
-            count = len(tokens)
-            self.token_view[n : n + count] = tokens
-            self.pos_view[n : n + count] = np.arange(start, start + count)
+        for fill in fills:
+            count = len(fill.tokens)
+            self.token_view[n : n + count] = fill.tokens
+            self.pos_view[n : n + count] = np.arange(fill.start, fill.start + count)
             for index in range(n, n + count):
-                b.seq_id[index][0] = lane
-            self.logit_flags[[n + o for o in offsets]] = 1
-            outputs += [n + o for o in offsets]
+                b.seq_id[index][0] = fill.lane
+            self.logit_flags[[n + o for o in fill.offsets]] = 1
+            rows += range(fill.first_row, fill.first_row + len(fill.offsets))
             n += count
         b.n_tokens = n
         status = self.L.llama_decode(self.ctx, b)
         if status != 0:
-            for lane, _, _, _ in fills:  # what the failed call left in these streams is unknown
-                self.L.llama_memory_seq_rm(self.memory, lane, -1, -1)
-                self.streams[lane] = Stream()
+            for fill in fills:  # what the failed call left in these streams is unknown
+                self.L.llama_memory_seq_rm(self.memory, fill.lane, -1, -1)
+                self.streams[fill.lane] = Stream()
             raise RuntimeError(f"llama_decode failed with status {status} on a launch of {n} tokens: {_last_error()}")
-        # llama_get_logits: the outputs' rows in batch order, which is the order of `outputs`; copied
-        # while holding the GIL (`_memmove`), so that the device thread does not wait for the
-        # scheduler's turn to take it back between the launch and the sampling
-        logits = np.empty((len(outputs), self.vocab_size), dtype=np.float32)
+        # llama_get_logits: the outputs' rows in batch order; copied while holding the GIL
+        # (`_memmove`), so that the device thread does not wait for the scheduler's turn to take it
+        # back between the launch and the sampling
+        logits = np.empty((len(rows), self.vocab_size), dtype=np.float32)
         _memmove(logits.ctypes.data, self.L.llama_get_logits(self.ctx), logits.nbytes)
+        if rows != sorted(rows):  # the batch went in lane order: back to the rows' order
+            ordered = np.empty_like(logits)
+            ordered[rows] = logits
+            logits = ordered
         return torch.from_numpy(logits)
 
     # ---- what the user sees ---------------------------------------------------------------------------

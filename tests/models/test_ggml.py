@@ -240,6 +240,35 @@ def test_a_stream_written_in_the_same_launch_donates_only_what_it_held(path):
         runner.close()
 
 
+def test_rows_in_any_lane_order_go_to_llama_cpp_in_lane_order_and_come_back_in_theirs(path, monkeypatch):
+    """llama.cpp splits a launch over several streams into one pass per run of consecutive sequence ids
+    met in increasing order, so the runner hands it the rows sorted by lane; the logits still come
+    back in the rows' order (a verify row's positions among them), each row's as when launched alone."""
+    decoded = []
+    runner = ggml.GgmlRunner(path)
+    monkeypatch.setattr(
+        runner.L, "llama_decode", lambda ctx, b, decode=runner.L.llama_decode: decoded.append(
+            [b.seq_id[i][0] for i in range(b.n_tokens)]) or decode(ctx, b)
+    )
+    prompts = {lane: list(range(100 + 20 * lane, 116 + 20 * lane)) for lane in range(3)}
+    try:
+        runner.allocate_streams(num_pages=12, page_size=16, lanes=4, max_len=64, max_tokens=128)
+        mixed = _launch(runner, [(2, [8], 0, prompts[2]), (0, [0], 0, prompts[0]), (1, [4], 0, prompts[1])])
+        assert decoded[-1] == sorted(decoded[-1])
+        verify = _launch(runner, [(1, [4, 5], 16, [7]), (1, [4, 5], 17, [8]), (0, [0, 1], 16, [9])])
+        assert decoded[-1] == [0, 1, 1]
+        for lane, row in ((2, 0), (0, 1), (1, 2)):
+            alone = ggml.GgmlRunner(path)
+            alone.allocate_streams(num_pages=12, page_size=16, lanes=4, max_len=64, max_tokens=128)
+            assert torch.equal(mixed[row], _launch(alone, [(lane, [4 * lane], 0, prompts[lane])])[0])
+            if lane != 2:
+                tail = _launch(alone, [(lane, [4 * lane, 4 * lane + 1], 16, [9] if lane == 0 else [7, 8])])
+                assert torch.equal(verify[2 if lane == 0 else 1], tail[-1])
+            alone.close()
+    finally:
+        runner.close()
+
+
 def test_the_context_grows_with_the_launches_and_no_row_changes(path, monkeypatch):
     """A first context of two short streams (its K/V is allocated and cleared when made), grown when a
     launch needs a higher lane or a longer row: every row's logits equal those of a runner whose
