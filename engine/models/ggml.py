@@ -403,7 +403,8 @@ class GgmlRunner:
         total = sum(len(fill.tokens) for fill in fills)
         if total > self.capacity:
             raise RuntimeError(f"a launch of {total} tokens exceeds the ggml context's batch of {self.capacity}")
-        b, n, rows = self.batch, 0, []
+        b, n = self.batch, 0
+        rows: list[int] = []  # the launch's row of each output, in batch order
         self.logit_flags[:total] = 0
         for fill in fills:
             count = len(fill.tokens)
