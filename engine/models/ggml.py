@@ -24,7 +24,9 @@ SOLUTION
         cache hit, a shared system prompt), and what no stream holds any more is computed again
         from the remembered tokens, before the row's own query;
       - the row's query tokens go into one `llama_decode` with every other row's, logits for each
-        row's last token (each position of a verify row: `SharedPages`).
+        row's last token (each position of a verify row: `SharedPages`), the rows in lane order:
+        llama.cpp makes one pass over the weights per run of consecutive sequence ids it meets in
+        increasing order (and one more per length a run's rows do not share).
     ctypes releases the GIL for the whole `llama_decode`, so the pipeline's host work overlaps it.
     llama.cpp allocates and clears a context's whole K/V when it is made, so the first context holds
     two short streams, and a launch that needs a higher lane or a longer row makes a larger one and
