@@ -115,6 +115,7 @@ def test_a_trace_changes_no_warning_filter_and_shows_none_of_its_own_warnings(ch
         before = list(warnings.filters)
         runner.forward(_decode(2, rows=2))
         after = list(warnings.filters)
-    assert len(during) == 1 and others(during[0]) == others(after) == before
+    # the trace's own filters may be there before it (an earlier test's background trace put them in front)
+    assert len(during) == 1 and others(during[0]) == others(after) == others(before)
     tracer = [(w.filename, w.lineno) for w in caught if issubclass(w.category, torch.jit.TracerWarning)]
     assert not tracer
