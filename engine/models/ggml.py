@@ -14,9 +14,10 @@ SOLUTION
     own (`kv_unified` off), so a row never attends another's cells and, while its stream holds at
     most 256 tokens, its numerics are those of a batch of one whatever else shares the launch
     (past that, ggml's flash attention computes one query alone with its keys split across the
-    threads, and a launch of several queries row by row: the two round apart). The runner remembers, per stream, the chain of pages it holds (each page with the
-    generation it had when written, bumped whenever a page is written from its first slot again)
-    and, per page, the tokens written into it. At each row it compares its stream with the row's
+    threads, and a launch of several queries row by row: the two round apart). The runner
+    remembers, per stream, the chain of pages it holds (each page with the generation it had when
+    written, bumped whenever a page is written from its first slot again) and, per page, the tokens
+    written into it. At each row it compares its stream with the row's
     block table and the tokens the engine says are cached:
       - the longest prefix that agrees is kept; what lies past it (a rolled-back draft, a lane that
         now runs another sequence) is removed (`llama_memory_seq_rm`);

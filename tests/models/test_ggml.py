@@ -83,7 +83,7 @@ def test_calls_at_once_blocking_and_drafts_give_the_texts_of_calls_alone(path, m
         thread.start()
     for thread in threads:
         thread.join()
-    assert [together[i] for i in range(len(ASKS))] == alone  # a stream per lane, under 256 tokens: batch-invariant rows
+    assert [together[i] for i in range(len(ASKS))] == alone  # under 256 tokens: batch-invariant
     with foveal.load(path, device="cpu", runner="ggml", max_batch_size=4, max_model_len=256, pipelined=False) as other:
         assert [other.generate(None, a, None, greedy())["text"] for a in ASKS] == alone
     # drafts: equal on these prompts, but ggml's many-token kernels round a verify row apart from one
@@ -244,12 +244,15 @@ def test_rows_in_any_lane_order_go_to_llama_cpp_in_lane_order_and_come_back_in_t
     """llama.cpp splits a launch over several streams into one pass per run of consecutive sequence ids
     met in increasing order, so the runner hands it the rows sorted by lane; the logits still come
     back in the rows' order (a verify row's positions among them), each row's as when launched alone."""
-    decoded = []
+    decoded = []  # each llama_decode's sequence id per token, in batch order
     runner = ggml.GgmlRunner(path)
-    monkeypatch.setattr(
-        runner.L, "llama_decode", lambda ctx, b, decode=runner.L.llama_decode: decoded.append(
-            [b.seq_id[i][0] for i in range(b.n_tokens)]) or decode(ctx, b)
-    )
+    decode = runner.L.llama_decode
+
+    def spy(ctx, batch):
+        decoded.append([batch.seq_id[i][0] for i in range(batch.n_tokens)])
+        return decode(ctx, batch)
+
+    monkeypatch.setattr(runner.L, "llama_decode", spy)
     prompts = {lane: list(range(100 + 20 * lane, 116 + 20 * lane)) for lane in range(3)}
     try:
         runner.allocate_streams(num_pages=12, page_size=16, lanes=4, max_len=64, max_tokens=128)
