@@ -18,7 +18,8 @@ into the special token, while the token trie (what `commit` checks) gives specia
 text can match. The mask then allowed a token that commit refused. So llguidance gets the
 tokenizer through a `TokenizerWrapper` whose encoder has `encode_special_tokens = True` (special-token
 text tokenized as text); token bytes and special-token ids are those llguidance reads from the
-tokenizer's JSON, so masks are otherwise unchanged.
+tokenizer's JSON, so masks are otherwise unchanged (reading them is the slow part of a handle, so
+they are kept on disk between processes: token_tables.py).
 INVARIANTS: equal keys <=> equal vocabulary bytes, EOS id and vocab size; a model vocab size larger
 than the tokenizer's is built in (ids past the tokenizer's are never allowed by any mask); a mask
 never allows a token that `commit` refuses, special-token text included.
@@ -35,6 +36,7 @@ from typing import Any
 import llguidance
 import tokenizers
 
+from . import token_tables
 from .cache import LRUCache
 
 _BY_IDENTITY: LRUCache[TokenizerHandle] = LRUCache(maxsize=8)
@@ -133,7 +135,7 @@ def _build(backend: Any, eos: int, vocab_size: int | None) -> TokenizerHandle:
     cached = _BY_IDENTITY.get(key)
     if cached is not None:
         return cached
-    ll = _plain_text_tokenizer(backend, text, eos, size)
+    ll = _plain_text_tokenizer(backend, text, digest, eos, size)
     handle = TokenizerHandle(key=key, ll=ll, eos_token_id=eos, vocab_size=size, source=backend)
     _BY_IDENTITY.put(key, handle)
     return handle
@@ -146,13 +148,17 @@ class _PlainTextEncoder:
     bos_token_id = None
 
     def __init__(
-        self, backend: tokenizers.Tokenizer, tokenizer_json: str, json_built: llguidance.LLTokenizer, eos: int
+        self,
+        backend: tokenizers.Tokenizer,
+        tokenizer_json: str,
+        table: tuple[list[bytes], list[int]],
+        eos: int,
     ) -> None:
-        n = json_built.vocab_size
         self.eos_token_id = eos
-        self.special_token_ids = [i for i in range(n) if json_built.is_special_token(i)]
-        self.tokens = [json_built.decode_bytes([i]) for i in range(n)]
-        self._encoder = _encoder_reading_added_tokens_as_text(backend, tokenizer_json, set(self.special_token_ids))
+        self.tokens, self.special_token_ids = table
+        self._encoder = _encoder_reading_added_tokens_as_text(
+            backend, tokenizer_json, set(self.special_token_ids)
+        )
 
     def __call__(self, text: str) -> list[int]:
         return self._encoder.encode(text, add_special_tokens=False).ids
@@ -183,7 +189,9 @@ def _encoder_reading_added_tokens_as_text(
     return encoder
 
 
-def _plain_text_tokenizer(backend: Any, text: str, eos: int, size: int) -> llguidance.LLTokenizer:
-    json_built = llguidance.LLTokenizer(text, n_vocab=size, eos_token=eos)
-    wrapper = llguidance.TokenizerWrapper(_PlainTextEncoder(backend, text, json_built, eos))
+def _plain_text_tokenizer(
+    backend: Any, text: str, digest: str, eos: int, size: int
+) -> llguidance.LLTokenizer:
+    table = token_tables.token_table(text, digest, eos, size)
+    wrapper = llguidance.TokenizerWrapper(_PlainTextEncoder(backend, text, table, eos))
     return llguidance.LLTokenizer(wrapper, n_vocab=size, eos_token=eos)

@@ -66,3 +66,13 @@ def _weight_cache_off():
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv("FOVEAL_WEIGHT_CACHE", "0")
         yield
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _token_table_cache_off():
+    """Grammar tokenizer handles read their token tables from the tokenizer's JSON: the token table
+    cache (grammars/token_tables.py) stays off unless a test turns it on with a folder of its own
+    (tests/grammars/test_token_tables.py), so that no test writes into the user's ~/.cache/foveal."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("FOVEAL_TOKENIZER_CACHE", "0")
+        yield
