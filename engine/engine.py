@@ -151,7 +151,9 @@ class Engine:
         summary = self.pipeline.stats.summary(device.busy_s, dict(device.job_s), dict(device.job_n))
         summary["speculative"] = self.pipeline.draft_stats.summary()
         chooser = getattr(device, "chooser", None)  # CPU: the thread count its small launches are timed on
-        if chooser is not None:
+        if self.pipeline.own_threads is not None:  # the runner's own pool runs every launch (runner.OwnThreads)
+            summary["decode_threads"] = self.pipeline.own_threads
+        elif chooser is not None:
             summary["decode_threads"] = chooser.choice
         return summary
 

@@ -162,7 +162,7 @@ from .kv_cache import PagePool, pages_needed
 from .lanes import Lanes
 from .matcher import FillMasks, bitmask_words, conforms, require
 from .request import FinishReason, TokenLogprob
-from .runner import ModelRunner, OwnsKV, owns_kv, shares_pages, sliding_window
+from .runner import ModelRunner, OwnsKV, own_threads, owns_kv, shares_pages, sliding_window
 from .scheduler import Scheduler
 from .sequence import Sequence
 from .sequences import Sequences
@@ -239,6 +239,7 @@ class Pipeline:
         self.heads: regions.RegionHeads | None = runner if conforms(runner, regions.RegionHeads) else None
         self.region_logprobs = self.heads is not None and conforms(runner, regions.RegionLogprobs)
         self.owns_kv = owns_kv(runner)
+        self.own_threads = own_threads(runner)  # ggml's pool: torch's thread count is not its (runner.OwnThreads)
         if self.owns_kv:  # its K/V is its own: a sequence per lane (runner.OwnsKV)
             cast(OwnsKV, runner).allocate_streams(
                 num_pages, page_size, self.lanes.count, max_model_len, max_step_tokens
@@ -285,10 +286,12 @@ class Pipeline:
             rows[row].verifying = True
         previous_slot = self.slots[(self.step_number - 1) % 2]
         runner, heads, device = self.runner, self.heads, self.device
-        # the count is picked where the forward runs, as it starts: the device times it (device.py)
+        # the count is picked where the forward runs, as it starts: the device times it (device.py);
+        # a runner on a thread pool of its own (runner.OwnThreads) leaves torch's count alone
+        threads_for = device.threads_for if self.own_threads is None else lambda tokens: None
         self.device.run(
             "forward",
-            lambda: device_jobs.forward(runner, step, previous_slot, device.threads_for(step.num_tokens), heads),
+            lambda: device_jobs.forward(runner, step, previous_slot, threads_for(step.num_tokens), heads),
         )
         slot.state, slot.step = SlotState.LAUNCHED, step
         self.inflight.append(step)

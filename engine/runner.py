@@ -39,7 +39,10 @@ SOLUTION
         truth (tokens before `context_len - query_len` are cached: the same pages hold the same
         tokens), drop what its sequence holds past them (a rolled-back draft, a lane that now
         runs another sequence), and obtain cached tokens it lacks by copying them from another of
-        its sequences or by computing them again. `allocate_streams` replaces `allocate_kv`.
+        its sequences or by computing them again. `allocate_streams` replaces `allocate_kv`;
+      - `OwnThreads` (optional): `own_threads`, the size of a thread pool of the runner's own that
+        runs its kernels (ggml's): the device then leaves torch's intra-op count alone for its
+        forwards and does not time them (device.py's ThreadChooser has nothing to choose).
 
 INVARIANTS
     - `forward` never synchronizes with the host (no `.item()`, no `.tolist()`, no `.cpu()` on
@@ -173,6 +176,15 @@ class OwnsKV(Protocol):
 
 
 @runtime_checkable
+class OwnThreads(Protocol):
+    """A runner whose kernels run on a thread pool of their own (ggml's), not on torch's intra-op
+    threads: `own_threads`, how many. The engine then neither sets nor times torch's count for its
+    forwards (device.threads_for), and reports `own_threads` as the decode threads."""
+
+    own_threads: int
+
+
+@runtime_checkable
 class Described(Protocol):
     """A runner that says what it runs on (`describe()`: its library and kernels), for the user."""
 
@@ -190,6 +202,11 @@ def describe(runner: ModelRunner) -> str:
 def owns_kv(runner: ModelRunner) -> bool:
     """Whether `runner` declares `OwnsKV` (checked once, when the engine is built)."""
     return conforms(runner, OwnsKV) and bool(runner.owns_kv)
+
+
+def own_threads(runner: ModelRunner) -> int | None:
+    """The size of `runner`'s own thread pool (`OwnThreads`), or None: its kernels run on torch's."""
+    return int(runner.own_threads) if conforms(runner, OwnThreads) else None
 
 
 def sliding_window(runner: ModelRunner) -> int | None:

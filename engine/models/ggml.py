@@ -164,8 +164,8 @@ class Fill(NamedTuple):
 
 
 class GgmlRunner:
-    """The engine's `ModelRunner` over a llama.cpp model: `OwnsKV` (its K/V is llama.cpp's) and
-    `SharedPages` (a verify step's positions are one stream's consecutive tokens)."""
+    """The engine's `ModelRunner` over a llama.cpp model: `OwnsKV` (its K/V is llama.cpp's),
+    `SharedPages` (a verify step's positions are one stream's consecutive tokens) and `OwnThreads`."""
 
     owns_kv = True
     rows_share_pages = True
@@ -200,6 +200,11 @@ class GgmlRunner:
         self.stats = {"kept": 0, "copied": 0, "recomputed": 0}
 
     # ---- the engine's contract ------------------------------------------------------------------
+    @property
+    def own_threads(self) -> int:
+        """`runner.OwnThreads`: ggml's thread pool runs the forward, whatever torch's count is."""
+        return self.threads
+
     def kv_bytes_per_token(self) -> int:
         """K and V in f16 (llama.cpp's default cache type) across the layers."""
         layers = int(self.L.llama_model_n_layer(self.model))

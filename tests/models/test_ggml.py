@@ -64,6 +64,18 @@ def test_the_runner_is_ggml_and_says_its_kernels(model):
     assert "CPU kernels:" in model.runner and "AVX" in model.runner or "NEON" in model.runner
 
 
+def test_torchs_thread_count_is_left_alone_and_ggmls_own_is_reported(model, monkeypatch):
+    """runner.OwnThreads: ggml's pool runs the forward, so the device neither sets torch's count for it
+    (the suite fixes small launches at 1 thread: a torch runner's forwards would set it) nor times it."""
+    sets = []
+    monkeypatch.setattr(torch, "set_num_threads", sets.append)
+    model.engine.reset_stats()
+    model.generate(None, "Name a colour.", None, greedy(8))
+    runner = model.engine.pipeline.runner
+    assert sets == [] and model.engine.device.chooser.bursts == 0
+    assert model.engine.stats()["decode_threads"] == runner.own_threads == runner.threads
+
+
 def test_greedy_text_at_batch_1_equals_llama_cpps_completion_on_the_same_ids(model, llm):
     for ask in ASKS:
         ours = model.generate(None, ask, None, greedy())["text"]
