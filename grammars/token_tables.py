@@ -6,7 +6,8 @@ LLTokenizer from that JSON, which costs more than the rest of the handle togethe
 it at its first structured call (a script's first answer, a server's first request).
 SOLUTION: the table, once read, is written to `$FOVEAL_CACHE/tokenizers` (`~/.cache/foveal` by default),
 named by the tokenizer JSON's digest, the vocab size, the EOS id and llguidance's version; later
-processes read it instead. `FOVEAL_TOKENIZER_CACHE=0` turns it off.
+processes read it instead, and a write removes the tables of other llguidance versions.
+`FOVEAL_TOKENIZER_CACHE=0` turns it off.
 INVARIANTS: a table read is the table llguidance builds for the same JSON, EOS, vocab size and
 llguidance version (the name says all four); a file that is unreadable, incomplete or inconsistent is
 reported, never used, and written again; a table that cannot be written costs only the time.
@@ -36,7 +37,12 @@ def enabled() -> bool:
 
 def table_path(digest: str, eos: int, size: int) -> Path:
     root = Path(os.environ.get(ENV_ROOT) or Path.home() / ".cache" / "foveal")
-    return root / "tokenizers" / f"{digest}.V{size}.eos{eos}.llguidance-{_llguidance_version()}.f{FORMAT}.npz"
+    return root / "tokenizers" / f"{digest}.V{size}.eos{eos}{_suffix()}"
+
+
+def _suffix() -> str:
+    """How the names of this llguidance's and this format's tables end."""
+    return f".llguidance-{_llguidance_version()}.f{FORMAT}.npz"
 
 
 @functools.cache
@@ -96,6 +102,9 @@ def _write(path: Path, tokens: list[bytes], special: list[int]) -> None:
                 special=np.asarray(special, dtype=np.int64),
             )
         os.replace(temporary, path)
+        for stale in path.parent.glob("*.npz"):  # another llguidance's or format's: never read again
+            if not stale.name.endswith(_suffix()):
+                stale.unlink(missing_ok=True)
     except OSError as error:
         with contextlib.suppress(OSError):
             temporary.unlink()

@@ -110,6 +110,16 @@ def test_a_damaged_table_is_reported_not_used_and_written_again(tok, cache, json
     assert json_reads.count(True) == 2
 
 
+def test_a_write_removes_the_tables_of_other_llguidance_versions(tok, cache, json_reads):
+    cache.mkdir(parents=True)
+    other = cache / f"{'0' * 32}.V49152.eos2.llguidance-0.0.1.f{token_tables.FORMAT}.npz"
+    other.write_bytes(b"a table of an older llguidance")
+    unrelated = cache / "notes.txt"
+    unrelated.write_text("kept")
+    fresh_handle(tok)
+    assert not other.exists() and unrelated.exists() and len(list(cache.glob("*.npz"))) == 1
+
+
 def test_an_unwritable_cache_costs_only_the_time(tok, tmp_path, monkeypatch, json_reads):
     blocker = tmp_path / "a file"
     blocker.write_text("not a folder")
