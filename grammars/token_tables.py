@@ -73,7 +73,7 @@ def _read(path: Path, size: int) -> tuple[list[bytes], list[int]] | None:
         ends = np.cumsum(lengths, dtype=np.int64)
         n = len(lengths)
         if (
-            n < size
+            n != size
             or (n and ends[-1] != len(data))
             or (lengths < 0).any()
             or ((special < 0) | (special >= n)).any()

@@ -85,7 +85,8 @@ def test_the_table_is_what_llguidance_reads_from_the_json(tok, cache):
 
 
 @pytest.mark.parametrize(
-    "damage", ["truncated", "not a zip", "a token too many bytes", "a special id out of range"]
+    "damage",
+    ["truncated", "not a zip", "a token too many bytes", "a token too many", "a special id out of range"],
 )
 def test_a_damaged_table_is_reported_not_used_and_written_again(tok, cache, json_reads, damage):
     reference = fresh_handle(tok).token_bytes()
@@ -99,6 +100,9 @@ def test_a_damaged_table_is_reported_not_used_and_written_again(tok, cache, json
             parts = dict(arrays)
         if damage == "a token too many bytes":
             parts["lengths"][7] += 1
+        elif damage == "a token too many":
+            parts["data"] = np.append(parts["data"], np.uint8(65))
+            parts["lengths"] = np.append(parts["lengths"], 1)
         else:
             parts["special"][0] = 10**6
         with open(path, "wb") as out:
