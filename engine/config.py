@@ -41,6 +41,9 @@ class EngineConfig:
     # speculative decoding (pipeline.py): None (off) or "ngram", prompt-lookup drafts verified in
     # one forward; needs a runner with runner.SharedPages (refused by the constructor otherwise)
     speculative: str | None = None
+    # decode bursts (bursts.py): a step of rows with no grammar, logprobs or drafts runs up to this
+    # many decode sub-steps while no request waits; 1: off; None: 8 on CPU, 1 elsewhere (limits.py)
+    decode_burst: int | None = None
     # An idle engine waits this long after the latest arrival (at most 4x in all) before its first
     # launch, so that calls arriving together (threads, a batch) are prefilled in one launch.
     # None: 10 ms on CPU, 2 ms on an accelerator (limits.resolve says why).

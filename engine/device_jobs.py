@@ -67,12 +67,12 @@ def forward(
     threads: int | None = None,
     heads: RegionHeads | None = None,
 ) -> None:
-    with _intra_op_threads(threads):
+    with intra_op_threads(threads):
         _forward(runner, step, previous_slot, heads)
 
 
 @contextlib.contextmanager
-def _intra_op_threads(threads: int | None) -> Iterator[None]:
+def intra_op_threads(threads: int | None) -> Iterator[None]:
     """Run a CPU forward on `threads` intra-op threads (device.threads_for), then put torch's count
     back: it is process-wide, and code beside an idle engine must find its own."""
     before = torch.get_num_threads()
@@ -92,7 +92,7 @@ def _forward(runner: ModelRunner, step: Step, previous_slot: DecodeSlot, heads: 
     slot.upload(FORWARD_INPUTS, (tokens, tokens, tokens, rows + 1, rows, rows, decode, decode))
     dev = slot.dev
     if decode:  # decode rows' inputs: the ids the previous step sampled, never visiting the host
-        _gather(dev.input_ids, dev.gather_dst[:decode], previous_slot.sampled, dev.gather_src[:decode])
+        gather_ids(dev.input_ids, dev.gather_dst[:decode], previous_slot.sampled, dev.gather_src[:decode])
     lanes = step.lane_of_row  # each launch row's lane (runner.OwnsKV)
     if step.drafts:  # a verify row's positions are rows of their own (step.py)
         assert lanes is not None and step.row_of_logit is not None  # by stage()
@@ -118,7 +118,7 @@ def _forward(runner: ModelRunner, step: Step, previous_slot: DecodeSlot, heads: 
         slot.hidden = heads.last_hidden
 
 
-def _gather(input_ids: torch.Tensor, dst: torch.Tensor, sampled: torch.Tensor, src: torch.Tensor) -> None:
+def gather_ids(input_ids: torch.Tensor, dst: torch.Tensor, sampled: torch.Tensor, src: torch.Tensor) -> None:
     """input_ids[dst] = sampled[src]. On CPU through numpy views, which keep the GIL: each torch op
     drops and takes it back, and the device thread then waits for the scheduler thread's turn (its
     commit runs just as a forward starts), which had cost a pipelined decode step more than its gather."""

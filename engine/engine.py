@@ -71,6 +71,7 @@ class Engine:
             fill_masks=config.fill_masks,
             jump_forward=config.jump_forward,
             speculative=config.speculative,
+            decode_burst=config.decode_burst,
             debug=config.debug,
             debug_hook=config.debug_hook,
             trace=self.trace,

@@ -46,6 +46,10 @@ DEFAULT_MAX_STEP_TOKENS = 2048
 DEFAULT_PREFILL_CHUNK = 512
 # An idle engine's quiet window before its first launch (EngineConfig.admission_window_s; see _admission_window).
 CPU_ADMISSION_WINDOW_S = 0.010
+# Decode sub-steps a step of rows without grammar, logprobs or drafts may run (bursts.py): the
+# per-step host work is paid once for them, and text streams that many tokens at a time.
+# On an accelerator the pipeline already hides the host work behind the device's: there it is 1 (off).
+CPU_DECODE_BURST = 8
 ADMISSION_WINDOW_S = 0.002
 
 
@@ -53,7 +57,7 @@ def resolve(config: EngineConfig, runner: ModelRunner) -> EngineConfig:
     """A copy of `config` with every size the caller left None derived from the runner."""
     names = (
         "max_batch", "page_size", "max_model_len", "max_step_tokens", "num_pages", "kv_cache_bytes", "prefill_chunk",
-        "sliding_pages",
+        "sliding_pages", "decode_burst",
     )
     for name in names:
         value = getattr(config, name)
@@ -84,6 +88,7 @@ def resolve(config: EngineConfig, runner: ModelRunner) -> EngineConfig:
         num_pages=num_pages,
         sliding_pages=sliding_pages,
         prefill_chunk=chunk,
+        decode_burst=config.decode_burst or (CPU_DECODE_BURST if runner.device.type == "cpu" else 1),
         admission_window_s=_admission_window(config.admission_window_s, runner.device),
     )
 

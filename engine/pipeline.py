@@ -20,6 +20,9 @@ SOLUTION
     in which a launch returns only once its forward has run, and the step is committed right after
     finalize: nothing overlaps, the baseline of comparisons. A sequence that finishes at commit t
     may ride in step t+1 as a zombie: its token there is dropped, its pages wait for inflight_refs 0.
+    DECODE BURSTS (bursts.py): a step whose rows need nothing from the host between two tokens (no
+    grammar, logprobs, drafts or forced run) and that no waiting request would join runs up to
+    `decode_burst` decode sub-steps in one device job, committed like accepted drafts.
     The pipeline owns no thread: `Engine` calls `tick()` from its scheduler thread, and tests call
     it directly over a device that runs queued jobs only when waited on (foveal.testing).
     What it calls on its device (`device.Device`) is checked when it is built, and so is what it
@@ -154,7 +157,7 @@ from typing import TYPE_CHECKING, cast
 
 import numpy as np
 
-from . import device_jobs, drafts, regions
+from . import bursts, device_jobs, drafts, regions
 from .device import Device
 from .device_jobs import SampleShape
 from .drafts import Drafter, DraftStats
@@ -196,6 +199,7 @@ class Pipeline:
         fill_masks: FillMasks,
         jump_forward: bool = False,
         speculative: str | None = None,
+        decode_burst: int = 1,
         prefill_chunk: int | None = None,
         sliding_pages: int | None = None,
         debug: bool = False,
@@ -238,6 +242,13 @@ class Pipeline:
         # some steps may sample region values (regions.py): the runner's heads, or None
         self.heads: regions.RegionHeads | None = runner if conforms(runner, regions.RegionHeads) else None
         self.region_logprobs = self.heads is not None and conforms(runner, regions.RegionLogprobs)
+        # decode bursts (bursts.py): sub-steps a step of rows that need no host work between tokens
+        # may run; never with region heads (a row's next step kind is the host's), sliding windows,
+        # or drafts (a lookup would have to guess a whole burst in flight before drafting past it)
+        if isinstance(decode_burst, bool) or not isinstance(decode_burst, int) or decode_burst < 1:
+            raise ValueError(f"decode_burst must be an int >= 1 (1: no bursts), got {decode_burst!r}")
+        plain = self.heads is None and self.sliding is None and not self.speculative
+        self.decode_burst = decode_burst if plain else 1
         self.owns_kv = owns_kv(runner)
         self.own_threads = own_threads(runner)  # ggml's pool: torch's thread count is not its (runner.OwnThreads)
         if self.owns_kv:  # its K/V is its own: a sequence per lane (runner.OwnsKV)
@@ -276,7 +287,12 @@ class Pipeline:
         step = Step(self.step_number, slot, rows)
         if self.speculative:
             self._plan_drafts(step)
-        prefill_rows = stage(step, self.lanes, self.page_size, self._row_numbers, self.sliding)
+        burst = self._burst_length(step)
+        if burst:
+            bursts.stage(step, self.lanes, self.page_size, burst)
+            prefill_rows = []
+        else:
+            prefill_rows = stage(step, self.lanes, self.page_size, self._row_numbers, self.sliding)
         assert step.extra is not None  # by stage()
         for row, (seq, extra) in enumerate(zip(rows, step.extra.tolist(), strict=True)):
             # a partial chunk samples nothing; a verify row counts every draft until its commit says
@@ -289,14 +305,18 @@ class Pipeline:
         # the count is picked where the forward runs, as it starts: the device times it (device.py);
         # a runner on a thread pool of its own (runner.OwnThreads) leaves torch's count alone
         threads_for = device.threads_for if self.own_threads is None else lambda tokens: None
-        self.device.run(
-            "forward",
-            lambda: device_jobs.forward(runner, step, previous_slot, threads_for(step.num_tokens), heads),
-        )
+        if burst:  # timed under its k * B tokens: the chooser compares launches of one count alone
+            self.device.run("burst", lambda: bursts.forward(runner, step, previous_slot, threads_for(step.num_tokens)))
+        else:
+            self.device.run(
+                "forward",
+                lambda: device_jobs.forward(runner, step, previous_slot, threads_for(step.num_tokens), heads),
+            )
         slot.state, slot.step = SlotState.LAUNCHED, step
         self.inflight.append(step)
         self.step_number += 1
         self.stats.count_step(len(prefill_rows), len(rows) - len(prefill_rows))
+        self.stats.burst_steps += burst > 0
         for row in prefill_rows:
             if row not in step.partial:  # once per prompt, at its last chunk
                 self.stats.count_prompt(rows[row].prompt_len, rows[row].num_cached)
@@ -304,6 +324,16 @@ class Pipeline:
         if not self.pipelined:  # the baseline overlaps nothing: the forward ends before the masks
             self._wait_device()
         return step
+
+    def _burst_length(self, step: Step) -> int:
+        """The sub-steps of a decode burst (bursts.py) this step runs; 0 when it is no burst: bursts
+        are off, a request waits (it is admitted at the next launch), a row drafts or needs the host
+        between its tokens."""
+        if self.decode_burst < 2 or step.drafts or self.scheduler.waiting:
+            return 0
+        if not all(bursts.burstable(seq) for seq in step.rows):
+            return 0
+        return bursts.length(step.rows, self.decode_burst, self.max_batch, self.scheduler.max_step_tokens)
 
     def _plan_drafts(self, step: Step) -> None:
         """Speculative decoding (module docstring): give the step's decode rows and one-token jump
@@ -386,14 +416,17 @@ class Pipeline:
         slot.state, slot.step, slot.event = SlotState.FREE, None, None
         committed = []
         assert step.logit_start is not None  # by stage()
-        starts: list[int] | None = step.logit_start.tolist() if step.drafts else None
+        starts: list[int] | None = step.logit_start.tolist() if step.drafts or step.burst else None
         for row, seq in enumerate(step.rows):
             seq.inflight_refs -= 1
             last = starts[row + 1] - 1 if starts is not None else row  # the row's last logit row
             token = samples[last]
             if row in step.partial and not seq.finalized:  # a prompt chunk that is not its last: no token
                 continue
-            if not seq.finalized and row in step.drafts and row not in step.pinned:
+            if not seq.finalized and step.burst:  # a burst row: its k samples, one by one (bursts.py)
+                assert starts is not None  # a burst step
+                self._append_run(seq, samples[starts[row] : last + 1])
+            elif not seq.finalized and row in step.drafts and row not in step.pinned:
                 assert starts is not None  # a step with drafts
                 first = starts[row]
                 self._commit_verified(seq, step.drafts[row], samples[first : last + 1], logprobs, first)
@@ -444,14 +477,21 @@ class Pipeline:
             seq.drafter.verdict(accepted)
             self.draft_stats.rejected += not accepted
         self.draft_stats.accepted += accepted
-        for index, token in enumerate(samples[: accepted + 1]):
-            logprob = logprobs[first + index] if logprobs is not None else None
+        self._append_run(seq, samples[: accepted + 1], logprobs[first:] if logprobs is not None else None)
+        if seq.finalized:
+            return
+        seq.num_scheduled = seq.num_committed  # it counted every draft at launch
+        seq.jump = [samples[accepted]]
+
+    def _append_run(self, seq: Sequence, tokens: list[int], logprobs: list | None = None) -> None:
+        """Commit several sampled tokens of one row (accepted drafts, a burst), their text token by
+        token: a stop inside the run ends the output where decoding one token a step would have."""
+        for index, token in enumerate(tokens):
+            logprob = logprobs[index] if logprobs is not None else None
             if self.sequences.append(seq, token, logprob):
                 self.sequences.stream([(seq, token)])
             if seq.finalized:
                 return
-        seq.num_scheduled = seq.num_committed  # it counted every draft at launch
-        seq.jump = [samples[accepted]]
 
     def _read_logprobs(self, step: Step, tokens: list[int]) -> list[TokenLogprob | None] | None:
         """Per logit row, the sampled token's TokenLogprob when its sequence asked for logprobs."""
@@ -493,6 +533,12 @@ class Pipeline:
         started = time.perf_counter()
         self._hook("finalize")
         slot, host, num_rows = step.slot, step.slot.np, step.num_logits  # rows here: logit rows
+        if step.burst:  # its forward job sampled every sub-step (bursts.py): only the copy is left
+            debug = self.debug and self.device.device.type == "cpu"
+            slot.event = self.device.copy_to_host("copy", lambda: device_jobs.copy_to_host(slot, num_rows, debug))
+            slot.state = SlotState.FINALIZED
+            self._span("finalize", started)
+            return
         num_first, num_masked = self._fill_masks(step)
         if self.jump_forward and num_first:
             self._pin_forced(step, num_first)

@@ -24,6 +24,7 @@ class Stats:
     jumps: int = 0  # jump-forward: rows whose next launch carried forced tokens
     forced_tokens: int = 0  # ... and the output tokens those launches added without a decode step of their own
     final_runs: int = 0  # rows whose forced tokens completed the output: no launch after them (pipeline.py)
+    burst_steps: int = 0  # steps that ran several decode sub-steps (bursts.py)
     active_s: float = 0.0
     phase_s: dict[str, float] = field(
         default_factory=lambda: dict.fromkeys(("launch", "commit", "finalize", "text", "wait"), 0.0)
@@ -64,6 +65,7 @@ class Stats:
             "jumps": self.jumps,
             "forced_tokens": self.forced_tokens,
             "final_runs": self.final_runs,
+            "burst_steps": self.burst_steps,
             "active_s": self.active_s,
             "tokens_per_s": self.tokens / self.active_s if self.active_s else 0.0,
             "phase_ms_per_step": {k: 1e3 * v / steps for k, v in self.phase_s.items()},

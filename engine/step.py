@@ -35,6 +35,7 @@ INVARIANTS
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -44,6 +45,9 @@ from .request import PrefillInputs
 from .sequence import Sequence
 from .sliding import SlidingPages
 from .slot import DecodeSlot
+
+if TYPE_CHECKING:
+    from .bursts import Burst
 
 
 @dataclass(slots=True, eq=False)
@@ -67,6 +71,7 @@ class Step:
     row_of_logit: np.ndarray | None = None  # [L] the row of each logit row (by stage())
     num_logits: int = 0  # logit rows: rows + drafts (by stage())
     sliding: bool = False  # it stages sliding-window pages too (by stage())
+    burst: Burst | None = None  # a decode burst's k sub-steps (bursts.py; by bursts.stage())
 
     @property
     def num_rows(self) -> int:

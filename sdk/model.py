@@ -119,6 +119,7 @@ def load(
     max_step_tokens: int | None = None,
     jump_forward: bool = True,
     speculative: str | None = None,
+    decode_burst: int | None = None,
     image_options: dict | None = None,
     quantize: str | None = None,
     pixel_budget: int = DEFAULT_PIXEL_BUDGET,
@@ -153,6 +154,11 @@ def load(
     batch can), in fewer steps where answers copy from the prompt; off by default, since fewer steps
     are not always less time (docs/speculative.md has the measurements). Families whose
     runner cannot let one launch's rows share a sequence's pages (runner.SharedPages) refuse it.
+    `decode_burst`: while no call waits, a step whose calls have no output grammar, logprobs or drafts
+    runs up to this many decode forwards back to back, each sampled on the device side, with one
+    step's host work for all of them; the answers are the same, streamed that many tokens at a time,
+    and a call arriving meanwhile waits for the burst. None: 8 on CPU, 1 (off) on an accelerator;
+    1 turns it off (docs/performance.md).
     `image_options`: the image processor's resolution bounds where the family has them (families
     of dynamic resolution: {"min_pixels": .., "max_pixels": ..}, pixels of the resized image).
     `quantize`: None (the checkpoint's own weights), "int8", "int4" or "fp16" (CPU only): "int8" /
@@ -193,9 +199,11 @@ def load(
         runner=runner,
     )
     pixels = PixelBudget(pixel_budget)  # checks the value before the engine starts
+    if decode_burst is not None and (isinstance(decode_burst, bool) or not isinstance(decode_burst, int) or decode_burst < 1):
+        raise ValueError(f"decode_burst must be None (the device's default) or an int >= 1 (1: off), got {decode_burst!r}")
     config = engine_config(
         family, pipelined, max_batch_size, max_model_len, kv_cache_bytes, prefix_cache, max_step_tokens, jump_forward,
-        speculative,
+        speculative, decode_burst,
     )
     return Model(family, config, pixels)
 
@@ -239,6 +247,7 @@ def engine_config(
     max_step_tokens: int | None = None,
     jump_forward: bool = True,
     speculative: str | None = None,
+    decode_burst: int | None = None,
 ) -> EngineConfig:
     """The engine configuration of a family's model; sizes left None are derived from its runner by the
     engine (foveal.engine.limits: the model's positions, at most 4096 tokens; a quarter of free memory)."""
@@ -251,6 +260,7 @@ def engine_config(
         max_step_tokens=max_step_tokens,
         jump_forward=jump_forward,
         speculative=speculative,
+        decode_burst=decode_burst,
         eos_token_ids=tuple(family.eos_token_ids),
         fill_masks=family.fill_masks,  # the family's mask policy
     )

@@ -103,7 +103,7 @@ def test_decode_forwards_move_to_the_count_the_device_times_faster(h, two_thread
     from foveal.testing import FakeRunner
 
     runner = _SlowOnOneThread(FakeRunner(vocab_size=h.VOCAB, seed=1))
-    with h.engine(runner=runner) as eng:
+    with h.engine(runner=runner, decode_burst=1) as eng:  # one forward a launch: each of them timed
         eng.device.small_launch_threads = None  # timed (the suite fixes one thread: tests/conftest.py)
         eng.device.chooser = ThreadChooser(2, period=1000, burst=3)
         eng.submit(Request([1, 2, 3], SamplingParams(max_tokens=24, ignore_eos=True))).result(10)

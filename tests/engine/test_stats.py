@@ -12,7 +12,8 @@ from foveal.testing import FakeRunner
 
 
 def test_stats_count_what_ran(h):
-    with h.engine(runner=FakeRunner(vocab_size=h.VOCAB, seed=1, delay_s=0.002)) as eng:
+    # one token a step (no decode bursts): the counts below are per step
+    with h.engine(runner=FakeRunner(vocab_size=h.VOCAB, seed=1, delay_s=0.002), decode_burst=1) as eng:
         outs = eng.generate(
             [Request([i + 1], SamplingParams(max_tokens=10, ignore_eos=True)) for i in range(4)]
         )
@@ -38,7 +39,7 @@ def test_reset_stats(h):
 
 
 def test_chrome_trace(h, tmp_path):
-    with h.engine(trace=True, runner=FakeRunner(vocab_size=h.VOCAB, seed=1, delay_s=0.001)) as eng:
+    with h.engine(trace=True, runner=FakeRunner(vocab_size=h.VOCAB, seed=1, delay_s=0.001), decode_burst=1) as eng:
         eng.generate([Request([1], SamplingParams(max_tokens=5, ignore_eos=True))])
         eng.trace.write(tmp_path / "trace.json")
     data = json.loads((tmp_path / "trace.json").read_text())
@@ -60,7 +61,7 @@ def test_text_runs_after_the_next_finalize(h, tokenizer, pipelined):
     """Pipelined: commit t, finalize t+1, then the text of t (detokenizing is not on the path from
     commit t to sample t+1). Blocking: finalize t, then commit t and its text."""
     runner = FakeRunner(vocab_size=h.VOCAB, seed=1, delay_s=0.001)
-    with h.engine(pipelined, runner, tokenizer, trace=True) as eng:
+    with h.engine(pipelined, runner, tokenizer, trace=True, decode_burst=1) as eng:
         eng.generate([Request([i + 1], SamplingParams(max_tokens=12, ignore_eos=True)) for i in range(3)])
         names = [s[0] for s in sorted(eng.trace._spans, key=lambda s: s[2]) if s[1] == "scheduler"]
     names = [n for n in names if n != "wait"]

@@ -28,7 +28,7 @@ def test_eos_stop_drops_the_zombie_token(h, pipelined):
     k = len(expected) - 1  # EOS is output index k
     assert k >= 2
     runner = FakeRunner(**kw)
-    with h.engine(pipelined, runner) as eng:
+    with h.engine(pipelined, runner, decode_burst=1) as eng:  # one token a step (bursts: test_bursts.py)
         out = eng.generate([Request(prompt, SamplingParams(max_tokens=100))])[0]
         stats = eng.stats()
     assert out.token_ids == expected[:-1] and out.finish_reason is FinishReason.STOP
