@@ -25,6 +25,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 _M32 = 0xFFFFFFFF
@@ -145,7 +146,7 @@ def sample(
     if batch.bitmask is not None:
         assert batch.mask_rows is not None  # set with the bitmask
         apply_bitmask(logits, batch.bitmask, batch.mask_rows)
-    ids = logits.argmax(dim=-1)
+    ids = argmax_rows(logits)
     scaled = None
     if batch.random_rows is not None:
         rows = batch.random_rows
@@ -153,10 +154,18 @@ def sample(
         if batch.filter_rows:
             scaled = filter_top_k_top_p(scaled, batch.top_k[rows], batch.top_p[rows])
         noise = gumbel_noise(batch.seeds[rows], batch.counters[rows], logits.shape[1])
-        ids[rows] = (scaled + noise).argmax(dim=-1)
+        ids[rows] = argmax_rows(scaled + noise)
     out[: ids.shape[0]].copy_(ids)
     if batch.top_logprobs >= 0 and logprobs is not None:
         record_logprobs(logits, scaled, batch, ids, logprobs)
+
+
+def argmax_rows(values: torch.Tensor) -> torch.Tensor:
+    """Each row's first index of its largest value (int64). On CPU through numpy, whose argmax of a
+    vocabulary row takes a tenth of torch's time (the first maximum in both, NaN counting as one)."""
+    if values.device.type == "cpu":
+        return torch.from_numpy(values.contiguous().numpy().argmax(axis=-1).astype(np.int64, copy=False))
+    return values.argmax(dim=-1)
 
 
 def _tempered(logits: torch.Tensor, temperature: torch.Tensor) -> torch.Tensor:

@@ -191,3 +191,17 @@ def test_underflowing_settings_never_sample_a_disallowed_token(temperature):
     masked = logits.clone()
     masked[:, 0] = float("-inf")
     assert out.tolist() == masked.argmax(dim=-1).tolist()  # a nucleus of one: the best allowed token
+
+
+def test_argmax_rows_is_torchs_argmax_ties_infinities_and_nans_included():
+    from foveal.engine.sampler import argmax_rows
+
+    values = torch.randn(6, 1000)
+    values[1, [3, 700]] = 50.0  # a tie: the first
+    values[2] = float("-inf")  # nothing allowed: 0, as torch gives
+    values[3, 5] = float("inf")
+    values[4, [9, 20]] = float("nan")  # the first NaN counts as the largest, in both
+    values[5, -1] = 1e30
+    assert torch.equal(argmax_rows(values), values.argmax(dim=-1))
+    assert argmax_rows(values).dtype == torch.int64
+    assert torch.equal(argmax_rows(values[:, ::2]), values[:, ::2].argmax(dim=-1))  # a strided view
