@@ -24,6 +24,11 @@ SOLUTION
       - a missing prefix is copied from another stream that holds those pages (`seq_cp`: a prefix
         cache hit, a shared system prompt), and what no stream holds any more is computed again
         from the remembered tokens, before the row's own query;
+      - the first tokens of a row's query that its stream already holds past that prefix (the
+        same tokens: a new prompt that goes on like the lane's previous one beyond their shared
+        whole pages) are kept, not computed again, as llama.cpp's completion API keeps its last
+        prompt's: the engine's prefix cache shares whole pages only, the runner's memory holds
+        tokens, so a chat's system prompt is reused to its last token (`_reusable`);
       - the row's query tokens go into one `llama_decode` with every other row's, logits for each
         row's last token (each position of a verify row: `SharedPages`), the rows in lane order:
         llama.cpp makes one pass over the weights per run of consecutive sequence ids it meets in
@@ -34,7 +39,8 @@ SOLUTION
     moves every stream's K/V into it (`_fit`: llama.cpp's per-sequence state).
 INVARIANTS
     - A stream's tokens before a row's cached length are exactly the row's (same pages, same
-      generations); nothing else is ever attended.
+      generations), and the query tokens it keeps past them are the row's own; nothing else is
+      ever attended.
     - A copy holds only what its donor's memory holds when it is made: a stream that the same launch
       writes donates at most the tokens it held before the launch.
     - At batch 1 the logits are llama.cpp's own for the same prompt ids (llama-cpp-python's
@@ -196,8 +202,9 @@ class GgmlRunner:
         self.ctx: Any = None
         self.streams: list[Stream] = []
         self.grown = 0  # contexts made (the first included)
-        # cached tokens the rows found in their own stream, copied from another, or computed again
-        self.stats = {"kept": 0, "copied": 0, "recomputed": 0}
+        # cached tokens the rows found in their own stream, copied from another, or computed again;
+        # query tokens a row's stream already held (`_reusable`)
+        self.stats = {"kept": 0, "copied": 0, "recomputed": 0, "reused": 0}
 
     # ---- the engine's contract ------------------------------------------------------------------
     @property
@@ -223,6 +230,7 @@ class GgmlRunner:
         self.streams = [Stream() for _ in range(lanes)]
         self.page_gen = np.zeros(num_pages, dtype=np.int64)
         self.page_tokens = np.full((num_pages, page_size), -1, dtype=np.int32)
+        self.stream_tokens = np.full((lanes, self.max_len), -1, dtype=np.int32)  # each stream's cells' tokens
         self.batch = self.L.llama_batch_init(max_tokens, 0, 1)
         self.capacity = max_tokens
         self.token_view = np.ctypeslib.as_array(self.batch.token, shape=(max_tokens,))
@@ -328,14 +336,15 @@ class GgmlRunner:
         for lane, first, end in plan:
             cached = int(context[first] - (starts[first + 1] - starts[first]))
             table = tables[first]
-            start = self._prepare(lane, table, cached, held)
+            query = ids[starts[first] : starts[end]]
+            # one row's query (a prompt chunk, a forced run): its first tokens may be in its stream already
+            start, reused = self._prepare(lane, table, cached, held, query if end - first == 1 else None)
             held[lane] = start
             redo = self._tokens(table, start, cached)
             self.stats["recomputed"] += len(redo)
-            query = ids[starts[first] : starts[end]]
-            offsets = [len(redo) + int(starts[r + 1] - starts[first]) - 1 for r in range(first, end)]
+            offsets = [len(redo) + int(starts[r + 1] - starts[first]) - 1 - reused for r in range(first, end)]
             tokens = np.concatenate([redo, query]).astype(np.int32)
-            fills.append(Fill(lane, start, tokens, offsets, first))
+            fills.append(Fill(lane, start + reused, tokens[reused:], offsets, first))
             self._record(lane, table, start, cached, tokens)
         # lanes in increasing order: llama.cpp splits a batch over several streams into micro-batches
         # of consecutive sequence ids met in increasing order, each a pass over the weights
@@ -352,9 +361,12 @@ class GgmlRunner:
             agree = index + 1
         return min(stream.length, agree * self.page_size, cached)
 
-    def _prepare(self, lane: int, table: np.ndarray, cached: int, held: dict[int, int]) -> int:
+    def _prepare(
+        self, lane: int, table: np.ndarray, cached: int, held: dict[int, int], query: np.ndarray | None = None
+    ) -> tuple[int, int]:
         """Make the lane's stream hold the longest prefix of the row's cached tokens that can be had
-        without computing; returns its length (the position the row's launch starts at). `held`: the
+        without computing; returns its length (the position the row's launch starts at) and how many
+        of the row's `query` tokens past it the stream holds already (`_reusable`). `held`: the
         streams this launch writes, already prepared, and what their memory holds before it runs (their
         chains already name the launch's pages, which a copy made now would not contain)."""
         stream = self.streams[lane]
@@ -378,11 +390,26 @@ class GgmlRunner:
                 keep = got
                 stream.chain = list(self.streams[donor].chain)
                 stream.length = self.streams[donor].length
-        if stream.length > keep:
-            self.L.llama_memory_seq_rm(self.memory, lane, keep, -1)
+                self.stream_tokens[lane, : stream.length] = self.stream_tokens[donor, : stream.length]
+        reused = self._reusable(lane, keep, query) if keep == cached and query is not None else 0
+        self.stats["reused"] += reused
+        if stream.length > keep + reused:
+            self.L.llama_memory_seq_rm(self.memory, lane, keep + reused, -1)
         stream.length = keep
         del stream.chain[-(-keep // self.page_size) :]
-        return keep
+        return keep, reused
+
+    def _reusable(self, lane: int, start: int, query: np.ndarray) -> int:
+        """How many of a row's query tokens, from position `start` on, the lane's stream holds past its
+        agreeing prefix: the same tokens after the same prefix, so the same K/V (a new prompt that
+        goes on like the lane's previous one past their shared pages, as llama.cpp's completion API
+        reuses its last prompt's). The query's last token is always computed: its logits are the row's."""
+        held = self.streams[lane].length - start
+        n = min(held, len(query) - 1)
+        if n <= 0:
+            return 0
+        same = self.stream_tokens[lane, start : start + n] == query[:n]
+        return n if bool(same.all()) else int(same.argmin())
 
     def _tokens(self, table: np.ndarray, start: int, end: int) -> np.ndarray:
         """The remembered tokens at positions start..end of the pages in `table`."""
@@ -399,6 +426,7 @@ class GgmlRunner:
         fresh = pages[(positions % size == 0) & (positions >= cached)]
         self.page_gen[fresh] += 1
         self.page_tokens[pages, positions % size] = tokens
+        self.stream_tokens[lane, start : start + len(tokens)] = tokens
         stream.length = start + len(tokens)
         first = len(stream.chain)
         for index in range(first, -(-stream.length // size)):

@@ -324,3 +324,55 @@ def test_a_default_load_allocates_little(path):
         runner = model.family.runner
         assert runner.num_streams * runner.stream_len <= 2 * 256
         assert model.generate(None, ASKS[2], None, greedy(8))["text"]
+
+
+def test_a_query_that_goes_on_like_its_lanes_previous_tokens_reuses_their_cells(path):
+    """A new prompt in a lane whose stream holds the previous prompt's cells past their shared pages
+    (fresh pages, the same tokens) decodes only from the first token that differs, as llama.cpp's
+    completion API does with its last prompt; its logits are those of a runner that was given the
+    same two launches (the kept cells were computed in the first)."""
+    old = list(range(100, 140))  # 40 tokens over pages 0, 1, 2
+    new = old[:36] + [500, 501]  # the same first 36 tokens, then others
+    runners = [ggml.GgmlRunner(path), ggml.GgmlRunner(path)]
+    try:
+        for runner in runners:
+            runner.allocate_streams(num_pages=8, page_size=16, lanes=2, max_len=64, max_tokens=64)
+        reusing, reference = runners
+        _launch(reusing, [(0, [0, 1, 2], 0, old)])
+        decoded = []
+        original = reusing._decode
+        reusing._decode = lambda fills: decoded.append([len(f.tokens) for f in fills]) or original(fills)
+        # page 0 is the prefix cache's hit (16 tokens); pages 5 and 6 are fresh: tokens 16.. are the query
+        logits = _launch(reusing, [(0, [0, 5, 6], 16, new[16:])])
+        assert decoded == [[2]] and reusing.stats["reused"] == 20  # tokens 16..35 were in the stream
+        _launch(reference, [(0, [0, 1, 2], 0, old[:36])])
+        assert torch.equal(logits, _launch(reference, [(0, [0, 1, 2], 36, new[36:])]))
+        # the same prompt again: every query token but the last is held (the last gives the logits)
+        before = reusing.stats["reused"]
+        again = _launch(reusing, [(0, [0, 5, 6], 16, new[16:])])
+        assert reusing.stats["reused"] - before == len(new) - 16 - 1 and torch.equal(again, logits)
+    finally:
+        for runner in runners:
+            runner.close()
+
+
+def test_cells_a_lane_no_longer_holds_are_never_reused(path):
+    """Reuse compares the row's tokens with what its own stream holds: after another sequence took
+    the lane over (other tokens from position 16 on), nothing of the first prompt's tail is reused."""
+    runner = ggml.GgmlRunner(path)
+    try:
+        runner.allocate_streams(num_pages=8, page_size=16, lanes=2, max_len=64, max_tokens=64)
+        first = list(range(100, 140))
+        _launch(runner, [(0, [0, 1, 2], 0, first)])
+        _launch(runner, [(0, [0, 3, 6], 16, list(range(600, 620)))])  # the lane now holds other tokens past 16
+        before = runner.stats["reused"]
+        logits = _launch(runner, [(0, [0, 4, 5], 16, first[16:])])
+        assert runner.stats["reused"] == before
+        alone = ggml.GgmlRunner(path)
+        alone.allocate_streams(num_pages=8, page_size=16, lanes=2, max_len=64, max_tokens=64)
+        _launch(alone, [(0, [0, 1], 0, first[:16])])
+        expected = _launch(alone, [(0, [0, 4, 5], 16, first[16:])])
+        alone.close()
+        assert torch.equal(logits, expected)
+    finally:
+        runner.close()
