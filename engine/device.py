@@ -41,7 +41,7 @@ import queue
 import threading
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
 from typing import Any, Protocol, runtime_checkable
 
 import torch
@@ -92,8 +92,9 @@ class Device(Protocol):
         """Block until everything queued has run; raise RuntimeError if any of it failed."""
         ...
 
-    def threads_for(self, tokens: int) -> int | None:
-        """Intra-op threads for a forward of `tokens` query tokens; None: leave torch's count alone.
+    def threads_for(self, tokens: int, forwards: int = 1) -> int | None:
+        """Intra-op threads for a job of `forwards` forwards of `tokens` query tokens each (a decode
+        burst runs several: bursts.py); None: leave torch's count alone.
 
         The forward job calls it where it runs (on CPU, the device's worker), as it starts."""
         ...
@@ -120,7 +121,8 @@ class CpuDevice:
         # fixes the count under SMALL_LAUNCH_TOKENS (None: timed); FOVEAL_DECODE_THREADS sets it
         self.small_launch_threads: int | None = decode_threads_from_env()
         self.chooser = ThreadChooser(self.threads)
-        self._chosen: tuple[int, int] | None = None  # (tokens, threads) of the job running, when timed
+        # (shape, threads) of the job running, when timed: its query tokens, or (tokens, forwards) of a burst
+        self._chosen: tuple[Hashable, int] | None = None
         self._thread = threading.Thread(target=self._work, name="foveal-device", daemon=True)
         self._thread.start()
 
@@ -148,8 +150,9 @@ class CpuDevice:
     def run(self, name: str, fn: Job) -> None:
         self._queue.put((name, fn, None))
 
-    def threads_for(self, tokens: int) -> int:
-        """Intra-op threads for a forward of `tokens` query tokens (the module docstring).
+    def threads_for(self, tokens: int, forwards: int = 1) -> int:
+        """Intra-op threads for a job of `forwards` forwards of `tokens` query tokens each (the module
+        docstring): chosen by the size of one forward, timed apart from jobs of another shape.
 
         Called on the worker by the forward job as it starts, so the worker times that job."""
         if tokens >= SMALL_LAUNCH_TOKENS:
@@ -158,7 +161,7 @@ class CpuDevice:
             return self.small_launch_threads
         threads = self.chooser.pick()
         if threading.current_thread() is self._thread:  # a forward job: the worker times it
-            self._chosen = (tokens, threads)
+            self._chosen = (tokens if forwards == 1 else (tokens, forwards), threads)
         return threads
 
     def copy_to_host(self, name: str, fn: Job) -> threading.Lock:
@@ -206,7 +209,7 @@ class CudaDevice:
             end.record(self.compute)
         self._timed.append((name, start, end))
 
-    def threads_for(self, tokens: int) -> None:
+    def threads_for(self, tokens: int, forwards: int = 1) -> None:
         return None  # CPU threads do not drive CUDA kernels: leave torch's count alone
 
     def copy_to_host(self, name: str, fn: Job) -> torch.cuda.Event:

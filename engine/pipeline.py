@@ -304,9 +304,11 @@ class Pipeline:
         runner, heads, device = self.runner, self.heads, self.device
         # the count is picked where the forward runs, as it starts: the device times it (device.py);
         # a runner on a thread pool of its own (runner.OwnThreads) leaves torch's count alone
-        threads_for = device.threads_for if self.own_threads is None else lambda tokens: None
-        if burst:  # timed under its k * B tokens: the chooser compares launches of one count alone
-            self.device.run("burst", lambda: bursts.forward(runner, step, previous_slot, threads_for(step.num_tokens)))
+        threads_for = device.threads_for if self.own_threads is None else lambda tokens, forwards=1: None
+        if burst:  # k forwards of one token a row: threads as for one of them, timed apart from them
+            self.device.run(
+                "burst", lambda: bursts.forward(runner, step, previous_slot, threads_for(step.num_rows, burst))
+            )
         else:
             self.device.run(
                 "forward",

@@ -36,6 +36,7 @@ from __future__ import annotations
 import math
 import statistics
 from collections import deque
+from collections.abc import Hashable
 
 
 class ThreadChooser:
@@ -61,7 +62,7 @@ class ThreadChooser:
         self._probe_left = 0
         self._last: int | None = None  # the count the previous launch ran on
         self._upward = True  # which neighbour the next burst tries
-        self._times: dict[tuple[int, int], deque[float]] = {}  # (tokens, threads) -> latest seconds
+        self._times: dict[tuple[Hashable, int], deque[float]] = {}  # (tokens, threads) -> latest seconds
 
     def pick(self) -> int:
         """The intra-op thread count for the next launch (whatever its size: one count for all)."""
@@ -73,8 +74,9 @@ class ThreadChooser:
                 del self._times[key]
         return self.choice if self._probe is None else self._probe
 
-    def observe(self, tokens: int, threads: int, seconds: float) -> None:
-        """Record that a launch of `tokens` query tokens took `seconds` on `threads` threads."""
+    def observe(self, tokens: Hashable, threads: int, seconds: float) -> None:
+        """Record that a launch of `tokens` query tokens (or another shape's key: a decode burst's
+        (tokens, forwards), device.py) took `seconds` on `threads` threads."""
         warm = threads == self._last
         self._last = threads
         if warm:

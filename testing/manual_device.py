@@ -45,7 +45,7 @@ class ManualDevice:
     def run(self, name: str, fn: Callable[[], None]) -> None:
         self._queue.append((name, fn, None))
 
-    def threads_for(self, tokens: int) -> None:
+    def threads_for(self, tokens: int, forwards: int = 1) -> None:
         return None  # tests drive the queue by hand: torch's thread count is left alone
 
     def copy_to_host(self, name: str, fn: Callable[[], None]) -> CopyEvent:

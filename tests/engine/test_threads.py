@@ -139,3 +139,24 @@ def test_the_device_times_every_launch_under_eight_tokens_and_gives_larger_ones_
     device.small_launch_threads = 2  # fixed by a caller
     assert device.threads_for(1) == 2
     device.close()
+
+
+def test_a_burst_job_gets_the_threads_of_one_of_its_forwards_and_is_timed_apart_from_them(two_threads):
+    """A decode burst (engine/bursts.py) runs k forwards of B tokens in one job: its count is the one
+    a forward of B tokens gets (not all threads, as k * B tokens would), and its time is kept under
+    a key of its own, never compared with single forwards' (it is k of them)."""
+    from foveal.engine.device import CpuDevice
+    from foveal.engine.trace import Trace
+
+    device = CpuDevice(Trace())
+    device.small_launch_threads = None
+    device.chooser = ThreadChooser(2, period=1000, burst=3)
+    device.chooser.choice = 1
+    seen = []
+    device.chooser.observe = lambda shape, threads, seconds: seen.append((shape, threads))
+    picked = []
+    device.run("burst", lambda: picked.append(device.threads_for(2, 8)))
+    device.run("forward", lambda: picked.append(device.threads_for(2)))
+    device.synchronize()
+    device.close()
+    assert picked == [1, 1] and seen == [((2, 8), 1), (2, 1)]
