@@ -51,7 +51,7 @@ from .lanes import Lanes
 from .runner import ForwardBatch, ModelRunner
 from .sampler import SamplingBatch
 from .sequence import Sequence
-from .slot import DecodeSlot
+from .slot import DecodeSlot, StepTensors
 from .step import Step
 
 BURST_INPUTS = (
@@ -168,21 +168,8 @@ def _forward(runner: ModelRunner, step: Step, previous_slot: DecodeSlot) -> None
             prefill=[],
             lanes=step.lane_of_row,
         )
-        sampling = SamplingBatch(
-            temperature=dev.temperature[:rows],
-            top_p=dev.top_p[:rows],
-            top_k=dev.top_k[:rows],
-            seeds=dev.seeds[:rows],
-            counters=first + i,
-            random_rows=dev.random_rows[:random] if random else None,
-            filter_rows=burst.filter_rows,
-            bitmask=None,
-            mask_rows=None,
-        )
-        ids = samples[:, i]
-        sampled = torch.empty(rows, dtype=torch.int64, device=samples.device)
-        sampler.sample(runner.forward(batch), sampling, sampled)
-        ids.copy_(sampled)
+        sampled = _sample(runner.forward(batch), dev, rows, burst, first + i)
+        samples[:, i] = sampled
         if i + 1 < k:
             dev.input_ids[span.stop : span.stop + rows] = sampled
         if on_cpu and _note_stops(sampled.tolist(), burst.stops, stopped):
@@ -192,6 +179,26 @@ def _forward(runner: ModelRunner, step: Step, previous_slot: DecodeSlot) -> None
             if token is not None:
                 at = int((samples[row] == token).nonzero()[0])
                 samples[row, at:] = token
+
+
+def _sample(logits: torch.Tensor, dev: StepTensors, rows: int, burst: Burst, counters: torch.Tensor) -> torch.Tensor:
+    """A sub-step's samples: each row's parameters, its counter for this sub-step."""
+    if not burst.num_random:  # greedy rows only: what the sampler gives them, without its batch
+        return sampler.argmax_rows(logits.float())
+    sampling = SamplingBatch(
+        temperature=dev.temperature[:rows],
+        top_p=dev.top_p[:rows],
+        top_k=dev.top_k[:rows],
+        seeds=dev.seeds[:rows],
+        counters=counters,
+        random_rows=dev.random_rows[: burst.num_random],
+        filter_rows=burst.filter_rows,
+        bitmask=None,
+        mask_rows=None,
+    )
+    sampled = torch.empty(rows, dtype=torch.int64, device=logits.device)
+    sampler.sample(logits, sampling, sampled)
+    return sampled
 
 
 def _all_stopped(tokens: list[int], stops: tuple[frozenset[int], ...]) -> bool:
