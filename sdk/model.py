@@ -188,6 +188,8 @@ def load(
             raise TypeError(f"{name} must be True or False, got {flag!r}")
     if speculative not in (None, "ngram"):
         raise ValueError(f"speculative must be None (off) or 'ngram' (prompt-lookup drafts), got {speculative!r}")
+    if decode_burst is not None and (isinstance(decode_burst, bool) or not isinstance(decode_burst, int) or decode_burst < 1):
+        raise ValueError(f"decode_burst must be None (the device's default) or an int >= 1 (1: off), got {decode_burst!r}")
     family = families.load(
         _model_source(path),
         device=device,
@@ -199,8 +201,6 @@ def load(
         runner=runner,
     )
     pixels = PixelBudget(pixel_budget)  # checks the value before the engine starts
-    if decode_burst is not None and (isinstance(decode_burst, bool) or not isinstance(decode_burst, int) or decode_burst < 1):
-        raise ValueError(f"decode_burst must be None (the device's default) or an int >= 1 (1: off), got {decode_burst!r}")
     config = engine_config(
         family, pipelined, max_batch_size, max_model_len, kv_cache_bytes, prefix_cache, max_step_tokens, jump_forward,
         speculative, decode_burst,

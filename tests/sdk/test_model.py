@@ -97,6 +97,8 @@ def test_load_without_path_when_the_embedded_weights_are_missing_says_what_to_do
         ({"kv_cache_bytes": 0}, ValueError),
         ({"max_step_tokens": 0}, ValueError),
         ({"prefix_cache": "yes"}, TypeError),
+        ({"decode_burst": 0}, ValueError),
+        ({"decode_burst": True}, ValueError),
     ],
 )
 def test_bad_load_arguments_fail_before_reading_weights(kwargs, error, shapes_folder, monkeypatch):
@@ -116,6 +118,13 @@ def test_max_step_tokens_reaches_the_engine(shapes_folder):
         assert model.engine.config.max_step_tokens == 96
     with pytest.raises(ValueError, match="max_step_tokens must be >= max_batch"):
         foveal.load(shapes_folder, device="cpu", max_batch_size=8, max_step_tokens=4)
+
+
+def test_decode_burst_reaches_the_engine(shapes_folder):
+    with foveal.load(shapes_folder, device="cpu", max_batch_size=4) as model:
+        assert model.engine.config.decode_burst == 8  # the CPU default
+    with foveal.load(shapes_folder, device="cpu", max_batch_size=4, decode_burst=1) as model:
+        assert model.engine.config.decode_burst == 1
 
 
 def test_missing_folder_is_a_model_load_error(tmp_path):
