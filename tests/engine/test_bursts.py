@@ -14,7 +14,15 @@ from foveal.engine import Engine, FinishReason, Request, SamplingParams
 from foveal.engine.bursts import Burst
 from foveal.engine.pipeline import Pipeline
 from foveal.testing import FakeRunner
-from tests.engine.test_pipeline_steps import EOS, VOCAB, add, assert_idle_and_free, make_pipeline, run_to_idle
+from tests.engine.test_pipeline_steps import (
+    EOS,
+    VOCAB,
+    add,
+    assert_greedy,
+    assert_idle_and_free,
+    make_pipeline,
+    run_to_idle,
+)
 
 
 def burst_pipeline(burst: int, pipelined: bool = True, eos_boost: float = 4.0, **kwargs) -> Pipeline:
@@ -89,11 +97,7 @@ def test_every_burst_token_is_the_greedy_token_of_its_context():
     seqs = some_requests(pipe, 3, seed=2, stop=())
     run_to_idle(pipe)
     assert pipe.stats.burst_steps > 0
-    for seq in seqs:
-        context = list(seq.request.prompt_ids)
-        for token in seq.handle.result(0).token_ids:
-            assert token == int(runner.reference_logits(context).argmax())
-            context.append(token)
+    assert_greedy(runner, seqs)
 
 
 # ---- 2. max_tokens and max_batch ------------------------------------------------------------------

@@ -49,6 +49,15 @@ def run_to_idle(pipe: Pipeline, limit: int = 1000) -> int:
     return ticks
 
 
+def assert_greedy(runner: FakeRunner, seqs: list[Sequence]) -> None:
+    """Every output token is the argmax of the runner's logits after its context, computed without a cache."""
+    for seq in seqs:
+        context = list(seq.request.prompt_ids)
+        for token in seq.handle.result(0).token_ids:
+            assert token == int(runner.reference_logits(context).argmax())
+            context.append(token)
+
+
 def assert_idle_and_free(pipe: Pipeline) -> None:
     assert not pipe.inflight and not pipe.sequences.live
     assert pipe.pool.num_free == pipe.pool.num_pages

@@ -16,7 +16,15 @@ from foveal.engine.drafts import Drafter, PromptLookup, probe
 from foveal.engine.request import FinishReason
 from foveal.engine.step import Step
 from foveal.testing import FakeRunner
-from tests.engine.test_pipeline_steps import EOS, VOCAB, add, assert_idle_and_free, make_pipeline, run_to_idle
+from tests.engine.test_pipeline_steps import (
+    EOS,
+    VOCAB,
+    add,
+    assert_greedy,
+    assert_idle_and_free,
+    make_pipeline,
+    run_to_idle,
+)
 
 
 def spec_pipeline(pipelined: bool = True, speculative: str | None = "ngram", **kwargs):
@@ -120,11 +128,7 @@ def test_every_accepted_token_is_the_greedy_token_of_its_context():
     seqs = random_requests(pipe, 4, seed=2)
     run_to_idle(pipe)
     assert pipe.draft_stats.accepted > 0
-    for seq in seqs:
-        context = list(seq.request.prompt_ids)
-        for token in seq.handle.result(0).token_ids:
-            assert token == int(runner.reference_logits(context).argmax())
-            context.append(token)
+    assert_greedy(runner, seqs)
 
 
 # ---- the grammar ----------------------------------------------------------------------------------
