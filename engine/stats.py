@@ -4,7 +4,8 @@ Scheduler phases (launch, commit, finalize, text) are host time on the scheduler
 detokenizing committed tokens, stop strings and stream deltas, done after finalize); `wait` is time
 blocked on a step's host copy and is not counted in commit. `active_s` is wall time while the
 engine had work. Device time comes from the device (`CpuDevice` measures each job); its idle share
-of `active_s` is the pipeline's bubble.
+of `active_s` is the pipeline's bubble. `forward_ms` is a one-forward job's mean; a decode burst's
+job (several forwards, each sampled: bursts.py) is `burst_ms`, and `burst_steps` counts them.
 """
 
 from __future__ import annotations
@@ -72,6 +73,7 @@ class Stats:
             "host_ms_per_step": 1e3 * host_s / steps,
             "forward_ms": 1e3 * per_job("forward"),
             "sample_ms": 1e3 * (per_job("sample") + per_job("copy")),
+            "burst_ms": 1e3 * per_job("burst"),  # a decode burst's job: its forwards and their samples (bursts.py)
             "device_busy_s": busy,
             "device_busy_fraction": busy / self.active_s if self.active_s else 0.0,
             "bubble_s": self.active_s - busy,

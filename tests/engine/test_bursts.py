@@ -266,7 +266,7 @@ def test_the_engine_bursts_by_default_on_cpu_and_says_how_many_steps_burst(h):
         out = eng.generate([Request([1, 2], SamplingParams(max_tokens=33, ignore_eos=True))])[0]
         stats = eng.stats()
     assert len(out.token_ids) == 33 and stats["burst_steps"] == 4  # 1 prefill, then 32 in bursts of 8
-    assert stats["steps"] == 1 + 4
+    assert stats["steps"] == 1 + 4 and stats["burst_ms"] > 0 and stats["forward_ms"] > 0  # the prefill's
 
 
 def test_an_engine_with_bursts_equals_one_without_under_concurrent_seeded_requests(h):
