@@ -372,6 +372,7 @@ class GgmlRunner:
         stream = self.streams[lane]
         keep = self._agreeing(stream, table, cached)
         self.stats["kept"] += keep
+        copied = False
         if keep < cached:
             donor, got = max(
                 (
@@ -389,11 +390,15 @@ class GgmlRunner:
                 self.stats["copied"] += got - keep
                 keep = got
                 stream.chain = list(self.streams[donor].chain)
-                stream.length = self.streams[donor].length
+                # what the copy holds for certain: a donor this launch writes held its `held` cells before
+                # it (its length and tokens already count the query it is about to write); the memory
+                # may hold more of the donor's, so the cells past the row's start are removed below
+                stream.length = held.get(donor, self.streams[donor].length)
                 self.stream_tokens[lane, : stream.length] = self.stream_tokens[donor, : stream.length]
+                copied = True
         reused = self._reusable(lane, keep, query) if keep == cached and query is not None else 0
         self.stats["reused"] += reused
-        if stream.length > keep + reused:
+        if copied or stream.length > keep + reused:
             self.L.llama_memory_seq_rm(self.memory, lane, keep + reused, -1)
         stream.length = keep
         del stream.chain[-(-keep // self.page_size) :]

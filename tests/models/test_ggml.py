@@ -376,3 +376,20 @@ def test_cells_a_lane_no_longer_holds_are_never_reused(path):
         assert torch.equal(logits, expected)
     finally:
         runner.close()
+
+
+def test_a_copy_made_in_a_launch_reuses_nothing_its_donor_writes_in_that_launch(path):
+    """Two rows of one launch with the same cached pages and the same query: the second copies the
+    pages from the first's lane, whose chain and tokens already name the query it is about to write.
+    Only what that lane's memory held before the launch is copied, so the second row must compute its
+    whole query (reusing the donor's query tokens would decode from a position its memory lacks)."""
+    query = list(range(300, 310))
+    runner = ggml.GgmlRunner(path)
+    try:
+        runner.allocate_streams(num_pages=8, page_size=16, lanes=4, max_len=64, max_tokens=128)
+        _launch(runner, [(0, [0, 1], 0, list(range(100, 132)))])  # lane 0 holds pages 0 and 1
+        both = _launch(runner, [(0, [0, 1, 2], 32, query), (1, [0, 1, 3], 32, query)])
+        assert runner.stats["copied"] == 32 and runner.stats["reused"] == 0
+        assert torch.equal(both[0], both[1])
+    finally:
+        runner.close()
