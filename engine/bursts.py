@@ -52,7 +52,7 @@ from .runner import ForwardBatch, ModelRunner
 from .sampler import SamplingBatch
 from .sequence import Sequence
 from .slot import DecodeSlot, StepTensors
-from .step import Step
+from .step import Step, stage_sampling
 
 BURST_INPUTS = (
     "input_ids", "positions", "kv_index", "query_start", "context_lens", "block_tables", "gather_dst", "gather_src",
@@ -114,12 +114,7 @@ def stage(step: Step, lanes: Lanes, page_size: int, k: int) -> None:
     step.row_of_logit = np.repeat(np.arange(rows), k)
     step.num_logits = rows * k
     host.counters[: rows * k] = (output_index[:, None] + np.arange(k)[None, :]).ravel()
-    # sampling parameters, per row: the job samples each sub-step's B rows with them
-    host.temperature[:rows], host.top_p[:rows] = lanes.temperature[lane], lanes.top_p[lane]
-    host.top_k[:rows], host.seeds[:rows] = lanes.top_k[lane], lanes.seed[lane]
-    random_rows = np.flatnonzero(host.temperature[:rows] > 0)
-    host.random_rows[: len(random_rows)] = random_rows
-    filter_rows = bool(((host.top_k[random_rows] > 0) | (host.top_p[random_rows] < 1)).any())
+    num_random, filter_rows = stage_sampling(host, lanes, lane)  # per row: each sub-step samples B rows
     # sub-step 0's inputs: each row's previous sample, gathered on the device (a decode row's, step.py)
     if not (lanes.last_step[lane] == step.number - 1).all():
         raise AssertionError("a decoding sequence skipped a step")
@@ -128,7 +123,7 @@ def stage(step: Step, lanes: Lanes, page_size: int, k: int) -> None:
     lanes.last_step[lane], lanes.last_row[lane] = step.number, starts[1:] - 1
     step.num_decode = rows
     stops = tuple(seq.stop_ids for seq in step.rows)
-    step.burst = Burst(k, tuple(widths), tuple(longest), len(random_rows), filter_rows, stops)
+    step.burst = Burst(k, tuple(widths), tuple(longest), num_random, filter_rows, stops)
 
 
 @torch.inference_mode()

@@ -172,7 +172,7 @@ from .sequences import Sequences
 from .sliding import SlidingPages
 from .slot import POISON, DecodeSlot, SlotState
 from .stats import Stats
-from .step import Step, stage
+from .step import Step, stage, stage_sampling
 from .trace import Trace
 
 if TYPE_CHECKING:
@@ -534,13 +534,20 @@ class Pipeline:
         """Masks from the current matchers, then queue the sampler and the copy of its ids to the host."""
         started = time.perf_counter()
         self._hook("finalize")
-        slot, host, num_rows = step.slot, step.slot.np, step.num_logits  # rows here: logit rows
-        if step.burst:  # its forward job sampled every sub-step (bursts.py): only the copy is left
-            debug = self.debug and self.device.device.type == "cpu"
-            slot.event = self.device.copy_to_host("copy", lambda: device_jobs.copy_to_host(slot, num_rows, debug))
-            slot.state = SlotState.FINALIZED
-            self._span("finalize", started)
-            return
+        slot, num_rows = step.slot, step.num_logits  # rows here: logit rows
+        # a burst's forward job sampled every sub-step (bursts.py): only the copy is left
+        top = self._queue_sample(step) if step.burst is None else -1
+        debug = self.debug and self.device.device.type == "cpu"
+        slot.event = self.device.copy_to_host(
+            "copy", lambda: device_jobs.copy_to_host(slot, num_rows, debug, top)
+        )
+        slot.state = SlotState.FINALIZED
+        self._span("finalize", started)
+
+    def _queue_sample(self, step: Step) -> int:
+        """Fill the masks, pin forced runs, stage the sampling parameters and queue the sampler;
+        returns the alternatives the step records per row (-1: no logprobs)."""
+        slot, host, num_rows = step.slot, step.slot.np, step.num_logits
         num_first, num_masked = self._fill_masks(step)
         if self.jump_forward and num_first:
             self._pin_forced(step, num_first)
@@ -548,23 +555,14 @@ class Pipeline:
         assert lane is not None and step.row_of_logit is not None  # by stage()
         if step.drafts:
             lane = lane[step.row_of_logit]
-        host.temperature[:num_rows], host.top_p[:num_rows] = self.lanes.temperature[lane], self.lanes.top_p[lane]
-        host.top_k[:num_rows], host.seeds[:num_rows] = self.lanes.top_k[lane], self.lanes.seed[lane]
-        random_rows = np.flatnonzero(host.temperature[:num_rows] > 0)
-        host.random_rows[: len(random_rows)] = random_rows
-        filter_rows = bool(((host.top_k[random_rows] > 0) | (host.top_p[random_rows] < 1)).any())
+        num_random, filter_rows = stage_sampling(host, self.lanes, lane)
         heads = self.heads
         num_region = regions.stage_kinds(step.rows, host.kinds, host.region_rows) if heads is not None else 0
         top = step.top_logprobs = int(self.lanes.logprobs[lane].max())
-        shape = SampleShape(num_rows, len(random_rows), num_masked, filter_rows, num_region, top)
+        shape = SampleShape(num_rows, num_random, num_masked, filter_rows, num_region, top)
         region_logprobs = self.region_logprobs
         self.device.run("sample", lambda: device_jobs.sample(slot, shape, heads, region_logprobs))
-        debug = self.debug and self.device.device.type == "cpu"
-        slot.event = self.device.copy_to_host(
-            "copy", lambda: device_jobs.copy_to_host(slot, num_rows, debug, top)
-        )
-        slot.state = SlotState.FINALIZED
-        self._span("finalize", started)
+        return top
 
     def _fill_masks(self, step: Step) -> tuple[int, int]:
         """Fill the masks of the step's live constrained rows; returns how many rows' first logit

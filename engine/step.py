@@ -35,7 +35,7 @@ INVARIANTS
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -118,6 +118,17 @@ def stage(
         assert step.row_of_logit is not None  # by _stage_logit_rows
         step.prefill_inputs = [step.prefill_inputs[r] for r in step.row_of_logit.tolist()]
     return prefill_rows
+
+
+def stage_sampling(host: Any, lanes: Lanes, lane: np.ndarray) -> tuple[int, bool]:
+    """Each logit row's sampling parameters from its lane (`lane`: per logit row), and the rows that
+    sample at random; returns how many do, and whether one of them uses top-k or top-p."""
+    n = len(lane)
+    host.temperature[:n], host.top_p[:n] = lanes.temperature[lane], lanes.top_p[lane]
+    host.top_k[:n], host.seeds[:n] = lanes.top_k[lane], lanes.seed[lane]
+    random_rows = np.flatnonzero(host.temperature[:n] > 0)
+    host.random_rows[: len(random_rows)] = random_rows
+    return len(random_rows), bool(((host.top_k[random_rows] > 0) | (host.top_p[random_rows] < 1)).any())
 
 
 def _stage_positions(
