@@ -48,7 +48,7 @@ from . import sampler
 from .device_jobs import gather_ids, intra_op_threads
 from .kv_cache import pages_needed
 from .lanes import Lanes
-from .runner import ForwardBatch, ModelRunner
+from .runner import Continues, ForwardBatch, ModelRunner
 from .sampler import SamplingBatch
 from .sequence import Sequence
 from .slot import DecodeSlot, StepTensors
@@ -127,13 +127,20 @@ def stage(step: Step, lanes: Lanes, page_size: int, k: int) -> None:
 
 
 @torch.inference_mode()
-def forward(runner: ModelRunner, step: Step, previous_slot: DecodeSlot, threads: int | None = None) -> None:
-    """The device job of a burst step: k forwards, each sampled and fed to the next (module docstring)."""
+def forward(
+    runner: ModelRunner,
+    step: Step,
+    previous_slot: DecodeSlot,
+    threads: int | None = None,
+    continues: Continues | None = None,
+) -> None:
+    """The device job of a burst step: k forwards, each sampled and fed to the next (module docstring).
+    `continues`: the runner, where it runs a launch's next token without a batch (runner.Continues)."""
     with intra_op_threads(threads):
-        _forward(runner, step, previous_slot)
+        _forward(runner, step, previous_slot, continues)
 
 
-def _forward(runner: ModelRunner, step: Step, previous_slot: DecodeSlot) -> None:
+def _forward(runner: ModelRunner, step: Step, previous_slot: DecodeSlot, continues: Continues | None) -> None:
     burst, slot, rows = step.burst, step.slot, step.num_rows
     assert burst is not None  # a burst step's
     k, tokens = burst.length, rows * burst.length
@@ -149,31 +156,60 @@ def _forward(runner: ModelRunner, step: Step, previous_slot: DecodeSlot) -> None
         return
     first = dev.counters[:tokens:k]  # each row's first counter
     stopped: list[int | None] = [None] * rows  # per row, the first stop id it sampled
-    for i in range(k):
+    # a runner that continues its launches (runner.Continues, on the host) is given the first
+    # sub-step's batch only: the rest are the same rows one token on, which it knows
+    batched = 1 if continues is not None else k
+    for i in range(batched):
         span = slice(i * rows, (i + 1) * rows)
-        batch = ForwardBatch(
-            input_ids=dev.input_ids[span],
-            positions=dev.positions[span],
-            query_start=dev.query_start[: rows + 1],
-            context_lens=dev.context_lens[span],
-            block_tables=dev.block_tables[:rows, : burst.widths[i]],
-            kv_index=dev.kv_index[span],
-            max_query_len=1,
-            max_context_len=burst.longest[i],
-            prefill=[],
-            lanes=step.lane_of_row,
-        )
-        sampled = _sample(runner.forward(batch), dev, rows, burst, first + i)
+        sampled = _sample(runner.forward(_batch(dev, step, span, i)), dev, rows, burst, first + i)
         samples[:, i] = sampled
         if i + 1 < k:
             dev.input_ids[span.stop : span.stop + rows] = sampled
         if on_cpu and _note_stops(sampled.tolist(), burst.stops, stopped):
             break
+    else:
+        if continues is not None:
+            _continued(continues, dev, samples.numpy(), burst, first, stopped)
     if on_cpu:  # a row's samples past its first stop id are that id: the next step sees its zombies
         for row, token in enumerate(stopped):
             if token is not None:
                 at = int((samples[row] == token).nonzero()[0])
                 samples[row, at:] = token
+
+
+def _continued(
+    runner: Continues, dev: StepTensors, samples: np.ndarray, burst: Burst, first: torch.Tensor, stopped: list
+) -> None:
+    """Sub-steps 1 .. k - 1 on a runner that continues its launches, in host arrays: each row's last
+    sample is its next input; its samples go into `samples` ([rows, k], the slot's)."""
+    rows = len(samples)
+    tables = dev.block_tables[:rows, : burst.widths[-1]].numpy()  # every sub-step's pages
+    for i in range(1, burst.length):
+        logits = runner.forward_next(samples[:, i - 1], tables)
+        if burst.num_random:
+            samples[:, i] = _sample(torch.from_numpy(logits), dev, rows, burst, first + i).numpy()
+        else:
+            samples[:, i] = sampler.argmax_host(logits)
+        if _note_stops(samples[:, i].tolist(), burst.stops, stopped):
+            return
+
+
+def _batch(dev: StepTensors, step: Step, span: slice, i: int) -> ForwardBatch:
+    """Sub-step i's launch: its rows' tokens, positions, K/V slots and contexts (stage() wrote them)."""
+    burst, rows = step.burst, step.num_rows
+    assert burst is not None  # a burst step's
+    return ForwardBatch(
+        input_ids=dev.input_ids[span],
+        positions=dev.positions[span],
+        query_start=dev.query_start[: rows + 1],
+        context_lens=dev.context_lens[span],
+        block_tables=dev.block_tables[:rows, : burst.widths[i]],
+        kv_index=dev.kv_index[span],
+        max_query_len=1,
+        max_context_len=burst.longest[i],
+        prefill=[],
+        lanes=step.lane_of_row,
+    )
 
 
 def _sample(logits: torch.Tensor, dev: StepTensors, rows: int, burst: Burst, counters: torch.Tensor) -> torch.Tensor:

@@ -165,7 +165,7 @@ from .kv_cache import PagePool, pages_needed
 from .lanes import Lanes
 from .matcher import FillMasks, bitmask_words, conforms, require
 from .request import FinishReason, TokenLogprob
-from .runner import ModelRunner, OwnsKV, own_threads, owns_kv, shares_pages, sliding_window
+from .runner import Continues, ModelRunner, OwnsKV, own_threads, owns_kv, shares_pages, sliding_window
 from .scheduler import Scheduler
 from .sequence import Sequence
 from .sequences import Sequences
@@ -249,6 +249,9 @@ class Pipeline:
             raise ValueError(f"decode_burst must be an int >= 1 (1: no bursts), got {decode_burst!r}")
         plain = self.heads is None and self.sliding is None and not self.speculative
         self.decode_burst = decode_burst if plain else 1
+        # a burst's sub-steps after its first, without a ForwardBatch (runner.Continues: a host runner's)
+        host = runner.device.type == "cpu"
+        self.continues: Continues | None = runner if host and conforms(runner, Continues) else None
         self.owns_kv = owns_kv(runner)
         self.own_threads = own_threads(runner)  # ggml's pool: torch's thread count is not its (runner.OwnThreads)
         if self.owns_kv:  # its K/V is its own: a sequence per lane (runner.OwnsKV)
@@ -301,13 +304,14 @@ class Pipeline:
         for row in step.drafts:
             rows[row].verifying = True
         previous_slot = self.slots[(self.step_number - 1) % 2]
-        runner, heads, device = self.runner, self.heads, self.device
+        runner, heads, device, continues = self.runner, self.heads, self.device, self.continues
         # the count is picked where the forward runs, as it starts: the device times it (device.py);
         # a runner on a thread pool of its own (runner.OwnThreads) leaves torch's count alone
         threads_for = device.threads_for if self.own_threads is None else lambda tokens, forwards=1: None
         if burst:  # k forwards of one token a row: threads as for one of them, timed apart from them
             self.device.run(
-                "burst", lambda: bursts.forward(runner, step, previous_slot, threads_for(step.num_rows, burst))
+                "burst",
+                lambda: bursts.forward(runner, step, previous_slot, threads_for(step.num_rows, burst), continues),
             )
         else:
             self.device.run(

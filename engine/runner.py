@@ -40,6 +40,10 @@ SOLUTION
         tokens), drop what its sequence holds past them (a rolled-back draft, a lane that now
         runs another sequence), and obtain cached tokens it lacks by copying them from another of
         its sequences or by computing them again. `allocate_streams` replaces `allocate_kv`;
+      - `Continues` (optional): `forward_next(input_ids, block_tables)`, the launch right after a
+        `forward` whose rows were one sequence each, every row one token on at its next position:
+        the runner already knows the rows, their lanes and positions, so a decode burst's
+        sub-steps after its first (bursts.py) skip the batch's staging and the runner's checks;
       - `OwnThreads` (optional): `own_threads`, the size of a thread pool of the runner's own that
         runs its kernels (ggml's): the device then leaves torch's intra-op count alone for its
         forwards and does not time them (device.py's ThreadChooser has nothing to choose).
@@ -173,6 +177,19 @@ class OwnsKV(Protocol):
     owns_kv: bool
 
     def allocate_streams(self, num_pages: int, page_size: int, lanes: int, max_len: int, max_tokens: int) -> None: ...
+
+
+@runtime_checkable
+class Continues(Protocol):
+    """A host runner that continues its last launch: `forward_next(input_ids, block_tables)` runs the
+    rows of the `forward` (or `forward_next`) just before it again, in the same order, each with the
+    one token `input_ids[r]` at the position after its last one; `block_tables` name that position's
+    page. Host arrays in and out: [rows, vocab_size] float32 logits, which may be a view of the
+    runner's own buffer, valid until its next launch. Valid only after a launch whose rows were one
+    sequence each (no verify rows); the runner raises otherwise. Decode bursts use it on the host
+    for their sub-steps after the first."""
+
+    def forward_next(self, input_ids: np.ndarray, block_tables: np.ndarray) -> np.ndarray: ...
 
 
 @runtime_checkable

@@ -205,6 +205,10 @@ class GgmlRunner:
         # cached tokens the rows found in their own stream, copied from another, or computed again;
         # query tokens a row's stream already held (`_reusable`)
         self.stats = {"kept": 0, "copied": 0, "recomputed": 0, "reused": 0}
+        # the last launch's lanes in row order when each row was one sequence (runner.Continues)
+        self.last_lanes: list[int] | None = None
+        self.last_order: list[int] | None = None  # its rows in lane order (the batch's), None if they were
+        self._views: dict[tuple[int, int], np.ndarray] = {}  # views of llama.cpp's logits (_outputs)
 
     # ---- the engine's contract ------------------------------------------------------------------
     @property
@@ -283,6 +287,7 @@ class GgmlRunner:
             length = min(self.max_len, max(_aligned(length), 2 * self.stream_len))
         states = [(lane, self._state(old, lane)) for lane in range(old_streams) if self.streams[lane].length]
         self.ctx = self._context(max(streams, old_streams), max(length, self.stream_len))
+        self._views.clear()  # another context: other output buffers
         self.memory = self.L.llama_get_memory(self.ctx)
         self.L.llama_free(old)
         for lane, state in states:
@@ -314,6 +319,7 @@ class GgmlRunner:
 
     def forward(self, batch: Any) -> torch.Tensor:
         assert batch.lanes is not None, "the engine gives an OwnsKV runner each row's lane"
+        self.last_lanes = None
         if any(p is not None for p in batch.prefill):
             raise ValueError("the ggml runner runs text only: no image inputs")
         ids = batch.input_ids.numpy()
@@ -348,6 +354,63 @@ class GgmlRunner:
             self._record(lane, table, start, cached, tokens)
         # lanes in increasing order: llama.cpp splits a batch over several streams into micro-batches
         # of consecutive sequence ids met in increasing order, each a pass over the weights
+        logits = self._decode(sorted(fills, key=lambda fill: fill.lane))
+        if len(plan) == rows:  # one sequence a row: a launch forward_next can continue
+            self.last_lanes = [lane for lane, _, _ in plan]
+            order = sorted(range(rows), key=self.last_lanes.__getitem__)
+            self.last_order = None if order == list(range(rows)) else order
+        return torch.from_numpy(logits)
+
+    def forward_next(self, input_ids: np.ndarray, block_tables: np.ndarray) -> np.ndarray:
+        """`runner.Continues`: the last launch's rows, each one token on. Their streams end where that
+        launch left them (it made them agree with the rows' pages), so only the new token is noted and
+        the batch is written in place (the rows' slots in lane order, as the launch before had them).
+        The logits are a view of llama.cpp's output buffer where the rows were in lane order."""
+        lanes, self.last_lanes = self.last_lanes, None
+        if lanes is None or len(lanes) != len(input_ids):
+            raise RuntimeError("forward_next continues a launch of one sequence a row, with the same rows")
+        streams, size = self.streams, self.page_size
+        positions = [streams[lane].length for lane in lanes]
+        if max(positions) >= self.stream_len:
+            self._fit(np.asarray(lanes), np.asarray(positions) + 1)
+            if any(streams[lane].length != at for lane, at in zip(lanes, positions, strict=True)):
+                logits = self._next_after_a_loss(lanes, positions, input_ids, block_tables)
+                self.last_lanes = lanes
+                return logits
+        b, rows = self.batch, len(lanes)
+        for slot, row in enumerate(self.last_order or range(rows)):
+            lane, position, token = lanes[row], positions[row], int(input_ids[row])
+            page, cell = int(block_tables[row, position // size]), position % size
+            if cell == 0:  # a page written from its first slot: a new generation (as _record)
+                self.page_gen[page] += 1
+                streams[lane].chain.append((page, int(self.page_gen[page])))
+            self.page_tokens[page, cell] = self.stream_tokens[lane, position] = token
+            streams[lane].length = position + 1
+            self.token_view[slot], self.pos_view[slot] = token, position
+            b.seq_id[slot][0] = lane
+        self.logit_flags[:rows] = 1
+        b.n_tokens = rows
+        self._run(lanes, rows)
+        out = self._outputs(rows)
+        if self.last_order is not None:  # the batch went in lane order: back to the rows' order
+            ordered = np.empty_like(out)
+            ordered[self.last_order] = out
+            out = ordered
+        self.last_lanes = lanes
+        return out
+
+    def _next_after_a_loss(
+        self, lanes: list[int], positions: list[int], input_ids: np.ndarray, tables: np.ndarray
+    ) -> np.ndarray:
+        """`forward_next` where the context's growth could not move a stream (`_fit`): each row is
+        prepared as `forward` prepares one, its lost cells copied or computed again."""
+        fills, held = [], dict(zip(lanes, positions, strict=True))
+        for row, (lane, position) in enumerate(zip(lanes, positions, strict=True)):
+            start, _ = self._prepare(lane, tables[row], position, held)
+            tokens = np.append(self._tokens(tables[row], start, position), int(input_ids[row])).astype(np.int32)
+            self.stats["recomputed"] += len(tokens) - 1
+            self._record(lane, tables[row], start, position, tokens)
+            fills.append(Fill(lane, start, tokens, [len(tokens) - 1], row))
         return self._decode(sorted(fills, key=lambda fill: fill.lane))
 
     # ---- the mirror -----------------------------------------------------------------------------
@@ -439,7 +502,7 @@ class GgmlRunner:
             stream.chain.append((page, int(self.page_gen[page])))
 
     # ---- llama.cpp --------------------------------------------------------------------------------
-    def _decode(self, fills: list[Fill]) -> torch.Tensor:
+    def _decode(self, fills: list[Fill]) -> np.ndarray:
         """One llama_decode of the fills; the logits of their offsets, in the rows' order."""
         total = sum(len(fill.tokens) for fill in fills)
         if total > self.capacity:
@@ -457,22 +520,38 @@ class GgmlRunner:
             rows += range(fill.first_row, fill.first_row + len(fill.offsets))
             n += count
         b.n_tokens = n
-        status = self.L.llama_decode(self.ctx, b)
-        if status != 0:
-            for fill in fills:  # what the failed call left in these streams is unknown
-                self.L.llama_memory_seq_rm(self.memory, fill.lane, -1, -1)
-                self.streams[fill.lane] = Stream()
-            raise RuntimeError(f"llama_decode failed with status {status} on a launch of {n} tokens: {_last_error()}")
+        self._run([fill.lane for fill in fills], n)
         # llama_get_logits: the outputs' rows in batch order; copied while holding the GIL
         # (`_memmove`), so that the device thread does not wait for the scheduler's turn to take it
         # back between the launch and the sampling
         logits = np.empty((len(rows), self.vocab_size), dtype=np.float32)
-        _memmove(logits.ctypes.data, self.L.llama_get_logits(self.ctx), logits.nbytes)
+        _memmove(logits.ctypes.data, self._outputs(len(rows)).ctypes.data, logits.nbytes)
         if rows != sorted(rows):  # the batch went in lane order: back to the rows' order
             ordered = np.empty_like(logits)
             ordered[rows] = logits
             logits = ordered
-        return torch.from_numpy(logits)
+        return logits
+
+    def _run(self, lanes: list[int], tokens: int) -> None:
+        """llama_decode of the batch as written; a failure clears the streams it touched and raises."""
+        status = self.L.llama_decode(self.ctx, self.batch)
+        if status != 0:
+            for lane in lanes:  # what the failed call left in these streams is unknown
+                self.L.llama_memory_seq_rm(self.memory, lane, -1, -1)
+                self.streams[lane] = Stream()
+            raise RuntimeError(f"llama_decode failed with status {status} on a launch of {tokens} tokens: {_last_error()}")
+
+    def _outputs(self, rows: int) -> np.ndarray:
+        """The last launch's `rows` logit rows in batch order: a view of llama.cpp's output buffer,
+        valid until the next launch (one view kept per buffer address and row count)."""
+        address = ctypes.cast(self.L.llama_get_logits(self.ctx), ctypes.c_void_p).value
+        if not address:
+            raise RuntimeError("llama.cpp gave no logits for the launch")
+        view = self._views.get((address, rows))
+        if view is None:
+            buffer = (ctypes.c_float * (rows * self.vocab_size)).from_address(address)
+            view = self._views[(address, rows)] = np.ctypeslib.as_array(buffer).reshape(rows, self.vocab_size)
+        return view
 
     # ---- what the user sees ---------------------------------------------------------------------------
     def describe(self) -> str:

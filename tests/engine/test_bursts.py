@@ -8,11 +8,14 @@ from __future__ import annotations
 
 import random
 
+import numpy as np
 import pytest
+import torch
 
 from foveal.engine import Engine, FinishReason, Request, SamplingParams
 from foveal.engine.bursts import Burst
 from foveal.engine.pipeline import Pipeline
+from foveal.engine.runner import Continues, ForwardBatch
 from foveal.testing import FakeRunner
 from tests.engine.test_pipeline_steps import (
     EOS,
@@ -23,6 +26,47 @@ from tests.engine.test_pipeline_steps import (
     make_pipeline,
     run_to_idle,
 )
+
+
+class ContinuingRunner(FakeRunner):
+    """FakeRunner with `runner.Continues`: `forward_next` rebuilds the launch after its last one (each
+    row one position on, its K/V slot from the block tables it is given) and runs it as a batch, so
+    a continuation that names another position, page or input than the batch would gives other tokens."""
+
+    def __init__(self, **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.last: tuple[torch.Tensor, torch.Tensor] | None = None  # positions, contexts of a continuable launch
+        self.continued = 0
+
+    def forward(self, batch: ForwardBatch) -> torch.Tensor:
+        self.last = None
+        logits = super().forward(batch)
+        if batch.input_ids.shape[0] == batch.num_seqs:  # one token a row (bursts run no drafts)
+            self.last = (batch.positions.clone(), batch.context_lens.clone())
+        return logits
+
+    def forward_next(self, input_ids: np.ndarray, block_tables: np.ndarray) -> np.ndarray:
+        assert isinstance(input_ids, np.ndarray) and isinstance(block_tables, np.ndarray)  # host arrays
+        if self.last is None or len(self.last[0]) != len(input_ids):
+            raise RuntimeError("forward_next continues a launch of one sequence a row, with the same rows")
+        positions, context = self.last[0] + 1, self.last[1] + 1
+        tables = torch.from_numpy(block_tables.copy())
+        width = int((context.max() + self.page_size - 1) // self.page_size)
+        rows = torch.arange(len(input_ids))
+        kv_index = tables[rows, positions // self.page_size].long() * self.page_size + positions % self.page_size
+        batch = ForwardBatch(
+            input_ids=torch.from_numpy(np.asarray(input_ids, dtype=np.int64).copy()),
+            positions=positions,
+            query_start=torch.arange(len(input_ids) + 1, dtype=torch.int32),
+            context_lens=context,
+            block_tables=tables[:, :width],
+            kv_index=kv_index,
+            max_query_len=1,
+            max_context_len=int(context.max()),
+        )
+        self.continued += 1
+        logits = self.forward(batch)
+        return logits.numpy()
 
 
 def burst_pipeline(burst: int, pipelined: bool = True, eos_boost: float = 4.0, **kwargs) -> Pipeline:
@@ -280,3 +324,60 @@ def test_an_engine_with_bursts_equals_one_without_under_concurrent_seeded_reques
             outs.append([(o.token_ids, o.finish_reason) for o in eng.generate(requests(), timeout=60)])
             assert eng.wait_idle(10) and eng.free_pages() == eng.config.num_pages
     assert outs[0] == outs[1]
+
+
+# ---- runner.Continues ----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("pipelined", [True, False])
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+@pytest.mark.parametrize("burst", [2, 8])
+def test_a_runner_that_continues_its_launches_is_given_one_batch_a_burst_and_the_same_tokens(
+    pipelined, temperature, burst
+):
+    """A host runner with `runner.Continues` gets a burst's first sub-step as a batch and the rest as
+    continuations (host arrays: the last samples, the block tables); the tokens, greedy and
+    seeded, stops inside bursts included, are those of decoding one token a step."""
+    results = []
+    for k, runner in ((1, FakeRunner), (burst, ContinuingRunner)):
+        fake = runner(vocab_size=VOCAB, seed=1, boost={EOS: 4.0})
+        pipe = burst_pipeline(k, pipelined, runner=fake)
+        assert isinstance(fake, Continues) == (pipe.continues is fake)
+        seqs = some_requests(pipe, 6, seed=5, temperature=temperature)
+        run_to_idle(pipe)
+        assert_idle_and_free(pipe)
+        results.append((outputs(seqs), fake))
+    (plain, _), (continued, fake) = results
+    assert continued == plain and fake.continued > 0
+    assert any(reason is FinishReason.STOP for _, reason in plain)
+
+
+def test_continued_burst_tokens_are_the_greedy_tokens_of_their_contexts_and_stop_where_decoding_does():
+    runner = ContinuingRunner(vocab_size=VOCAB, seed=1, boost={EOS: 0.0})
+    pipe = burst_pipeline(8, runner=runner)
+    seqs = some_requests(pipe, 3, seed=2, stop=())
+    run_to_idle(pipe)
+    assert runner.continued > 0
+    assert_greedy(runner, seqs)
+    kwargs = dict(vocab_size=VOCAB, seed=1, boost={EOS: 4.0})
+    plain = burst_pipeline(1, runner=FakeRunner(**kwargs))
+    expected = add(plain, [11, 12], 50, stop=(EOS,))
+    run_to_idle(plain)
+    tokens = expected.handle.result(0).token_ids
+    runner = ContinuingRunner(**kwargs)
+    pipe = burst_pipeline(8, runner=runner)
+    seq = add(pipe, [11, 12], 50, stop=(EOS,))
+    run_to_idle(pipe)
+    assert_idle_and_free(pipe)
+    assert seq.handle.result(0).token_ids == tokens
+    assert runner.forwards == len(tokens) + 1  # nothing run past the stop, no zombie's forward
+
+
+def test_a_runner_off_the_host_is_never_continued():
+    fake = ContinuingRunner(vocab_size=VOCAB, seed=1)
+    fake.device = torch.device("meta")  # what the pipeline reads: where the runner's tensors live
+    try:
+        pipe = burst_pipeline(8, runner=fake)
+    except Exception as error:  # a pipeline that cannot be built on this device at all
+        pytest.skip(f"no pipeline on a non-host device here: {error}")
+    assert pipe.continues is None

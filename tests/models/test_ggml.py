@@ -393,3 +393,114 @@ def test_a_copy_made_in_a_launch_reuses_nothing_its_donor_writes_in_that_launch(
         assert torch.equal(both[0], both[1])
     finally:
         runner.close()
+
+
+def _next(runner, tables, ids):
+    """A `forward_next` of one token a row over the rows' block tables; its logits copied (a view of
+    llama.cpp's buffer is valid until the next launch only)."""
+    width = max(len(table) for table in tables)
+    padded = [list(table) + [0] * (width - len(table)) for table in tables]
+    logits = runner.forward_next(np.array(ids, dtype=np.int64), np.array(padded, dtype=np.int32))
+    assert logits.dtype == np.float32 and logits.shape == (len(ids), runner.vocab_size)
+    return torch.from_numpy(logits.copy())
+
+
+def test_forward_next_gives_the_logits_of_the_same_launches_as_batches(path):
+    """`runner.Continues`: two rows in lanes out of order, each one token on after a prompt, across a
+    page's end (the next page's first cell): the logits, and those of an ordinary launch after them,
+    equal a runner given the same tokens as ordinary batches (the growth: the next test)."""
+    prompts = {3: list(range(100, 114)), 1: list(range(200, 215))}  # 14 and 15 tokens: pages end soon
+    tables = {3: [0, 1, 2], 1: [4, 5, 6]}
+    steps = [[11, 12], [13, 14], [15, 16], [17, 18]]
+
+    def run(continuing: bool):
+        runner = ggml.GgmlRunner(path)
+        try:
+            runner.allocate_streams(num_pages=8, page_size=16, lanes=4, max_len=64, max_tokens=64)
+            out = [_launch(runner, [(lane, tables[lane], 0, prompts[lane]) for lane in (3, 1)])]
+            cached = {lane: len(prompts[lane]) for lane in (3, 1)}
+            for ids in steps:
+                if continuing:
+                    out.append(_next(runner, [tables[3], tables[1]], ids))
+                else:
+                    rows = [(lane, tables[lane], cached[lane], [t]) for lane, t in zip((3, 1), ids, strict=True)]
+                    out.append(_launch(runner, rows))
+                for lane in cached:
+                    cached[lane] += 1
+            # an ordinary launch after them finds the streams agreeing with the pages: nothing computed again
+            out.append(_launch(runner, [(3, tables[3], cached[3], [19]), (1, tables[1], cached[1], [20])]))
+            return out, dict(runner.stats), runner.grown
+        finally:
+            runner.close()
+
+    continued, stats, grown = run(True)
+    batched, batched_stats, batched_grown = run(False)
+    assert grown == batched_grown
+    for ours, theirs in zip(continued, batched, strict=True):
+        assert torch.equal(ours, theirs)
+    assert stats["recomputed"] == 0 and batched_stats["recomputed"] == 0
+
+
+def test_forward_next_refuses_what_is_no_continuation(path):
+    """After a verify row (two positions of one lane) or a failed launch there is no row to continue."""
+    runner = ggml.GgmlRunner(path)
+    try:
+        runner.allocate_streams(num_pages=8, page_size=16, lanes=4, max_len=64, max_tokens=64)
+        with pytest.raises(RuntimeError, match="continues a launch"):
+            _next(runner, [[0, 1]], [5])  # nothing launched yet
+        _launch(runner, [(0, [0, 1], 0, list(range(100, 110)))])
+        _launch(runner, [(0, [0, 1], 10, [7]), (0, [0, 1], 11, [8])])  # a verify row
+        with pytest.raises(RuntimeError, match="continues a launch"):
+            _next(runner, [[0, 1]], [5])
+        _launch(runner, [(0, [0, 1], 12, [9])])
+        with pytest.raises(RuntimeError, match="with the same rows"):
+            _next(runner, [[0, 1], [2, 3]], [5, 6])  # another row count
+    finally:
+        runner.close()
+
+
+def test_forward_next_computes_again_a_stream_the_growth_could_not_move(path, monkeypatch):
+    """A continuation that makes the context grow, where a stream's state cannot be moved (another
+    llama.cpp's layout): that stream is computed again from the remembered tokens, as in `forward`,
+    and the logits are those of a runner whose context held it from the start."""
+    prompt = list(range(100, 140))
+
+    def run(first_len: int, movable: bool):
+        monkeypatch.setattr(ggml, "FIRST_STREAM_LEN", first_len)
+        runner = ggml.GgmlRunner(path)
+        if not movable:
+            monkeypatch.setattr(runner, "_restore", lambda *args: False)
+        try:
+            runner.allocate_streams(num_pages=8, page_size=16, lanes=2, max_len=128, max_tokens=64)
+            _launch(runner, [(0, [0, 1, 2], 0, prompt)])
+            out = [_next(runner, [[0, 1, 2]], [7]) for _ in range(48 - len(prompt))]  # to a 48-cell stream's end
+            out.append(_next(runner, [[0, 1, 2, 3]], [8]))  # one past it: the context grows
+            return out, dict(runner.stats), runner.grown
+        finally:
+            runner.close()
+
+    grown, stats, times = run(48, movable=False)
+    full, _, _ = run(128, movable=True)
+    assert times == 2 and stats["recomputed"] == 48
+    for ours, theirs in zip(grown, full, strict=True):
+        assert torch.equal(ours, theirs)
+
+
+@pytest.mark.parametrize("settings", [greedy(40), {"temperature": 0.9, "seed": 3, "max_tokens": 40}])
+def test_decode_bursts_continue_their_launches_and_change_no_token(path, model, monkeypatch, settings):
+    """The default load decodes free text in bursts whose sub-steps after the first continue the
+    launch before (`forward_next`); its text, greedy and seeded, equals one token a step."""
+    runner = model.family.runner
+    calls = []
+    continued = runner.forward_next
+
+    def spy(*args):
+        calls.append(1)
+        return continued(*args)
+
+    monkeypatch.setattr(runner, "forward_next", spy)
+    assert model.engine.pipeline.continues is runner and model.engine.pipeline.decode_burst > 1
+    texts = [model.generate(None, ask, None, settings)["text"] for ask in ASKS]
+    assert calls
+    with foveal.load(path, device="cpu", runner="ggml", max_batch_size=4, max_model_len=256, decode_burst=1) as one:
+        assert [one.generate(None, ask, None, settings)["text"] for ask in ASKS] == texts
