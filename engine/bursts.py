@@ -21,6 +21,9 @@ SOLUTION
     next sub-step on the device; finalize queues only the copy of the samples to the host, and
     commit appends a row's k tokens one by one, text included, as for accepted drafts: a stop
     inside the burst ends the output where decoding would have, and the tokens after it are dropped.
+    A host runner that continues its launches (runner.Continues: the ggml runner) gets only sub-step
+    0 as a ForwardBatch; sub-steps 1 .. k - 1 are `forward_next` of the rows' last samples, in host
+    arrays (`_continued`): no batch is built and the runner does not check its rows again.
     A request that arrives during a burst waits for it (at most k forwards): bursts are only taken
     while nothing waits, so the next launch admits it.
     On a CPU device the job reads each sub-step's samples: once every row has sampled one of its

@@ -33,6 +33,9 @@ SOLUTION
         row's last token (each position of a verify row: `SharedPages`), the rows in lane order:
         llama.cpp makes one pass over the weights per run of consecutive sequence ids it meets in
         increasing order (and one more per length a run's rows do not share).
+    A decode burst's later sub-steps (engine/bursts.py) are `forward_next` (`runner.Continues`): the
+    same rows as the launch before, one token on, so the runner only notes each row's new token and
+    writes the batch in place; their logits are a view of llama.cpp's output buffer.
     ctypes releases the GIL for the whole `llama_decode`, so the pipeline's host work overlaps it.
     llama.cpp allocates and clears a context's whole K/V when it is made, so the first context holds
     two short streams, and a launch that needs a higher lane or a longer row makes a larger one and
@@ -45,6 +48,8 @@ INVARIANTS
       writes donates at most the tokens it held before the launch.
     - At batch 1 the logits are llama.cpp's own for the same prompt ids (llama-cpp-python's
       completion API): same kernels, same stream layout (tests/models/test_ggml.py).
+    - `forward_next` runs only right after a launch whose rows were one sequence each, on the same
+      lanes: their streams then end at those rows' last tokens, which is where it writes.
     - Growing the context changes no row: a moved stream holds the same cells in the same order (a
       state that cannot be moved is dropped and its tokens computed again).
     - A failed `llama_decode` raises (the engine fails the requests in flight); it never
@@ -404,9 +409,11 @@ class GgmlRunner:
     ) -> np.ndarray:
         """`forward_next` where the context's growth could not move a stream (`_fit`): each row is
         prepared as `forward` prepares one, its lost cells copied or computed again."""
-        fills, held = [], dict(zip(lanes, positions, strict=True))
+        fills: list[Fill] = []
+        held: dict[int, int] = {}  # as in forward: the lanes prepared, what their memory holds before the launch
         for row, (lane, position) in enumerate(zip(lanes, positions, strict=True)):
             start, _ = self._prepare(lane, tables[row], position, held)
+            held[lane] = start
             tokens = np.append(self._tokens(tables[row], start, position), int(input_ids[row])).astype(np.int32)
             self.stats["recomputed"] += len(tokens) - 1
             self._record(lane, tables[row], start, position, tokens)
