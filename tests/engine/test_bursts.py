@@ -191,10 +191,11 @@ def test_a_stop_id_inside_a_burst_ends_the_output_there():
     assert pipe.stats.burst_steps == 2  # the burst it ended, and the zombie step launched before that commit
 
 
-def test_when_every_row_stops_the_burst_ends_and_its_zombie_step_runs_no_forward():
+@pytest.mark.parametrize("runner_class", [FakeRunner, ContinuingRunner])
+def test_when_every_row_stops_the_burst_ends_and_its_zombie_step_runs_no_forward(runner_class):
     """Pipelined, the step after a burst is launched before the burst's commit; once every row of a
     burst has sampled a stop id, the burst runs no further forward, and the step after it, whose
-    rows are all zombies, runs none at all."""
+    rows are all zombies, runs none at all (continued sub-steps too: runner.Continues)."""
     kwargs = dict(vocab_size=VOCAB, seed=1, boost={EOS: 4.0})
     plain = burst_pipeline(1, runner=FakeRunner(**kwargs))
     expected = add(plain, [11, 12], 50, stop=(EOS,))
@@ -202,7 +203,7 @@ def test_when_every_row_stops_the_burst_ends_and_its_zombie_step_runs_no_forward
     tokens = expected.handle.result(0).token_ids
     n = len(tokens)  # EOS is output index n
     assert expected.handle.result(0).finish_reason is FinishReason.STOP and n >= 3
-    runner = FakeRunner(**kwargs)
+    runner = runner_class(**kwargs)
     pipe = burst_pipeline(8, runner=runner)
     seq = add(pipe, [11, 12], 50, stop=(EOS,))
     run_to_idle(pipe)
@@ -352,25 +353,13 @@ def test_a_runner_that_continues_its_launches_is_given_one_batch_a_burst_and_the
     assert any(reason is FinishReason.STOP for _, reason in plain)
 
 
-def test_continued_burst_tokens_are_the_greedy_tokens_of_their_contexts_and_stop_where_decoding_does():
+def test_continued_burst_tokens_are_the_greedy_tokens_of_their_contexts():
     runner = ContinuingRunner(vocab_size=VOCAB, seed=1, boost={EOS: 0.0})
     pipe = burst_pipeline(8, runner=runner)
     seqs = some_requests(pipe, 3, seed=2, stop=())
     run_to_idle(pipe)
     assert runner.continued > 0
     assert_greedy(runner, seqs)
-    kwargs = dict(vocab_size=VOCAB, seed=1, boost={EOS: 4.0})
-    plain = burst_pipeline(1, runner=FakeRunner(**kwargs))
-    expected = add(plain, [11, 12], 50, stop=(EOS,))
-    run_to_idle(plain)
-    tokens = expected.handle.result(0).token_ids
-    runner = ContinuingRunner(**kwargs)
-    pipe = burst_pipeline(8, runner=runner)
-    seq = add(pipe, [11, 12], 50, stop=(EOS,))
-    run_to_idle(pipe)
-    assert_idle_and_free(pipe)
-    assert seq.handle.result(0).token_ids == tokens
-    assert runner.forwards == len(tokens) + 1  # nothing run past the stop, no zombie's forward
 
 
 def test_a_runner_off_the_host_is_never_continued():
