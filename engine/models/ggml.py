@@ -346,17 +346,8 @@ class GgmlRunner:
         held: dict[int, int] = {}  # the lanes prepared for this launch: what their memory holds until it runs
         for lane, first, end in plan:
             cached = int(context[first] - (starts[first + 1] - starts[first]))
-            table = tables[first]
-            query = ids[starts[first] : starts[end]]
-            # one row's query (a prompt chunk, a forced run): its first tokens may be in its stream already
-            start, reused = self._prepare(lane, table, cached, held, query if end - first == 1 else None)
-            held[lane] = start
-            redo = self._tokens(table, start, cached)
-            self.stats["recomputed"] += len(redo)
-            offsets = [len(redo) + int(starts[r + 1] - starts[first]) - 1 - reused for r in range(first, end)]
-            tokens = np.concatenate([redo, query]).astype(np.int32)
-            fills.append(Fill(lane, start + reused, tokens[reused:], offsets, first))
-            self._record(lane, table, start, cached, tokens)
+            ends = [int(starts[r + 1] - starts[first]) for r in range(first, end)]
+            fills.append(self._fill(lane, tables[first], cached, ids[starts[first] : starts[end]], ends, first, held))
         # lanes in increasing order: llama.cpp splits a batch over several streams into micro-batches
         # of consecutive sequence ids met in increasing order, each a pass over the weights
         logits = self._decode(sorted(fills, key=lambda fill: fill.lane))
@@ -379,7 +370,13 @@ class GgmlRunner:
         if max(positions) >= self.stream_len:
             self._fit(np.asarray(lanes), np.asarray(positions) + 1)
             if any(streams[lane].length != at for lane, at in zip(lanes, positions, strict=True)):
-                logits = self._next_after_a_loss(lanes, positions, input_ids, block_tables)
+                # a stream the growth could not move: every row prepared as forward prepares one
+                held: dict[int, int] = {}
+                fills = [
+                    self._fill(lane, block_tables[row], at, input_ids[row : row + 1], [1], row, held)
+                    for row, (lane, at) in enumerate(zip(lanes, positions, strict=True))
+                ]
+                logits = self._decode(sorted(fills, key=lambda fill: fill.lane))
                 self.last_lanes = lanes
                 return logits
         b, rows = self.batch, len(lanes)
@@ -397,28 +394,23 @@ class GgmlRunner:
         b.n_tokens = rows
         self._run(lanes, rows)
         out = self._outputs(rows)
-        if self.last_order is not None:  # the batch went in lane order: back to the rows' order
-            ordered = np.empty_like(out)
-            ordered[self.last_order] = out
-            out = ordered
         self.last_lanes = lanes
-        return out
+        return out if self.last_order is None else _in_row_order(out, self.last_order)
 
-    def _next_after_a_loss(
-        self, lanes: list[int], positions: list[int], input_ids: np.ndarray, tables: np.ndarray
-    ) -> np.ndarray:
-        """`forward_next` where the context's growth could not move a stream (`_fit`): each row is
-        prepared as `forward` prepares one, its lost cells copied or computed again."""
-        fills: list[Fill] = []
-        held: dict[int, int] = {}  # as in forward: the lanes prepared, what their memory holds before the launch
-        for row, (lane, position) in enumerate(zip(lanes, positions, strict=True)):
-            start, _ = self._prepare(lane, tables[row], position, held)
-            held[lane] = start
-            tokens = np.append(self._tokens(tables[row], start, position), int(input_ids[row])).astype(np.int32)
-            self.stats["recomputed"] += len(tokens) - 1
-            self._record(lane, tables[row], start, position, tokens)
-            fills.append(Fill(lane, start, tokens, [len(tokens) - 1], row))
-        return self._decode(sorted(fills, key=lambda fill: fill.lane))
+    def _fill(
+        self, lane: int, table: np.ndarray, cached: int, query: np.ndarray, ends: list[int], first: int, held: dict[int, int]
+    ) -> Fill:
+        """One stream's part of a launch, its stream prepared and its tokens noted: `query` after the
+        row's `cached` tokens, logits at each of its rows' query ends (`ends`: several for a verify
+        row's positions), the launch's rows `first` on. `held`: as `_prepare`'s, updated."""
+        # one row's query (a prompt chunk, a forced run): its first tokens may be in its stream already
+        start, reused = self._prepare(lane, table, cached, held, query if len(ends) == 1 else None)
+        held[lane] = start
+        redo = self._tokens(table, start, cached)
+        self.stats["recomputed"] += len(redo)
+        tokens = np.concatenate([redo, query]).astype(np.int32)
+        self._record(lane, table, start, cached, tokens)
+        return Fill(lane, start + reused, tokens[reused:], [len(redo) + end - 1 - reused for end in ends], first)
 
     # ---- the mirror -----------------------------------------------------------------------------
     def _agreeing(self, stream: Stream, table: np.ndarray, cached: int) -> int:
@@ -533,11 +525,7 @@ class GgmlRunner:
         # back between the launch and the sampling
         logits = np.empty((len(rows), self.vocab_size), dtype=np.float32)
         _memmove(logits.ctypes.data, self._outputs(len(rows)).ctypes.data, logits.nbytes)
-        if rows != sorted(rows):  # the batch went in lane order: back to the rows' order
-            ordered = np.empty_like(logits)
-            ordered[rows] = logits
-            logits = ordered
-        return logits
+        return logits if rows == sorted(rows) else _in_row_order(logits, rows)
 
     def _run(self, lanes: list[int], tokens: int) -> None:
         """llama_decode of the batch as written; a failure clears the streams it touched and raises."""
@@ -597,6 +585,13 @@ def _gil_memmove() -> Any:
 
 
 _memmove = _gil_memmove()
+
+
+def _in_row_order(logits: np.ndarray, rows: list[int]) -> np.ndarray:
+    """Logits of a batch that went in lane order (`rows`: the launch's row of each), in the rows' order."""
+    ordered = np.empty_like(logits)
+    ordered[rows] = logits
+    return ordered
 
 
 def _aligned(tokens: int) -> int:

@@ -365,8 +365,5 @@ def test_continued_burst_tokens_are_the_greedy_tokens_of_their_contexts():
 def test_a_runner_off_the_host_is_never_continued():
     fake = ContinuingRunner(vocab_size=VOCAB, seed=1)
     fake.device = torch.device("meta")  # what the pipeline reads: where the runner's tensors live
-    try:
-        pipe = burst_pipeline(8, runner=fake)
-    except Exception as error:  # a pipeline that cannot be built on this device at all
-        pytest.skip(f"no pipeline on a non-host device here: {error}")
+    pipe = burst_pipeline(8, runner=fake)
     assert pipe.continues is None
