@@ -17,8 +17,11 @@ SOLUTION
       mm_token_type_ids and the chat template are the real class's code.
     - `Molmo2Runner`: HFRunner whose launches with images mark every image-block token
       (`image_token_ids`, what the processor's mm_token_type_ids marks) as one bidirectional block
-      per sequence (attention.build_context's `blocks`), and whose image encoder call offsets each
-      prompt's pooling indices into the launch's joined patches. Its logits are padded with -inf
+      per sequence (attention.build_context's `blocks`), and whose image encoder call joins the
+      launch's prompts: transformers before 5.25 takes pooling indices into the launch's joined
+      patches (its processor offsets a prompt's images into the prompt's patches, and the runner
+      each prompt into the launch's), 5.25 and later each image's own indices with the images' crop
+      counts (`image_num_crops`), and offsets them itself. Its logits are padded with -inf
       columns for the ids past the LM head (the image tokens), so they cover the whole tokenizer.
     - `Molmo2InputProcessor`: the generic InputProcessor, plus `prefix_len` = the end of the last
       image block, so that the prefix cache shares a page only between prompts with the same images
@@ -35,6 +38,7 @@ INVARIANTS
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -71,7 +75,7 @@ MOLMO2 = Architecture(
     (CLASS_NAME,),
     processor_class="Molmo2Processor",
     image_token=IMAGE_TOKEN,
-    image_keys=("pixel_values", "image_token_pooling", "image_grids"),
+    image_keys=("pixel_values", "image_token_pooling", "image_grids", "image_num_crops"),
     features_as_list=True,  # Molmo2Model concatenates mm_encoder_outputs' pooler_output list
 )
 
@@ -209,6 +213,8 @@ class Molmo2Runner(HFRunner):
         text = model.config.get_text_config()  # type: ignore[union-attr, operator]  # nn.Module: Tensor | Module
         self.head_size: int = text.vocab_size
         self.vocab_size = text.vocab_size + text.additional_vocab_size
+        # transformers 5.25 and later: each image's own pooling indices, offset by get_image_features
+        self.per_image_pooling = "image_num_crops" in inspect.signature(model.get_image_features).parameters  # type: ignore[arg-type]
 
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
         logits = super().forward(batch)
@@ -220,16 +226,19 @@ class Molmo2Runner(HFRunner):
         return torch.isin(batch.input_ids, self.block_ids)
 
     def encode_images(self, images: list[PrefillInputs]) -> list[torch.Tensor]:
-        """Each prompt's features in one encoder call: its pooling indices point into its own patches,
-        so they are offset by the patches of the prompts before it in the launch."""
-        pixels, pooling, offset = [], [], 0
-        for image in images:
-            values, indices = image.image_tensors["pixel_values"], image.image_tensors["image_token_pooling"]
-            pixels.append(values)
-            pooling.append(torch.where(indices >= 0, indices + offset, indices))
-            offset += values.shape[0] * values.shape[1]
-        grids = torch.cat([image.image_tensors["image_grids"] for image in images])
-        # (as in __init__, nn.Module: Tensor | Module)
-        pooled = self.model.get_image_features(torch.cat(pixels), torch.cat(pooling), grids).pooler_output  # type: ignore[operator]
+        """Every prompt's features in one encoder call, its pooling indices as the installed
+        transformers reads them (see the module docstring)."""
+        joined = {key: torch.cat([image.image_tensors[key] for image in images]) for key in MOLMO2.image_keys}
+        if self.per_image_pooling:
+            pooled = self.model.get_image_features(**joined).pooler_output  # type: ignore[operator]  # (as in __init__)
+        else:
+            pooling, offset = [], 0
+            for image in images:
+                values, indices = image.image_tensors["pixel_values"], image.image_tensors["image_token_pooling"]
+                pooling.append(torch.where(indices >= 0, indices + offset, indices))
+                offset += values.shape[0] * values.shape[1]
+            pooled = self.model.get_image_features(  # type: ignore[operator]
+                joined["pixel_values"], torch.cat(pooling), joined["image_grids"]
+            ).pooler_output
         flat = torch.cat(list(pooled))
         return list(flat.split([image.num_image_tokens for image in images]))
